@@ -1,0 +1,5 @@
+import sys
+
+from kvlab.cli import main
+
+sys.exit(main())

