@@ -249,6 +249,16 @@ def _missing_weights_error(source: str) -> ModelError:
     )
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _load_tokenizer(auto_tokenizer, folder: str, kwargs: dict):
+    """A folder of weights without tokenizer files still runs (random-token prompts); GGUF has one."""
+    if "gguf_file" not in kwargs and not any((Path(folder) / f).is_file() for f in _TOKENIZER_FILES):
+        return None
+    return auto_tokenizer.from_pretrained(folder, local_files_only=True, **kwargs)
+
+
 def load_model(
     source: str,
     weights: str | None = None,
@@ -300,7 +310,7 @@ def load_model(
             raise _missing_weights_error(source)
         g = _gguf_in(path)
         folder, kwargs = (str(g.parent), {"gguf_file": g.name}) if g else (str(path), {})
-    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **kwargs)
+    tokenizer = _load_tokenizer(AutoTokenizer, folder, kwargs)
     model = AutoModelForCausalLM.from_pretrained(
         folder, local_files_only=True, dtype=torch_dtype, attn_implementation=attn_implementation, **kwargs
     )

@@ -1,0 +1,268 @@
+"""KV-cache byte budget: pure arithmetic, no torch.
+
+Why a lab needs this first: most "does compression pay?" answers are visible on paper. A decode step
+reads every weight once plus the whole cache, so at batch 1 the weights dominate and evicting the
+cache cannot save much; the residual buffer of a quantized cache keeps recent tokens at full
+precision, so short contexts compress far less than the nominal bit ratio; and capacity (how many
+sequences fit) is where a smaller cache really shows.
+
+Conventions: bytes are exact integers where they can be; GPU memory and bandwidth use the vendors'
+decimal units (1 GB = 1e9 B); ``bits`` is the stored bits per element of K and V (16 for bf16/fp16,
+8 for fp8/int8, 4, 2; 32 for a float32 cache on CPU).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvlab.models import ModelSpec
+
+SUPPORTED_BITS = (32, 16, 8, 4, 2)
+DTYPE_BITS = {"float32": 32, "bfloat16": 16, "float16": 16}
+DEFAULT_RESERVE_BYTES = 2 * 1024**3  # activations, allocator slack, CUDA context: stated, overridable
+
+
+class BudgetError(ValueError):
+    """Bad budget input; the message names the allowed values."""
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    memory_bytes: int
+    bandwidth_bytes_per_s: float
+
+
+GPUS: dict[str, GPU] = {
+    "rtx-a6000": GPU("RTX A6000", 48 * 10**9, 768e9),
+    "rtx-4090": GPU("RTX 4090", 24 * 10**9, 1008e9),
+    "a100-80gb": GPU("A100-80GB", 80 * 10**9, 2039e9),
+    "h100-sxm": GPU("H100 SXM", 80 * 10**9, 3350e9),
+    "h200": GPU("H200", 141 * 10**9, 4800e9),
+}
+
+
+def get_gpu(name: str) -> GPU:
+    key = name.lower().replace(" ", "-").replace("_", "-")
+    if key not in GPUS:
+        raise BudgetError(f"unknown GPU {name!r}; presets: {', '.join(GPUS)} (or pass --bandwidth and --memory)")
+    return GPUS[key]
+
+
+def check_bits(bits: int) -> int:
+    if bits not in SUPPORTED_BITS:
+        raise BudgetError(f"bits={bits} is not supported: use 16 (bf16/fp16), 8 (fp8/int8), 4 or 2")
+    return bits
+
+
+def check_group_size(spec: ModelSpec, group_size: int | None) -> None:
+    if group_size is None:
+        return
+    if group_size <= 0 or spec.head_dim % group_size:
+        raise BudgetError(
+            f"group size {group_size} does not divide {spec.name}'s head dim {spec.head_dim}: "
+            f"use a divisor such as {spec.head_dim // 2} or {spec.head_dim}"
+        )
+
+
+def check_keep(keep: float) -> float:
+    if not 0 < keep <= 1:
+        raise BudgetError(f"keep ratio {keep} is outside (0, 1]: 0.1 keeps 10% of the prompt cache, 1.0 keeps all")
+    return keep
+
+
+def check_positive(name: str, value: int) -> int:
+    if value <= 0:
+        raise BudgetError(f"{name} must be a positive integer, got {value}")
+    return value
+
+
+def model_bits(spec: ModelSpec) -> int:
+    return DTYPE_BITS.get(spec.dtype, 16)
+
+
+def kv_elements_per_token(spec: ModelSpec) -> int:
+    """K and V elements one token adds across all layers: L x H_kv x d_head x 2."""
+    return spec.num_layers * spec.num_kv_heads * spec.head_dim * 2
+
+
+def effective_bits(bits: int, group_size: int | None, scale_bits: int = 16) -> float:
+    """Stored bits per element including a per-group scale and zero-point in the model dtype."""
+    check_bits(bits)
+    if bits >= scale_bits or not group_size:
+        return float(bits)
+    return bits + 2 * scale_bits / group_size
+
+
+def kv_bytes_per_token(spec: ModelSpec, bits: int = 16, group_size: int | None = None) -> float:
+    """Bytes of K and V per token; exact for 16-bit, including scale overhead when grouped."""
+    check_group_size(spec, group_size if bits < model_bits(spec) else None)
+    return kv_elements_per_token(spec) * effective_bits(bits, group_size, model_bits(spec)) / 8
+
+
+def kept_prompt_tokens(ctx: int, keep: float = 1.0) -> int:
+    """Prompt positions an eviction method keeps per head: floor(n x keep), at least one."""
+    check_positive("ctx", ctx)
+    check_keep(keep)
+    return max(1, math.floor(ctx * keep))
+
+
+def cache_bytes(
+    spec: ModelSpec,
+    ctx: int,
+    batch: int = 1,
+    bits: int = 16,
+    group_size: int | None = 64,
+    residual: int = 128,
+    keep: float = 1.0,
+    new_tokens: int = 0,
+) -> float:
+    """Cache bytes for ``batch`` sequences of ``ctx`` prompt tokens plus ``new_tokens`` generated.
+
+    Eviction (``keep``) applies to the prompt only; generated tokens are appended uncompressed. A
+    quantized cache (bits below the model's) keeps up to ``residual`` most recent tokens at full
+    precision (KIVI-style upper bound; transformers' QuantizedCache holds none right after prefill
+    and up to residual-1 during decode) and stores the rest at ``bits`` plus group overhead.
+    """
+    check_positive("batch", batch)
+    if new_tokens < 0:
+        raise BudgetError(f"new_tokens must be >= 0, got {new_tokens}")
+    tokens = kept_prompt_tokens(ctx, keep) + new_tokens
+    full = kv_bytes_per_token(spec, model_bits(spec))
+    if bits >= model_bits(spec):
+        check_bits(bits)
+        return batch * tokens * kv_bytes_per_token(spec, bits)
+    if residual < 0:
+        raise BudgetError(f"residual length must be >= 0, got {residual}")
+    recent = min(residual, tokens)
+    packed = kv_bytes_per_token(spec, bits, group_size)
+    return batch * ((tokens - recent) * packed + recent * full)
+
+
+def compression_ratio(spec: ModelSpec, ctx: int, **kwargs) -> float:
+    """Full-precision cache bytes over compressed cache bytes at the same context."""
+    full_kwargs = {k: v for k, v in kwargs.items() if k in ("batch", "new_tokens")}
+    return cache_bytes(spec, ctx, bits=model_bits(spec), **full_kwargs) / cache_bytes(spec, ctx, **kwargs)
+
+
+def weight_bytes(spec: ModelSpec, bits: int | None = None) -> int:
+    """Weight bytes from the parameter count and the storage dtype (the model's by default)."""
+    return spec.num_params * (bits or model_bits(spec)) // 8
+
+
+def free_bytes_for_cache(spec: ModelSpec, memory_bytes: float, reserve_bytes: float) -> float:
+    return memory_bytes - weight_bytes(spec) - reserve_bytes
+
+
+def max_batch(spec: ModelSpec, ctx: int, memory_bytes: float, reserve_bytes: float = DEFAULT_RESERVE_BYTES,
+              **cache_kwargs) -> int:
+    """Largest batch whose cache fits after the weights and the activation reserve (0: none fits)."""
+    free = free_bytes_for_cache(spec, memory_bytes, reserve_bytes)
+    per_seq = cache_bytes(spec, ctx, batch=1, **cache_kwargs)
+    return max(0, math.floor(free / per_seq))
+
+
+def max_context(spec: ModelSpec, memory_bytes: float, batch: int = 1,
+                reserve_bytes: float = DEFAULT_RESERVE_BYTES, **cache_kwargs) -> int:
+    """Largest prompt length whose cache fits for ``batch`` sequences (may exceed the model's window)."""
+    free = free_bytes_for_cache(spec, memory_bytes, reserve_bytes)
+
+    def fits(n: int) -> bool:
+        return cache_bytes(spec, n, batch=batch, **cache_kwargs) <= free
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while fits(hi):
+        lo, hi = hi, hi * 2
+        if hi > 2**40:
+            return lo
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+@dataclass(frozen=True)
+class DecodeBytes:
+    """Bytes one decode step must read from memory: every weight once plus the whole cache."""
+
+    weights: int
+    kv: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.kv
+
+    def floor_s(self, bandwidth_bytes_per_s: float) -> float:
+        """Roofline time of the step: no kernel can read these bytes faster."""
+        if bandwidth_bytes_per_s <= 0:
+            raise BudgetError(f"bandwidth must be positive, got {bandwidth_bytes_per_s}")
+        return self.total / bandwidth_bytes_per_s
+
+
+def decode_bytes(spec: ModelSpec, ctx: int, batch: int = 1, **cache_kwargs) -> DecodeBytes:
+    return DecodeBytes(weight_bytes(spec), cache_bytes(spec, ctx, batch=batch, **cache_kwargs))
+
+
+def budget_report(
+    spec: ModelSpec,
+    ctx: int,
+    batch: int = 1,
+    bits: int = 16,
+    group_size: int | None = 64,
+    residual: int = 128,
+    keep: float = 1.0,
+    new_tokens: int = 0,
+    gpu: GPU | None = None,
+    bandwidth_bytes_per_s: float | None = None,
+    memory_bytes: float | None = None,
+    reserve_bytes: float = DEFAULT_RESERVE_BYTES,
+) -> dict:
+    """Everything ``kvlab budget`` prints, as one JSON-safe dict."""
+    check_bits(bits)
+    if bits >= model_bits(spec):
+        group_size, residual = None, 0
+    kw = dict(bits=bits, group_size=group_size, residual=residual, keep=keep, new_tokens=new_tokens)
+    bandwidth = bandwidth_bytes_per_s or (gpu.bandwidth_bytes_per_s if gpu else None)
+    memory = memory_bytes or (gpu.memory_bytes if gpu else None)
+    step = decode_bytes(spec, ctx, batch, **kw)
+    full_step = decode_bytes(spec, ctx, batch, bits=model_bits(spec))
+    out = {
+        "model": spec.name,
+        "dtype": spec.dtype,
+        "ctx": ctx,
+        "batch": batch,
+        "bits": bits,
+        "group_size": group_size,
+        "residual": residual,
+        "keep": keep,
+        "new_tokens": new_tokens,
+        "bytes_per_token": kv_bytes_per_token(spec, model_bits(spec)) if bits >= model_bits(spec)
+        else kv_bytes_per_token(spec, bits, group_size),
+        "cache_bytes": cache_bytes(spec, ctx, batch, **kw),
+        "cache_bytes_full": cache_bytes(spec, ctx, batch, bits=model_bits(spec), new_tokens=new_tokens),
+        "compression_ratio": compression_ratio(spec, ctx, batch=batch, **kw),
+        "weights_bytes": weight_bytes(spec),
+        "decode_bytes_per_step": step.total,
+        "decode_kv_bytes_per_step": step.kv,
+        "decode_bytes_saved_fraction": 1 - step.total / full_step.total,
+        "gpu": gpu.name if gpu else None,
+    }
+    for key in ("bytes_per_token", "cache_bytes", "cache_bytes_full", "decode_bytes_per_step",
+                "decode_kv_bytes_per_step"):
+        if float(out[key]).is_integer():
+            out[key] = int(out[key])
+    if bandwidth:
+        out["bandwidth_bytes_per_s"] = bandwidth
+        out["decode_floor_ms"] = step.floor_s(bandwidth) * 1e3
+    if memory:
+        out["memory_bytes"] = memory
+        out["reserve_bytes"] = reserve_bytes
+        out["max_batch"] = max_batch(spec, ctx, memory, reserve_bytes, **kw)
+        out["max_context"] = max_context(spec, memory, batch, reserve_bytes, **kw)
+        out["fits"] = out["max_batch"] >= batch
+    return out

@@ -1,0 +1,72 @@
+"""`kvlab budget`: cache bytes, compression, capacity and the decode byte floor for one setting."""
+
+from __future__ import annotations
+
+import json
+
+
+def register(sub) -> None:
+    p = sub.add_parser("budget", help="KV-cache byte budget for a model, context and format")
+    p.add_argument("--model", required=True, help="preset name or local model folder")
+    p.add_argument("--ctx", type=int, required=True, help="prompt length in tokens")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--bits", type=int, default=16, choices=[16, 8, 4, 2], help="stored bits per K/V element")
+    p.add_argument("--group-size", type=int, default=64, help="quantization group size (scale + zero per group)")
+    p.add_argument("--residual", type=int, default=128, help="recent tokens a quantized cache keeps in 16-bit")
+    p.add_argument("--keep", type=float, default=1.0, help="eviction keep ratio of the prompt cache, in (0, 1]")
+    p.add_argument("--new-tokens", type=int, default=0, help="generated tokens appended uncompressed")
+    p.add_argument("--gpu", help="GPU preset: rtx-a6000, rtx-4090, a100-80gb, h100-sxm, h200")
+    p.add_argument("--bandwidth", type=float, help="memory bandwidth in GB/s (instead of --gpu)")
+    p.add_argument("--memory", type=float, help="GPU memory in GB (instead of --gpu)")
+    p.add_argument("--reserve", type=float, default=None, help="activation reserve in GiB (default 2)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from kvlab.budget import DEFAULT_RESERVE_BYTES, budget_report, check_positive, get_gpu
+    from kvlab.models import get_spec
+
+    check_positive("--ctx", args.ctx)
+    spec = get_spec(args.model)
+    gpu = get_gpu(args.gpu) if args.gpu else None
+    report = budget_report(
+        spec, args.ctx, batch=args.batch, bits=args.bits, group_size=args.group_size,
+        residual=args.residual, keep=args.keep, new_tokens=args.new_tokens, gpu=gpu,
+        bandwidth_bytes_per_s=args.bandwidth * 1e9 if args.bandwidth else None,
+        memory_bytes=args.memory * 1e9 if args.memory else None,
+        reserve_bytes=args.reserve * 1024**3 if args.reserve is not None else DEFAULT_RESERVE_BYTES,
+    )
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(format_table(report))
+    return 0
+
+
+def _gib(b: float) -> str:
+    return f"{b / 1024**3:,.3f} GiB ({b / 1e9:,.2f} GB)"
+
+
+def format_table(r: dict) -> str:
+    fmt = "bf16/fp16" if r["bits"] >= 16 else f"{r['bits']}-bit, group {r['group_size']}, residual {r['residual']}"
+    lines = [
+        f"model                {r['model']} ({r['dtype']})",
+        f"setting              ctx {r['ctx']:,} x batch {r['batch']}, keep {r['keep']}, {fmt}",
+        f"KV bytes / token     {r['bytes_per_token']:,.1f}",
+        f"cache                {_gib(r['cache_bytes'])}   (16-bit: {_gib(r['cache_bytes_full'])})",
+        f"compression ratio    {r['compression_ratio']:.2f}x",
+        f"weights              {_gib(r['weights_bytes'])}",
+        f"decode step reads    {_gib(r['decode_bytes_per_step'])} "
+        f"(KV {r['decode_kv_bytes_per_step'] / r['decode_bytes_per_step']:.1%}; "
+        f"saves {r['decode_bytes_saved_fraction']:.1%} vs 16-bit full cache)",
+    ]
+    if "decode_floor_ms" in r:
+        lines.append(f"decode floor         {r['decode_floor_ms']:.2f} ms/step at {r['bandwidth_bytes_per_s'] / 1e9:,.0f} GB/s"
+                     + (f" ({r['gpu']})" if r["gpu"] else ""))
+    if "max_batch" in r:
+        verdict = "fits" if r["fits"] else "does NOT fit"
+        lines.append(f"capacity             max batch {r['max_batch']} at this ctx, max ctx {r['max_context']:,} "
+                     f"at this batch ({_gib(r['memory_bytes'])} minus weights and "
+                     f"{r['reserve_bytes'] / 1024**3:.1f} GiB reserve): batch {r['batch']} {verdict}")
+    return "\n".join(lines)

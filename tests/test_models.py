@@ -1,0 +1,68 @@
+"""Model specs, presets and offline loading."""
+
+import pytest
+import torch
+
+from kvlab.models import PRESETS, ModelError, count_params, get_spec, load_model, preset_config
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_param_count_matches_a_meta_model(name):
+    from transformers import AutoModelForCausalLM
+
+    config = preset_config(name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert count_params(config) == sum(p.numel() for p in model.parameters())
+
+
+def test_llama8b_spec():
+    spec = get_spec("llama-3.1-8b")
+    assert (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.num_attention_heads) == (32, 8, 128, 32)
+    assert spec.max_context == 131072 and spec.sliding_window is None
+
+
+def test_unknown_model_lists_presets():
+    with pytest.raises(ModelError, match="presets: llama-3.1-8b"):
+        get_spec("gpt-5")
+
+
+def test_preset_without_weights_names_three_options():
+    with pytest.raises(ModelError) as err:
+        load_model("llama-3.1-8b")
+    text = str(err.value)
+    assert "weights='synthetic'" in text and "local folder" in text and "smollm2-135m" in text
+
+
+def test_missing_local_path_is_clear(tmp_path):
+    with pytest.raises(ModelError, match="does not exist|no weights"):
+        load_model(str(tmp_path / "nothing-here"))
+
+
+def test_synthetic_is_seeded_and_marked():
+    a = load_model("tiny-llama", weights="synthetic", seed=3)
+    b = load_model("tiny-llama", weights="synthetic", seed=3)
+    assert a.weights == "synthetic" and a.tokenizer is None
+    assert a.provenance()["weights"] == "synthetic"
+    pa, pb = next(a.model.parameters()), next(b.model.parameters())
+    assert torch.equal(pa, pb)
+    ids = torch.randint(0, a.spec.vocab_size, (1, 8))
+    assert a.model(ids).logits.shape == (1, 8, a.spec.vocab_size)
+
+
+def test_local_folder_loads_offline(tmp_path, tiny):
+    tiny.model.save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path))
+    assert loaded.weights == "real" and loaded.spec.num_layers == 2
+    ids = torch.arange(6).unsqueeze(0)
+    assert torch.allclose(loaded.model(ids).logits, tiny.model(ids).logits, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_smollm2_answers_offline(smollm2):
+    tok = smollm2.tokenizer
+    msgs = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = smollm2.model.generate(**ids, max_new_tokens=8, do_sample=False)
+    assert "Paris" in tok.decode(out[0, ids["input_ids"].shape[1]:])
+    assert smollm2.spec.num_kv_heads == 3 and smollm2.weights == "real"
