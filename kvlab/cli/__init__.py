@@ -11,6 +11,12 @@ import sys
 COMMANDS = {
     "models": "kvlab.cli.models_cmd",
     "budget": "kvlab.cli.budget_cmd",
+    "sweep": "kvlab.cli.sweep_cmd",
+    "quality": "kvlab.cli.quality_cmd",
+    "report": "kvlab.cli.report_cmd",
+    "anatomy": "kvlab.cli.anatomy_cmd",
+    "policies": "kvlab.cli.policies_cmd",
+    "generate": "kvlab.cli.generate_cmd",
 }
 
 

@@ -10,3 +10,9 @@ if [ -f .device/quanto_cuda_build.tgz ] && [ ! -f "$_ext/build/quanto_cuda.so" ]
   tar xzf .device/quanto_cuda_build.tgz -C "$_ext" && touch "$_ext"/build/*.o && sleep 0.05 && touch "$_ext"/build/quanto_cuda.so
 fi
 unset _ext
+# Optional: a newer transformers (carry [".whl-tf"]) in its own folder, so one command can run the
+# same script on the machine's stock transformers and on the carried one:
+#   PYTHONPATH=/tmp/site-tf:$PYTHONPATH python3 ...
+if [ -d .whl-tf ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-tf .whl-tf/*.whl
+fi

@@ -1,0 +1,144 @@
+"""`kvlab generate`: one greedy generation under a cache policy; prints the answer and what the
+cache held (logical and physical tokens, bytes) after the prefill and at the end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+EVICTION_FLAGS = {"keep": "keep", "window_size": "window_size", "kernel_size": "kernel_size",
+                  "n_sink": "n_sink", "beta": "beta", "policy_seed": "seed"}
+QUANT_FLAGS = {"bits": "nbits", "group_size": "q_group_size", "residual": "residual_length",
+               "axis_key": "axis_key", "axis_value": "axis_value"}
+
+
+def register(sub) -> None:
+    p = sub.add_parser("generate", help="greedy generation under a cache policy, with the cache's size")
+    p.add_argument("--model", required=True, help="preset name or local model folder")
+    p.add_argument("--weights", choices=["real", "synthetic"], default=None,
+                   help="synthetic: seeded random weights (needs --prompt-tokens)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, help="bfloat16, float16 or float32 (default: by device)")
+    p.add_argument("--seed", type=int, default=0, help="seed of synthetic weights and prompt tokens")
+    p.add_argument("--method", default="full", help="cache policy (see `kvlab policies`)")
+    g = p.add_argument_group("eviction")
+    g.add_argument("--keep", type=float, help="fraction of prompt positions kept, in (0, 1]")
+    g.add_argument("--window-size", type=int, help="snapkv/pyramidkv: last prompt queries that score")
+    g.add_argument("--kernel-size", type=int, help="snapkv/pyramidkv: pooling kernel")
+    g.add_argument("--n-sink", type=int, help="streamingllm: sink positions")
+    g.add_argument("--beta", type=int, help="pyramidkv: pyramid steepness")
+    g.add_argument("--policy-seed", type=int, help="random: eviction seed")
+    q = p.add_argument_group("quantization (quanto/hqq/fp8, or an eviction method: evict then quantize)")
+    q.add_argument("--bits", type=int, help="bits per stored element")
+    q.add_argument("--backend", help="quanto, hqq or fp8 (with an eviction method; default quanto)")
+    q.add_argument("--group-size", type=int, help="elements per scale/zero point (default 64)")
+    q.add_argument("--residual", type=int, help="recent tokens kept at full precision (default 128)")
+    q.add_argument("--axis-key", type=int)
+    q.add_argument("--axis-value", type=int)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt-file", help="text file holding the prompt")
+    src.add_argument("--prompt", help="the prompt text")
+    src.add_argument("--prompt-tokens", type=int, help="seeded random prompt of exactly N token ids")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    p.add_argument("--max-new-tokens", type=int, default=16, help="exactly this many tokens (EOS ignored)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+
+
+def _given(args, flags: dict[str, str]) -> dict:
+    return {param: getattr(args, flag) for flag, param in flags.items() if getattr(args, flag) is not None}
+
+
+def policy_from_args(args):
+    """Map CLI flags to ``make_policy`` parameters; every check happens in ``make_policy``."""
+    from kvlab.policies import POLICIES, PolicyError, make_policy
+    from kvlab.policies.eviction import EvictionPolicy
+
+    params = _given(args, EVICTION_FLAGS)
+    quant = _given(args, QUANT_FLAGS)
+    cls = POLICIES.get(args.method)
+    if cls is not None and issubclass(cls, EvictionPolicy):
+        if quant or args.backend:
+            params["quant"] = {"backend": args.backend or "quanto", **quant}
+    elif args.method in ("quanto", "hqq", "fp8"):
+        if args.backend and args.backend != args.method:
+            raise PolicyError(f"--backend {args.backend} contradicts --method {args.method}: drop --backend")
+        params.update(quant)
+    elif args.method == "full" and (quant or args.backend):
+        raise PolicyError("--method full stores the model dtype: for a quantized cache use --method quanto, "
+                          "hqq or fp8 (or an eviction method with --bits to evict then quantize)")
+    return make_policy(args.method, **params)
+
+
+def _prompt_ids(args, tokenizer, vocab_size: int):
+    import torch
+
+    if args.prompt_tokens is not None:
+        if args.prompt_tokens < 1:
+            raise ValueError(f"--prompt-tokens must be >= 1, got {args.prompt_tokens}")
+        g = torch.Generator().manual_seed(args.seed)
+        return torch.randint(0, vocab_size, (1, args.prompt_tokens), generator=g)
+    text = Path(args.prompt_file).read_text() if args.prompt_file else args.prompt
+    if args.chat:
+        messages = [{"role": "user", "content": text}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+    return tokenizer(text, return_tensors="pt").input_ids
+
+
+def _check_prompt_source(args) -> None:
+    if args.prompt_file and not Path(args.prompt_file).is_file():
+        raise ValueError(f"--prompt-file {args.prompt_file} does not exist")
+    if args.prompt_tokens is None and args.weights == "synthetic":
+        raise ValueError("synthetic weights come without a tokenizer: pass --prompt-tokens N instead of text")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+
+
+def run(args) -> int:
+    from kvlab.decode import generate_text
+    from kvlab.models import get_spec, load_model
+
+    policy = policy_from_args(args)
+    spec = get_spec(args.model)
+    policy.check(spec)
+    _check_prompt_source(args)
+    loaded = load_model(args.model, weights=args.weights, device=args.device, dtype=args.dtype, seed=args.seed)
+    if loaded.tokenizer is None and args.prompt_tokens is None:
+        raise ValueError(f"{args.model} has no tokenizer here: pass --prompt-tokens N")
+    ids = _prompt_ids(args, loaded.tokenizer, loaded.spec.vocab_size)
+    policy.warmup(loaded.model)
+    result = generate_text(loaded, ids, policy, args.max_new_tokens)
+    out = {
+        **loaded.provenance(),
+        "method": policy.name,
+        "label": policy.label,
+        "policy_params": policy.params(),
+        "attn_implementation": loaded.model.config._attn_implementation,
+        "prompt_tokens": result.prompt_tokens,
+        "new_tokens": int(result.tokens.shape[1]),
+        "answer": result.text,
+        "token_ids": result.tokens[0].tolist(),
+        "cache_after_prefill": result.cache_after_prefill,
+        "cache_final": result.cache_final,
+    }
+    print(json.dumps(out) if args.json else format_text(out))
+    return 0
+
+
+def _size(stats: dict) -> str:
+    return (f"logical {stats['logical_tokens']} tokens, physical {stats['physical_tokens']} tokens, "
+            f"{stats['bytes'] / 1024**2:,.3f} MiB ({stats['bytes']:,} B)")
+
+
+def format_text(out: dict) -> str:
+    answer = out["answer"] if out["answer"] is not None else f"(token ids) {out['token_ids']}"
+    return "\n".join([
+        f"model   {out['model']} ({out['weights']} weights, {out['device']}, {out['dtype']}), "
+        f"attention {out['attn_implementation']}",
+        f"policy  {out['label']}   {json.dumps(out['policy_params'])}",
+        f"prompt  {out['prompt_tokens']} tokens -> {out['new_tokens']} new tokens",
+        f"answer  {answer}",
+        f"cache after prefill  {_size(out['cache_after_prefill'])}",
+        f"cache at the end     {_size(out['cache_final'])}",
+    ])

@@ -1,0 +1,288 @@
+"""Sweep parameters: a pydantic model that a params YAML maps onto key for key.
+
+Validation happens here, before any model loads: an unknown key, an unknown method, a context above
+the model's maximum, ``keep: 0`` or an unsupported bit width each give one line that names the key
+and the fix, all gathered into one :class:`ParamsError`.
+
+List-valued knobs (``models``, ``ctx``, ``batch``, ``keep``, ``bits``, ``methods``) also accept a
+scalar, so ``papermill -p ctx 16384`` and ``kvlab sweep ... --set ctx=16384`` work.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
+DTYPES = ("bfloat16", "float16", "float32")
+# Fallback when kvlab.policies is not importable: which axis a plain method name takes.
+EVICTION_METHODS = {"streamingllm", "snapkv", "pyramidkv", "tova", "knorm", "random"}
+QUANTIZED_METHODS = {"quanto", "hqq"}
+
+
+class ParamsError(ValueError):
+    """Invalid sweep parameters; each line names the key and the fix."""
+
+
+def _as_list(value):
+    if value is None or isinstance(value, list):
+        return value
+    if isinstance(value, tuple):
+        return list(value)
+    return [value]
+
+
+class MethodEntry(BaseModel):
+    """One method with its own axis values and knobs, e.g. ``{method: snapkv, keep: [0.5, 0.1],
+    window_size: 32}``. Keys other than ``method``/``keep``/``bits`` go to ``make_policy``."""
+
+    model_config = ConfigDict(extra="allow")
+
+    method: str
+    keep: list[float] | None = None
+    bits: list[int] | None = None
+
+    _as_list_keep = field_validator("keep", "bits", mode="before")(_as_list)
+
+    def knobs(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+class SweepParams(BaseModel):
+    """Everything one sweep varies and fixes. The YAML keys are these field names."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str | None = Field(None, description="sweep name (default: the params file's stem)")
+    models: list[str] = Field(description="preset names or local model folders")
+    weights: Literal["real", "synthetic"] | None = Field(
+        None, description="real (embedded/local) or synthetic (seeded random) weights")
+    device: str = "cpu"
+    dtype: str | None = Field(None, description="bfloat16 | float16 | float32 (default: bf16 on cuda, fp32 on cpu)")
+    attn_implementation: str = "sdpa"
+    threads: int | None = Field(None, ge=1, description="torch CPU threads (torch.set_num_threads); default: torch's")
+    sdpa_backend: Literal["auto", "cudnn", "flash", "efficient", "math"] = Field(
+        "auto", description="pin torch's SDPA kernel (torch.nn.attention.sdpa_kernel); auto lets torch choose")
+    methods: list[str | MethodEntry]
+    keep: list[float] | None = Field(None, description="kept fraction for eviction methods listed by name")
+    bits: list[int] | None = Field(None, description="bit widths for quantized methods listed by name")
+    ctx: list[int] = Field(description="prompt lengths in tokens")
+    batch: list[int] = [1]
+    new_tokens: int = Field(128, ge=1, description="exactly this many new tokens per sequence (EOS ignored)")
+    prompts: int = Field(1, ge=1, description="prompt ids 0..prompts-1 (seeded, exact length)")
+    repeats: int = Field(1, ge=1)
+    seed: int = 0
+    warmup_runs: int = Field(1, ge=0, description="unrecorded runs of the exact shape per config")
+    idle_s: float = Field(0.0, ge=0, description="idle-power baseline length after each model load (GPU)")
+    energy_interval_ms: float = Field(15.0, ge=1, le=1000, description="power polling period")
+    jitter_ms: float = Field(0.0, ge=0, le=1000, description="random pause before each run (de-aliasing)")
+    max_runs: int | None = Field(None, ge=1, description="stop cleanly after this many measured runs")
+    time_budget_s: float | None = Field(None, gt=0, description="stop cleanly before this many seconds")
+    retry_failed: bool = Field(False, description="rerun runs recorded as failed")
+    timelines: bool = Field(True, description="write power timelines to timelines.jsonl")
+
+    _lists = field_validator("models", "ctx", "batch", "keep", "bits", "methods", mode="before")(_as_list)
+
+    @field_validator("ctx", "batch")
+    @classmethod
+    def _positive(cls, values: list[int]) -> list[int]:
+        for v in values:
+            if v < 1:
+                raise ValueError(f"{v} must be at least 1")
+        return values
+
+
+@dataclass(frozen=True)
+class MethodVariant:
+    """One point on the method axis: a policy name and the exact kwargs for ``make_policy``."""
+
+    method: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def keep(self) -> float | None:
+        return self.kwargs.get("keep")
+
+    @property
+    def bits(self) -> int | None:
+        if "nbits" in self.kwargs:
+            return self.kwargs["nbits"]
+        quant = self.kwargs.get("quant")
+        return quant.get("nbits") if isinstance(quant, dict) else None
+
+    def key(self) -> tuple:
+        from kvlab.records import canonical_json
+
+        return (self.method, canonical_json(self.kwargs))
+
+
+def method_axis(method: str) -> str | None:
+    """``"keep"`` for methods with a ``keep`` parameter (eviction), ``"bits"`` for those with
+    ``nbits`` (quantized), None for the rest (``full``, ``fp8``); read from the policy registry."""
+    import dataclasses
+
+    try:
+        from kvlab.policies import POLICIES
+    except ImportError:
+        POLICIES = {}
+    cls = POLICIES.get(method)
+    if cls is None or not dataclasses.is_dataclass(cls):
+        return "keep" if method in EVICTION_METHODS else "bits" if method in QUANTIZED_METHODS else None
+    names = {f.name for f in dataclasses.fields(cls)}
+    return "keep" if "keep" in names else "bits" if "nbits" in names else None
+
+
+def method_variants(params: SweepParams) -> list[tuple[str, MethodVariant]]:
+    """Expand ``methods`` x (keep | bits) into variants, each with the params key its values came
+    from (``methods[i]``, or ``keep`` / ``bits`` for the top-level lists) for error messages."""
+    out = []
+    for i, entry in enumerate(params.methods):
+        if isinstance(entry, str):
+            entry = MethodEntry(method=entry)
+        axis = method_axis(entry.method)
+        where = f"methods[{i}]"
+        base = entry.knobs()
+        if entry.keep is not None:
+            out += [(where, MethodVariant(entry.method, {**base, "keep": k})) for k in entry.keep]
+        elif entry.bits is not None:
+            out += [(where, MethodVariant(entry.method, {**base, "nbits": b})) for b in entry.bits]
+        elif axis == "keep" and params.keep is not None:
+            out += [("keep", MethodVariant(entry.method, {**base, "keep": k})) for k in params.keep]
+        elif axis == "bits" and params.bits is not None:
+            out += [("bits", MethodVariant(entry.method, {**base, "nbits": b})) for b in params.bits]
+        else:
+            out.append((where, MethodVariant(entry.method, base)))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Loading and validation
+# --------------------------------------------------------------------------------------------
+
+
+def _pydantic_lines(err: ValidationError) -> list[str]:
+    known = list(SweepParams.model_fields)
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith(("str", "MethodEntry")))
+        if e["type"] == "extra_forbidden":
+            key = str(e["loc"][-1])
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(known)}"
+            lines.append(f"unknown key {loc!r}: {hint}")
+        elif e["type"] == "missing":
+            lines.append(f"{loc}: required; add `{loc}:` to the params file or --set {loc}=...")
+        else:
+            lines.append(f"{loc}: {e['msg']} (got {e.get('input')!r})")
+    return list(dict.fromkeys(lines))
+
+
+def parse_params(data: dict[str, Any]) -> SweepParams:
+    """Pydantic validation with one readable :class:`ParamsError` instead of a pydantic dump."""
+    if not isinstance(data, dict):
+        raise ParamsError(f"params must be a mapping of keys to values, got {type(data).__name__}")
+    try:
+        return SweepParams.model_validate(data)
+    except ValidationError as err:
+        raise ParamsError("invalid sweep params:\n  " + "\n  ".join(_pydantic_lines(err))) from None
+
+
+def apply_overrides(data: dict[str, Any], sets: Iterable[str]) -> dict[str, Any]:
+    """``key=value`` overrides (value parsed as YAML; dotted keys reach into mappings)."""
+    data = dict(data)
+    for item in sets:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ParamsError(f"--set {item!r}: write key=value, e.g. --set ctx=16384")
+        value = yaml.safe_load(raw) if raw.strip() else None
+        parts = key.strip().split(".")
+        target = data
+        for p in parts[:-1]:
+            target = target.setdefault(p, {})
+            if not isinstance(target, dict):
+                raise ParamsError(f"--set {item!r}: {p!r} is not a mapping")
+        target[parts[-1]] = value
+    return data
+
+
+def load_params(path: str | Path, sets: Iterable[str] = ()) -> SweepParams:
+    """Read a params YAML, apply ``--set`` overrides and validate types (not yet against models)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ParamsError(f"params file {path} not found: pass a YAML file such as params/smoke.yaml")
+    data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    if not isinstance(data, dict):
+        raise ParamsError(f"{path}: expected a mapping of keys to values at the top level")
+    data = apply_overrides(data, sets)
+    data.setdefault("name", path.stem)
+    return parse_params(data)
+
+
+def check_params(params: SweepParams, check_device: bool = True) -> list[tuple[int, MethodVariant]]:
+    """Validate against models and policies without loading weights; returns the method variants.
+
+    Raises one :class:`ParamsError` listing every problem.
+    """
+    from kvlab.models import EMBEDDED_WEIGHTS, PRESETS, ModelError, get_spec
+
+    problems: list[str] = []
+    # device and dtype
+    dev = params.device
+    if not (dev == "cpu" or dev == "cuda" or (dev.startswith("cuda:") and dev[5:].isdigit())):
+        problems.append(f"device: {dev!r} is not a device; use cpu, cuda or cuda:N")
+    elif check_device and dev.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            problems.append(f"device: {dev!r} but torch sees no CUDA device; use --set device=cpu")
+    if params.dtype is not None and params.dtype not in DTYPES:
+        problems.append(f"dtype: {params.dtype!r} is not one of {', '.join(DTYPES)}")
+    if params.sdpa_backend != "auto" and params.attn_implementation != "sdpa":
+        problems.append(f"sdpa_backend: {params.sdpa_backend!r} only applies with attn_implementation: sdpa")
+    if not params.methods:
+        problems.append("methods: empty; list at least one method, e.g. [full]")
+
+    # models, weights and context limits
+    for i, name in enumerate(params.models):
+        try:
+            spec = get_spec(name)
+        except ModelError as err:
+            problems.append(f"models[{i}]: {err}")
+            continue
+        if name in PRESETS and name not in EMBEDDED_WEIGHTS and params.weights != "synthetic":
+            problems.append(f"models[{i}]: kvlab has no real weights for {name!r}; set weights: synthetic "
+                            f"(or pass a local folder with weights)")
+        for ctx in params.ctx:
+            if ctx + params.new_tokens > spec.max_context:
+                problems.append(
+                    f"ctx: {ctx} + new_tokens {params.new_tokens} is above the maximum context "
+                    f"{spec.max_context} of {name}; lower ctx to at most {spec.max_context - params.new_tokens}"
+                )
+
+    # methods: every variant must build
+    variants = method_variants(params)
+    try:
+        from kvlab.policies import make_policy
+    except ImportError as err:
+        problems.append(f"methods: kvlab.policies is not importable ({err})")
+        make_policy = None
+    if make_policy is not None:
+        failures: dict[tuple[str, str], list[str]] = {}
+        for where, v in variants:
+            try:
+                make_policy(v.method, **v.kwargs)
+            except ValueError as err:
+                args = ", ".join(f"{k}={val!r}" for k, val in v.kwargs.items())
+                failures.setdefault((where, str(err)), []).append(v.method + (f": {args}" if where != "keep"
+                                                                                and where != "bits" and args else ""))
+        for (where, err), methods in failures.items():
+            problems.append(f"{where} ({', '.join(dict.fromkeys(methods))}): {err}")
+    if problems:
+        raise ParamsError("invalid sweep params:\n  " + "\n  ".join(dict.fromkeys(problems)))
+    return variants

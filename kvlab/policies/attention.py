@@ -1,0 +1,161 @@
+"""A registered attention function that hands the last prompt queries to an evicting cache layer.
+
+Why: SnapKV, PyramidKV and TOVA score prompt tokens by the attention of the last ``window`` prompt
+queries, but SDPA and flash kernels never return attention weights, and eager attention over a
+32k prompt is O(n^2) memory. The wrapper registered here computes the layer output with the stock
+kernel (bit-identical to it) and, only for a layer that asked for queries during its prefill
+``update``, gives that layer the post-RoPE query tensor and the mask; the layer computes the
+``window x n`` attention rows itself (:func:`window_attention`), never the ``n x n`` matrix.
+
+The hand-off is a per-thread slot keyed by layer index: the cache layer's ``update`` runs right
+before the attention call of the same layer, so no reference from model to cache is needed; the
+slot matches only the very key tensor the layer returned.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+
+import torch
+
+PREFIX = "kvlab_"
+
+_pending = threading.local()
+
+
+def _slots() -> dict:
+    slots = getattr(_pending, "slots", None)
+    if slots is None:
+        slots = _pending.slots = {}
+    return slots
+
+
+def expect_queries(layer_idx: int, layer) -> None:
+    """Called by a cache layer in its prefill ``update``: the next attention call of this layer
+    index whose keys are the ones the layer returned goes to ``layer.receive_queries``.
+
+    Only a weak reference is kept, so an abandoned cache (an exception mid-forward) is freed, and
+    the key identity check keeps a stale entry from ever reaching another model's forward.
+    """
+    _slots()[layer_idx] = weakref.ref(layer)
+
+
+def cancel_queries(layer_idx: int) -> None:
+    _slots().pop(layer_idx, None)
+
+
+def _take_layer(layer_idx: int | None, key: torch.Tensor):
+    slots = _slots()
+    ref = slots.get(layer_idx)
+    if ref is None:
+        return None
+    layer = ref()
+    if layer is None:
+        slots.pop(layer_idx, None)
+        return None
+    if not layer.awaits(key):
+        return None
+    slots.pop(layer_idx, None)
+    return layer
+
+
+def window_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    scaling: float | None,
+    window: int,
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Softmax attention of the last ``window`` query rows over all keys, in float32.
+
+    ``query`` is ``[B, Hq, q, D]`` (post-RoPE), ``keys`` ``[B, Hkv, n, D]`` with ``n >= q`` (the
+    queries are the last ``q`` positions). Returns ``[B, Hq, w, n]``, ``w = min(window, q)``. Cost
+    is O(w x n) per head: the GQA groups are folded into the query rows, so keys are never
+    repeated. ``attention_mask`` may be the 4-D mask the model built (bool or additive float), a
+    2-D padding mask, or None (causal).
+    """
+    bsz, n_heads, q_len, dim = query.shape
+    n_kv, n = keys.shape[1], keys.shape[-2]
+    groups = n_heads // n_kv
+    w = max(1, min(window, q_len))
+    scale = scaling if scaling is not None else dim**-0.5
+    q = query[:, :, -w:, :].float().reshape(bsz, n_kv, groups * w, dim)
+    logits = torch.matmul(q, keys.float().transpose(-1, -2)).mul_(scale).view(bsz, n_heads, w, n)
+
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
+        rows = attention_mask[..., -w:, -n:]
+        if rows.dtype == torch.bool:
+            logits = logits.masked_fill(~rows, float("-inf"))
+        else:
+            logits = logits + rows.float()
+    else:
+        first_row = n - w  # absolute key index visible to the first window row
+        rows = torch.arange(w, device=keys.device)[:, None] + first_row
+        future = torch.arange(n, device=keys.device)[None, :] > rows
+        logits = logits.masked_fill(future, float("-inf"))
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+            padding = attention_mask[:, -n:].to(torch.bool)[:, None, None, :]
+            logits = logits.masked_fill(~padding, float("-inf"))
+    return torch.softmax(logits, dim=-1)
+
+
+def fit_mask(attention_mask, kv_length: int):
+    """Resize a 4-D mask built for another layer's cache length to this layer's.
+
+    transformers builds one mask per forward from layer 0's ``get_mask_sizes``; with per-layer
+    budgets (PyramidKV) other layers hold a different number of kept tokens. Every kept token
+    precedes every query, so the cached part is fully visible and only the last ``q`` columns
+    (the new tokens, causal) are copied. Padding inside an evicted prompt is not represented:
+    eviction assumes equal-length (unpadded) prompts.
+    """
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4:
+        return attention_mask
+    if attention_mask.shape[-1] == kv_length:
+        return attention_mask
+    q_len = attention_mask.shape[-2]
+    tail = attention_mask[..., -q_len:]
+    if attention_mask.dtype == torch.bool:
+        head = tail.new_ones(*tail.shape[:-1], kv_length - q_len)
+    else:
+        head = tail.new_zeros(*tail.shape[:-1], kv_length - q_len)
+    return torch.cat([head, tail], dim=-1)
+
+
+def _wrap(base: Callable) -> Callable:
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        attention_mask = fit_mask(attention_mask, key.shape[-2])
+        output = base(module, query, key, value, attention_mask, *args, **kwargs)
+        layer = _take_layer(getattr(module, "layer_idx", None), key)
+        if layer is not None:
+            layer.receive_queries(query, attention_mask, kwargs.get("scaling", getattr(module, "scaling", None)))
+        return output
+
+    attention.__doc__ = f"{getattr(base, '__name__', 'attention')} plus kvlab's prefill query hand-off."
+    return attention
+
+
+def install(model) -> str:
+    """Register ``kvlab_<base>`` for the model's current attention and switch the model to it.
+
+    Idempotent. The base is the model's implementation when it is a registered kernel (sdpa,
+    flash_attention_2, ...); eager attention (not in the registry) is replaced by SDPA, which
+    computes the same output. Returns the implementation name now in use.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    current = model.config._attn_implementation
+    if current and current.startswith(PREFIX):
+        return current
+    base = current if current in ALL_ATTENTION_FUNCTIONS._global_mapping else "sdpa"
+    name = PREFIX + base
+    if name not in ALL_ATTENTION_FUNCTIONS._global_mapping:
+        AttentionInterface.register(name, _wrap(ALL_ATTENTION_FUNCTIONS[base]))
+    if name not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
+        mask_base = base if base in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping else "sdpa"
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[mask_base])
+    model.set_attn_implementation(name)
+    return name

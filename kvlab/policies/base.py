@@ -1,0 +1,145 @@
+"""The policy contract: validated parameters in, a fresh transformers ``Cache`` out.
+
+A policy is a frozen dataclass: its fields are the typed parameters (shown by ``kvlab policies``),
+``__post_init__`` validates them, so a bad value fails in ``make_policy`` before a model loads.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import MISSING, dataclass, fields
+from typing import Any, ClassVar
+
+
+class PolicyError(ValueError):
+    """Bad policy input (method, keep, nbits, backend, model); the message names the fix."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What a policy needs to know about a model before any tensor exists."""
+
+    name: str
+    head_dim: int
+    num_layers: int
+    layer_types: tuple[str, ...]
+
+    @property
+    def non_full_layers(self) -> set[str]:
+        return set(self.layer_types) - {"full_attention"}
+
+
+def hf_model(model):
+    """The transformers model inside a kvlab ``LoadedModel``, or the model itself."""
+    from kvlab.models import LoadedModel
+
+    return model.model if isinstance(model, LoadedModel) else model
+
+
+def _layer_types(config) -> list[str]:
+    try:
+        from transformers.cache_utils import get_layer_types_and_kwargs
+
+        return list(get_layer_types_and_kwargs(config)[0])
+    except Exception:  # private helper; its signature moved between releases
+        sliding = getattr(config, "sliding_window", None)
+        if getattr(config, "use_sliding_window", True) is False:
+            sliding = None
+        kind = "sliding_attention" if sliding else "full_attention"
+        return list(getattr(config, "layer_types", None) or [kind] * config.num_hidden_layers)
+
+
+def model_shape(model) -> ModelShape:
+    """Shape of a transformers model, a ``LoadedModel``, a ``ModelSpec`` or a transformers config."""
+    from kvlab.models import LoadedModel, ModelSpec
+
+    if isinstance(model, ModelSpec):
+        kind = "sliding_attention" if model.sliding_window else "full_attention"
+        return ModelShape(model.name, model.head_dim, model.num_layers, (kind,) * model.num_layers)
+    name = model.spec.name if isinstance(model, LoadedModel) else None
+    model = hf_model(model)
+    config = getattr(model, "config", model)
+    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    name = name or getattr(config, "name_or_path", "") or config.model_type
+    return ModelShape(name, head_dim, config.num_hidden_layers, tuple(_layer_types(config)))
+
+
+def check_keep(keep: Any) -> float:
+    if isinstance(keep, bool) or not isinstance(keep, (int, float)) or not math.isfinite(keep):
+        raise PolicyError(f"keep must be a number in (0, 1], got {keep!r}")
+    if not 0 < keep <= 1:
+        raise PolicyError(f"keep={keep} is outside (0, 1]: 0.1 keeps 10% of the prompt cache, 1.0 keeps all")
+    return float(keep)
+
+
+def check_int(name: str, value: Any, minimum: int | None = None, choices: tuple | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise PolicyError(f"{name} must be an integer, got {value!r}")
+    if choices is not None and value not in choices:
+        raise PolicyError(f"{name}={value} is not supported: use one of {', '.join(map(str, choices))}")
+    if minimum is not None and value < minimum:
+        raise PolicyError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _json_safe(value: Any) -> Any:
+    if hasattr(value, "params"):
+        return value.params()
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Base of every cache policy. Subclasses set ``name``/``summary`` and implement ``make_cache``."""
+
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+
+    @property
+    def keep(self) -> float:
+        """Fraction of prompt positions kept (1.0 when the policy does not evict)."""
+        return 1.0
+
+    @property
+    def bits(self) -> int | None:
+        """Stored bits per K/V element, or None for the model dtype."""
+        return None
+
+    @property
+    def label(self) -> str:
+        return self.name
+
+    def params(self) -> dict[str, Any]:
+        """Everything that identifies the run, JSON-safe, for records."""
+        out: dict[str, Any] = {"method": self.name}
+        for f in fields(self):
+            out[f.name] = _json_safe(getattr(self, f.name))
+        out.setdefault("keep", self.keep)
+        out.setdefault("bits", self.bits)
+        return out
+
+    @classmethod
+    def describe(cls) -> list[dict[str, Any]]:
+        """The typed parameters with defaults and help, for ``kvlab policies``."""
+        rows = []
+        for f in fields(cls):
+            default = f.default if f.default is not MISSING else None
+            rows.append({"name": f.name, "type": str(f.type), "default": _json_safe(default),
+                         "help": f.metadata.get("help", "")})
+        return rows
+
+    def check(self, model) -> None:
+        """Raise :class:`PolicyError` if this policy cannot run on ``model`` (cheap, no tensors)."""
+
+    def prepare(self, model) -> None:
+        """Install what the policy needs on the model (idempotent)."""
+
+    def warmup(self, model) -> None:
+        """One-off costs (kernel builds) to pay outside any timed region."""
+
+    def make_cache(self, model):
+        """A fresh transformers ``Cache`` for one generation."""
+        raise NotImplementedError

@@ -1,0 +1,273 @@
+"""Evicting cache layers and cache statistics: the one place that touches transformers cache internals.
+
+An evicting layer behaves like a ``DynamicLayer`` except for its first ``update`` (the prefill):
+it returns the full prompt K/V, so the prefill attention is exact, and keeps only
+``policy.budget(n)`` positions per KV head. Like transformers' ``DynamicSlidingWindowLayer`` it
+counts tokens logically: ``get_seq_length()`` is every token seen (so model-made position ids and
+``generate()``'s input slicing stay right) while ``get_mask_sizes`` describes the physical tensors
+(``(physical + q, logical - physical)``), which keeps causal masks right after eviction.
+
+Methods that need attention scores (SnapKV, PyramidKV, TOVA) wait for the prefill queries, handed
+over by :mod:`kvlab.policies.attention` right after the layer's attention call.
+
+Evict-then-quantize: the same mixin over a transformers quantized layer stores the kept K/V by
+quantizing them into ``_quantized_keys``/``_quantized_values`` with an empty residual and sets
+``cumulative_length`` to the logical count. The attribute names and the residual/flush logic
+are the same in transformers 5.17 (``QuantizedLayer(DynamicLayer)``, residual flushed at
+``residual_length - 1`` tokens) and 5.21+ (``BaseQuantizedLayer``; flush at ``residual + new >=
+residual_length``); later decode steps run the stock quantized ``update``.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
+
+from kvlab.policies import attention
+from kvlab.policies.base import PolicyError
+
+
+class EvictionError(PolicyError):
+    """The cache was driven in a way eviction cannot honour (e.g. scores never arrived)."""
+
+
+class EvictionMixin:
+    """Prefill eviction with logical/physical bookkeeping, over a DynamicLayer or a quantized layer."""
+
+    def _init_eviction(self, policy, layer_idx: int, num_layers: int) -> None:
+        self.policy = policy
+        self.layer_idx = layer_idx
+        self.num_layers = num_layers
+        self._clear_eviction()
+
+    def _clear_eviction(self) -> None:
+        self.logical_length = 0
+        self.physical_length = 0
+        self.prompt_length: int | None = None
+        self._kept: torch.Tensor | None = None  # int32 [B, Hkv, n_kept]; None = all prompt positions
+        self._awaiting: tuple | None = None
+
+    # -- inspection ---------------------------------------------------------------------------
+    @property
+    def kept_positions(self) -> torch.Tensor | None:
+        """Original prompt positions kept per KV head, ``[B, Hkv, n_kept]`` ascending; None before prefill."""
+        if self.prompt_length is None or self._awaiting is not None:
+            return None
+        if self._kept is None:
+            b, h = self._batch_heads
+            return torch.arange(self.prompt_length, device=self.device).expand(b, h, -1)
+        return self._kept.long()
+
+    # -- transformers layer API ---------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self._awaiting is not None:
+            self._awaiting = None
+            attention.cancel_queries(self.layer_idx)
+            raise EvictionError(
+                f"{self.policy.name} needs the prefill queries of layer {self.layer_idx}, but the attention "
+                f"function never handed them over: call policy.prepare(model) before the first forward"
+            )
+        if self.prompt_length is None:
+            return self._prefill(key_states, value_states)
+        n_new = key_states.shape[-2]
+        out = self._append(key_states, value_states, *args, **kwargs)
+        self.logical_length += n_new
+        self.physical_length += n_new
+        return out
+
+    def get_seq_length(self) -> int:
+        return self.logical_length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.physical_length + query_length, self.logical_length - self.physical_length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        if self._awaiting is not None:
+            attention.cancel_queries(self.layer_idx)
+        super().reset()
+        self._clear_eviction()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        if self._kept is not None:
+            self._kept = self._kept.index_select(0, beam_idx.to(self._kept.device))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        if self._kept is not None:
+            self._kept = self._kept.repeat_interleave(repeats, dim=0)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        if self._kept is not None:
+            self._kept = self._kept[indices]
+
+    # -- eviction -----------------------------------------------------------------------------
+    def _prefill(self, keys: torch.Tensor, values: torch.Tensor):
+        if not self.is_initialized:
+            DynamicLayer.lazy_initialization(self, keys, values)
+        n = keys.shape[-2]
+        self._batch_heads = tuple(keys.shape[:2])
+        self.prompt_length = self.logical_length = n
+        n_kept = min(n, self.policy.budget(n, self.layer_idx, self.num_layers))
+        if n_kept >= n:
+            self._store(keys, values)
+            self.physical_length = n
+        elif self.policy.needs_attention:
+            self._awaiting = (keys, values, n_kept)
+            attention.expect_queries(self.layer_idx, self)
+        else:
+            self._evict(keys, values, n_kept, None)
+        return keys, values
+
+    def awaits(self, key: torch.Tensor) -> bool:
+        """Whether ``key`` is the prompt key tensor this layer returned and waits to score."""
+        return self._awaiting is not None and self._awaiting[0] is key
+
+    def receive_queries(self, query: torch.Tensor, attention_mask, scaling) -> None:
+        """Called by kvlab's attention function right after this layer's prefill attention."""
+        keys, values, n_kept = self._awaiting
+        self._awaiting = None
+        window = self.policy.query_window(keys.shape[-2])
+        probs = attention.window_attention(query, keys, scaling, window, attention_mask)
+        self._evict(keys, values, n_kept, probs)
+
+    def _evict(self, keys, values, n_kept: int, attn: torch.Tensor | None) -> None:
+        idx = self.policy.select(keys, values, attn, n_kept, self.layer_idx, self.num_layers)
+        gather = idx.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
+        self._store(keys.gather(2, gather), values.gather(2, gather))
+        self._kept = idx.to(torch.int32)
+        self.physical_length = n_kept
+
+    def _store(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _append(self, keys: torch.Tensor, values: torch.Tensor, *args, **kwargs):
+        raise NotImplementedError
+
+
+class EvictingLayer(EvictionMixin, DynamicLayer):
+    """A DynamicLayer that keeps ``policy.budget(n)`` prompt positions per KV head after prefill."""
+
+    def __init__(self, policy, layer_idx: int, num_layers: int):
+        super().__init__()
+        self._init_eviction(policy, layer_idx, num_layers)
+
+    def _store(self, keys, values) -> None:
+        self.keys, self.values = keys, values
+
+    def _append(self, keys, values, *args, **kwargs):
+        return DynamicLayer.update(self, keys, values)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove trailing tokens appended after the prefill (e.g. an answer, to ask another question)."""
+        appended = self.logical_length - (self.prompt_length or 0)
+        if tokens_to_remove > 0 or -tokens_to_remove > appended:
+            raise EvictionError(f"an evicting cache can only crop tokens added after its prefill "
+                                f"(at most {appended}, passed as a negative number); got {tokens_to_remove}")
+        super().crop(tokens_to_remove)
+        self.logical_length += tokens_to_remove
+        self.physical_length += tokens_to_remove
+
+
+class _EvictingQuantized(EvictionMixin):
+    """Mixed in front of a transformers quantized layer class (see :func:`evicting_quantized_class`)."""
+
+    def __init__(self, policy, layer_idx: int, num_layers: int, **quant_kwargs):
+        super().__init__(**quant_kwargs)
+        self._init_eviction(policy, layer_idx, num_layers)
+
+    def _store(self, keys, values) -> None:
+        fp8 = not hasattr(self, "residual_length")
+        if fp8:
+            self._quantized_keys = self._quantize(keys.contiguous())
+            self._quantized_values = self._quantize(values.contiguous())
+        else:
+            self._quantized_keys = self._quantize(keys.contiguous(), axis=self.axis_key)
+            self._quantized_values = self._quantize(values.contiguous(), axis=self.axis_value)
+        self.cumulative_length = self.logical_length  # the base update keeps counting from here
+
+    def _append(self, keys, values, *args, **kwargs):
+        # The stock quantized update: dequantize, concatenate, flush the residual when full.
+        return super(EvictionMixin, self).update(keys, values, *args, **kwargs)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise EvictionError("a quantized cache cannot be cropped: build a fresh cache for each question")
+
+
+@cache
+def evicting_quantized_class(base: type) -> type:
+    """``Evicting<Base>``: eviction at prefill, then the stock quantized layer behaviour."""
+    return type(f"Evicting{base.__name__}", (_EvictingQuantized, base), {})
+
+
+class EvictionCache(Cache):
+    """A ``Cache`` of evicting layers, one per decoder layer; ``policy`` is the policy that made it."""
+
+    def __init__(self, layers: list[CacheLayerMixin], policy):
+        super().__init__(layers=layers)
+        self.policy = policy
+
+    def kept_positions(self) -> list[torch.Tensor | None]:
+        return [layer.kept_positions for layer in self.layers]
+
+
+def kept_positions(cache) -> list[torch.Tensor | None]:
+    """Per layer, the original prompt positions kept per KV head (``[B, Hkv, n_kept]``), or None
+    for layers that do not evict."""
+    return [getattr(layer, "kept_positions", None) for layer in cache.layers]
+
+
+# -- statistics -----------------------------------------------------------------------------------
+def tensor_bytes(obj: Any, _seen: set | None = None) -> int:
+    """Bytes held by tensors inside ``obj`` (tensors, quanto tensor subclasses, HQQ (W, meta), tuples)."""
+    seen = set() if _seen is None else _seen
+    if isinstance(obj, torch.Tensor):
+        if hasattr(obj, "__tensor_flatten__") and type(obj) is not torch.Tensor:
+            names, _ = obj.__tensor_flatten__()
+            return sum(tensor_bytes(getattr(obj, name), seen) for name in names)
+        key = (obj.data_ptr(), obj.numel(), obj.dtype)
+        if obj.numel() == 0 or key in seen:
+            return 0
+        seen.add(key)
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (tuple, list)):
+        return sum(tensor_bytes(x, seen) for x in obj)
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(x, seen) for x in obj.values())
+    return 0
+
+
+def _physical_tokens(layer) -> int:
+    if isinstance(layer, EvictionMixin):
+        return layer.physical_length
+    if hasattr(layer, "_quantized_keys"):  # quantized: all tokens are stored (packed or residual)
+        return layer.get_seq_length()
+    keys = getattr(layer, "keys", None)
+    return keys.shape[-2] if isinstance(keys, torch.Tensor) and keys.dim() == 4 else 0
+
+
+def _layer_bytes(layer) -> int:
+    seen: set = set()
+    return sum(tensor_bytes(getattr(layer, name, None), seen)
+               for name in ("keys", "values", "_quantized_keys", "_quantized_values"))
+
+
+def cache_stats(cache) -> dict[str, Any]:
+    """Logical tokens (seen, per sequence), physical tokens (stored per sequence and KV head,
+    averaged over layers) and bytes (all K/V storage incl. quantization scales) of a cache."""
+    layers = [layer for layer in cache.layers if isinstance(layer, CacheLayerMixin)]
+    per_layer = [_physical_tokens(layer) for layer in layers]
+    mean = sum(per_layer) / len(per_layer) if per_layer else 0
+    return {
+        "logical_tokens": int(cache.get_seq_length()),
+        "physical_tokens": int(mean) if mean == int(mean) else round(mean, 2),
+        "bytes": int(sum(_layer_bytes(layer) for layer in layers)),
+        "physical_tokens_per_layer": per_layer,
+    }

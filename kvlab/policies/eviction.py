@@ -1,0 +1,94 @@
+"""Shared base of the prefill-eviction policies (kvpress semantics).
+
+Once, at the end of the prefill, each layer keeps ``budget(n)`` = floor(n x keep) >= 1 prompt
+positions per KV head: the top-k of the method's score, re-sorted so the kept tokens stay in
+prompt order. Tokens that arrive later (a question, generated tokens) are appended uncompressed.
+A method is a subclass that sets ``name`` and implements ``score`` (or ``select``); methods that
+read attention set ``needs_attention`` and say how many last prompt queries they need.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from kvlab.policies.base import Policy, PolicyError, check_keep, hf_model, model_shape
+from kvlab.policies.quantized import QuantSpec
+
+
+@dataclass(frozen=True)
+class EvictionPolicy(Policy):
+    keep: float = field(default=0.5, metadata={"help": "fraction of prompt positions kept per layer and KV head"})
+    quant: QuantSpec | None = field(default=None, metadata={
+        "help": "evict, then quantize the kept K/V: {'backend': 'quanto', 'nbits': 4, ...} (default: no)"})
+
+    needs_attention: ClassVar[bool] = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "keep", check_keep(self.keep))
+        object.__setattr__(self, "quant", QuantSpec.coerce(self.quant))
+
+    # -- what a method defines ----------------------------------------------------------------
+    def budget(self, n: int, layer_idx: int, num_layers: int) -> int:
+        """Prompt positions this layer keeps per KV head."""
+        return max(1, math.floor(n * self.keep))
+
+    def query_window(self, n: int) -> int:
+        """How many last prompt queries the score needs (0: none)."""
+        return 0
+
+    def score(self, keys: torch.Tensor, values: torch.Tensor, attn: torch.Tensor | None,
+              layer_idx: int) -> torch.Tensor:
+        """``[B, Hkv, n]``, higher is kept. ``attn`` is ``[B, Hq, w, n]`` float32 when needed."""
+        raise NotImplementedError
+
+    def select(self, keys: torch.Tensor, values: torch.Tensor, attn: torch.Tensor | None, n_kept: int,
+               layer_idx: int, num_layers: int) -> torch.Tensor:
+        """Kept prompt positions, ``[B, Hkv, n_kept]`` ascending."""
+        scores = self.score(keys, values, attn, layer_idx)
+        return scores.topk(n_kept, dim=-1).indices.sort(dim=-1).values
+
+    # -- the Policy contract ------------------------------------------------------------------
+    @property
+    def bits(self) -> int | None:
+        return self.quant.nbits if self.quant else None
+
+    @property
+    def label(self) -> str:
+        text = f"{self.name} {self.keep:.0%}"
+        return f"{text} + {self.quant.label}" if self.quant else text
+
+    def check(self, model) -> None:
+        shape = model_shape(model)
+        if shape.non_full_layers:
+            raise PolicyError(
+                f"{self.name} evicts full-attention layers only, and {shape.name} has "
+                f"{', '.join(sorted(shape.non_full_layers))} layers: use 'full' or a full-attention model"
+            )
+        if self.quant:
+            self.quant.check(shape)
+
+    def prepare(self, model) -> None:
+        if self.needs_attention:
+            from kvlab.policies import attention
+
+            attention.install(hf_model(model))
+
+    def warmup(self, model) -> None:
+        if self.quant:
+            self.quant.warmup(model)
+
+    def make_cache(self, model):
+        from kvlab.policies.cache import EvictingLayer, EvictionCache, evicting_quantized_class
+
+        self.prepare(model)
+        num_layers = model_shape(model).num_layers
+        if self.quant is None:
+            layers = [EvictingLayer(self, i, num_layers) for i in range(num_layers)]
+        else:
+            layer_class = evicting_quantized_class(self.quant.layer_class())
+            layers = [layer_class(self, i, num_layers, **self.quant.layer_kwargs()) for i in range(num_layers)]
+        return EvictionCache(layers, self)

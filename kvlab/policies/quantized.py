@@ -1,0 +1,238 @@
+"""Quantized KV caches through transformers' ``QuantizedCache``: quanto, HQQ and FP8.
+
+The cache is built by kvlab for every generation (never through ``generate(cache_config=...)``:
+transformers 5.17 pops ``backend`` out of a shared dict and silently falls back to quanto on the
+next call). Backend, bit width and package presence are checked when the policy is made.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any
+
+from packaging.version import Version
+
+from kvlab.policies.base import ModelShape, Policy, PolicyError, check_int, hf_model, model_shape
+
+FP8_MIN_TRANSFORMERS = "5.21"
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    nbits: tuple[int, ...]
+    axes: tuple[int, ...]
+    package: str | None  # distribution that must be installed
+    min_version: str | None
+    install: str
+
+
+BACKENDS: dict[str, Backend] = {
+    "quanto": Backend("quanto", (2, 4), (0, -1), "optimum-quanto", "0.2.5", "pip install 'optimum-quanto>=0.2.5'"),
+    "hqq": Backend("hqq", (1, 2, 3, 4, 8), (0, 1), "hqq", "0.2.1", "pip install 'hqq>=0.2.8'"),
+    "fp8": Backend("fp8", (8,), (), None, None, f"pip install 'transformers>={FP8_MIN_TRANSFORMERS},<5.25'"),
+}
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def check_backend_installed(backend: Backend) -> None:
+    if backend.name == "fp8":
+        have = _version("transformers") or "0"
+        if Version(have) < Version(FP8_MIN_TRANSFORMERS):
+            raise PolicyError(
+                f"the fp8 KV cache needs transformers >= {FP8_MIN_TRANSFORMERS} (installed: {have}): "
+                f"{backend.install}, or use --backend quanto / hqq"
+            )
+        return
+    have = _version(backend.package)
+    if have is None or Version(have) < Version(backend.min_version):
+        found = f"version {have} is installed" if have else "it is not installed"
+        raise PolicyError(f"the {backend.name} backend needs {backend.package} >= {backend.min_version}, "
+                          f"but {found}: {backend.install}")
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How K/V are stored: backend, bits and the KIVI-style knobs of transformers' QuantizedLayer.
+
+    ``residual_length`` recent tokens stay at full precision until they are flushed;
+    ``q_group_size`` elements share one scale and zero point; axis 0 groups along head_dim
+    (per token), quanto's -1 / hqq's 0 along tokens (per channel).
+    """
+
+    backend: str = "quanto"
+    nbits: int | None = None
+    q_group_size: int = 64
+    residual_length: int = 128
+    axis_key: int = 0
+    axis_value: int = 0
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise PolicyError(f"unknown quantization backend {self.backend!r}: use one of {', '.join(BACKENDS)}")
+        backend = BACKENDS[self.backend]
+        if self.nbits is None:
+            object.__setattr__(self, "nbits", 8 if self.backend == "fp8" else 4)
+        check_int("nbits", self.nbits)
+        if self.nbits not in backend.nbits:
+            raise PolicyError(f"nbits={self.nbits} is not supported by the {self.backend} backend: "
+                              f"use one of {', '.join(map(str, backend.nbits))}")
+        if self.backend == "fp8":
+            if (self.q_group_size, self.residual_length, self.axis_key, self.axis_value) != (64, 128, 0, 0):
+                raise PolicyError("the fp8 backend quantizes per tensor: q_group_size, residual_length and "
+                                  "axis_key/axis_value do not apply (leave them at their defaults)")
+        else:
+            check_int("q_group_size", self.q_group_size, minimum=1)
+            check_int("residual_length", self.residual_length, minimum=1)
+            check_int("axis_key", self.axis_key, choices=backend.axes)
+            check_int("axis_value", self.axis_value, choices=backend.axes)
+        check_backend_installed(backend)
+
+    @classmethod
+    def coerce(cls, value: QuantSpec | dict | None) -> QuantSpec | None:
+        if value is None or isinstance(value, QuantSpec):
+            return value
+        if not isinstance(value, dict):
+            raise PolicyError(f"quant must be a dict like {{'backend': 'quanto', 'nbits': 4}}, got {value!r}")
+        try:
+            return cls(**value)
+        except TypeError:
+            allowed = ", ".join(f.name for f in cls.__dataclass_fields__.values())
+            raise PolicyError(f"bad quant keys {sorted(value)}; allowed: {allowed}") from None
+
+    @property
+    def label(self) -> str:
+        return "fp8" if self.backend == "fp8" else f"{self.backend} int{self.nbits}"
+
+    def params(self) -> dict[str, Any]:
+        if self.backend == "fp8":
+            return {"backend": "fp8", "nbits": 8}
+        return {"backend": self.backend, "nbits": self.nbits, "q_group_size": self.q_group_size,
+                "residual_length": self.residual_length, "axis_key": self.axis_key, "axis_value": self.axis_value}
+
+    def check(self, shape: ModelShape) -> None:
+        if shape.non_full_layers:
+            raise PolicyError(
+                f"{shape.name} has {', '.join(sorted(shape.non_full_layers))} layers, and transformers' "
+                f"QuantizedCache only supports full-attention models: use an eviction method or 'full' for this model"
+            )
+        if self.backend != "fp8" and shape.head_dim % self.q_group_size:
+            raise PolicyError(f"q_group_size={self.q_group_size} does not divide {shape.name}'s head_dim "
+                              f"{shape.head_dim}: use a divisor such as {shape.head_dim}")
+
+    def layer_class(self) -> type:
+        from transformers import cache_utils
+
+        return {"quanto": cache_utils.QuantoQuantizedLayer, "hqq": cache_utils.HQQQuantizedLayer,
+                "fp8": getattr(cache_utils, "Fp8QuantizedLayer", None)}[self.backend]
+
+    def layer_kwargs(self) -> dict[str, int]:
+        """Fresh keyword arguments for one quantized layer (a new dict on every call)."""
+        if self.backend == "fp8":
+            return {}
+        return {"nbits": self.nbits, "axis_key": self.axis_key, "axis_value": self.axis_value,
+                "q_group_size": self.q_group_size, "residual_length": self.residual_length}
+
+    def make_cache(self, model):
+        from transformers import QuantizedCache
+
+        config = hf_model(model).config
+        return QuantizedCache(self.backend, config, **self.layer_kwargs())
+
+    def warmup(self, model) -> None:
+        """Quantize and dequantize a tiny tensor on the model's device.
+
+        quanto JIT-builds its C++/CUDA extension on the first (de)quantize, which takes minutes on a
+        fresh GPU machine; doing it here keeps that out of timed regions. Cheap once built.
+        """
+        import torch
+
+        model = hf_model(model)
+        param = next(model.parameters())
+        shape = model_shape(model)
+        layer = self.layer_class()(**self.layer_kwargs())
+        x = torch.randn(1, 1, 4, shape.head_dim, device=param.device, dtype=param.dtype)
+        layer.update(x, x)
+        layer.update(x[:, :, :1], x[:, :, :1])
+        if param.device.type == "cuda":
+            torch.cuda.synchronize(param.device)
+
+
+def _quant_field(default, help_text):
+    return field(default=default, metadata={"help": help_text})
+
+
+@dataclass(frozen=True)
+class QuantizedPolicy(Policy):
+    """A whole-cache quantized policy (no eviction); subclasses say how to build the :class:`QuantSpec`."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "_spec", self._make_spec())
+
+    def _make_spec(self) -> QuantSpec:
+        raise NotImplementedError
+
+    @property
+    def spec(self) -> QuantSpec:
+        return self._spec
+
+    @property
+    def bits(self) -> int:
+        return self.spec.nbits
+
+    @property
+    def label(self) -> str:
+        return self.spec.label
+
+    def params(self) -> dict[str, Any]:
+        return {"method": self.name, **self.spec.params(), "keep": 1.0, "bits": self.bits}
+
+    def check(self, model) -> None:
+        self.spec.check(model_shape(model))
+
+    def warmup(self, model) -> None:
+        self.spec.warmup(model)
+
+    def make_cache(self, model):
+        return self.spec.make_cache(model)
+
+
+@dataclass(frozen=True)
+class _GroupwisePolicy(QuantizedPolicy):
+    nbits: int = _quant_field(4, "bits per stored element")
+    q_group_size: int = _quant_field(64, "elements sharing one scale/zero point")
+    residual_length: int = _quant_field(128, "recent tokens kept at full precision between flushes")
+    axis_key: int = _quant_field(0, "grouping axis for keys (0: along head_dim)")
+    axis_value: int = _quant_field(0, "grouping axis for values (0: along head_dim)")
+
+    def _make_spec(self) -> QuantSpec:
+        return QuantSpec(self.name, self.nbits, self.q_group_size, self.residual_length,
+                         self.axis_key, self.axis_value)
+
+
+@dataclass(frozen=True)
+class QuantoPolicy(_GroupwisePolicy):
+    name = "quanto"
+    summary = "optimum-quanto int4/int2 cache (transformers QuantizedCache, KIVI-style residual)"
+
+
+@dataclass(frozen=True)
+class HQQPolicy(_GroupwisePolicy):
+    name = "hqq"
+    summary = "HQQ int1-8 cache (transformers QuantizedCache; its optimizer runs at every flush)"
+
+
+@dataclass(frozen=True)
+class FP8Policy(QuantizedPolicy):
+    name = "fp8"
+    summary = f"per-tensor float8_e4m3 cache (transformers >= {FP8_MIN_TRANSFORMERS}), no residual buffer"
+
+    def _make_spec(self) -> QuantSpec:
+        return QuantSpec("fp8")

@@ -1,0 +1,36 @@
+"""StreamingLLM at prefill: the first ``n_sink`` prompt positions plus the most recent ones.
+
+Positions are not re-indexed: kept keys keep their RoPE rotation and decoding continues at the
+original positions (kvpress's StreamingLLMPress; the paper's rolling, re-rotated window differs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvlab.policies.base import check_int
+from kvlab.policies.eviction import EvictionPolicy
+
+
+def sink_and_recent(n: int, n_kept: int, n_sink: int) -> torch.Tensor:
+    """Positions ``[0, s) + [n - (n_kept - s), n)`` with ``s = min(n_sink, n_kept)``."""
+    sink = min(n_sink, n_kept)
+    return torch.cat([torch.arange(sink), torch.arange(n - (n_kept - sink), n)])
+
+
+@dataclass(frozen=True)
+class StreamingLLMPolicy(EvictionPolicy):
+    name = "streamingllm"
+    summary = "attention sinks + most recent prompt tokens (same positions in every head)"
+
+    n_sink: int = field(default=4, metadata={"help": "first prompt positions always kept"})
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_int("n_sink", self.n_sink, minimum=0)
+
+    def select(self, keys, values, attn, n_kept, layer_idx, num_layers):
+        bsz, heads, n, _ = keys.shape
+        return sink_and_recent(n, n_kept, self.n_sink).to(keys.device).expand(bsz, heads, -1)

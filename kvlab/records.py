@@ -1,0 +1,213 @@
+"""Append-only run records (JSONL, fsync per line), stable run ids, sweep manifests, DataFrames.
+
+A sweep folder holds ``records.jsonl`` (one JSON object per run, appended with flush + fsync so a
+``kill -9`` loses at most the run in flight), ``manifest.json`` (params and provenance) and, when
+written, ``records.parquet``. Reports read records only through :func:`load_records`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import warnings
+from collections.abc import Iterable, Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 1
+RECORDS_FILE = "records.jsonl"
+MANIFEST_FILE = "manifest.json"
+PARQUET_FILE = "records.parquet"
+
+# The columns reports read (ARCHITECTURE.md, "Records"); records may carry more.
+PERF_COLUMNS = (
+    "run_id", "sweep", "kind", "created_at", "status", "error", "model", "weights", "device", "gpu_name",
+    "dtype", "attn_implementation", "sdpa_backend", "method", "label", "policy_params", "keep", "bits",
+    "ctx", "batch", "new_tokens", "prompt_id", "repeat", "seed", "ttft_s", "prefill_s", "decode_s",
+    "itl_ms", "itl_mean_ms", "itl_median_ms", "itl_p90_ms", "itl_max_ms", "gpu_busy_ms", "tokens_per_s",
+    "peak_mem_bytes", "peak_mem_nvml_bytes", "cache_bytes", "cache_logical_tokens",
+    "cache_physical_tokens", "energy_source", "energy_j", "prefill_j", "decode_j", "idle_w",
+    "net_energy_j", "j_per_token", "net_j_per_token", "energy_10hz_j", "j_per_token_10hz",
+)
+
+
+def utc_now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def _jsonable(obj: Any) -> Any:
+    """Plain JSON values: non-finite floats become null, tuples lists, numpy/torch scalars numbers."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, Mapping):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_jsonable(v) for v in obj]
+    if obj is None or isinstance(obj, str | bool | int):
+        return obj
+    if hasattr(obj, "item"):  # numpy / torch scalars
+        return _jsonable(obj.item())
+    return str(obj)
+
+
+def canonical_json(obj: Any) -> str:
+    """One spelling per value: sorted keys, no spaces; the basis of run ids."""
+    return json.dumps(_jsonable(obj), sort_keys=True, separators=(",", ":"))
+
+
+def make_run_id(params: Mapping[str, Any], repeat: int) -> str:
+    """Stable id of one run: a hash of its canonical parameters and its repeat index."""
+    text = canonical_json({"params": dict(params), "repeat": int(repeat)})
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+class RecordWriter:
+    """Appends one JSON line per record and fsyncs it before returning.
+
+    A line torn by a crash mid-write is terminated on the next open, so it stays a single
+    unparseable line that readers skip; no later record is glued to it.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        torn = self.path.exists() and self.path.stat().st_size > 0 and not self._ends_with_newline()
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+        if torn:
+            self._write("\n")
+
+    def _ends_with_newline(self) -> bool:
+        with open(self.path, "rb") as f:
+            f.seek(-1, os.SEEK_END)
+            return f.read(1) == b"\n"
+
+    def _write(self, text: str) -> None:
+        self._file.write(text)
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+    def append(self, record: Mapping[str, Any]) -> None:
+        self._write(json.dumps(_jsonable(record), separators=(",", ":")) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> RecordWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """All parseable records of one file, in order; a torn line is skipped with a warning."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                warnings.warn(f"{path}:{n}: skipped a torn or invalid line", stacklevel=2)
+    return out
+
+
+def recorded_run_ids(folder: str | Path, statuses: Iterable[str] | None = None) -> set[str]:
+    """Run ids already in ``folder/records.jsonl`` (only those with one of ``statuses`` if given)."""
+    wanted = set(statuses) if statuses is not None else None
+    return {
+        r["run_id"] for r in read_jsonl(Path(folder) / RECORDS_FILE)
+        if "run_id" in r and (wanted is None or r.get("status") in wanted)
+    }
+
+
+def write_manifest(folder: str | Path, manifest: Mapping[str, Any]) -> Path:
+    """Write ``manifest.json`` atomically (temp file + rename)."""
+    path = Path(folder) / MANIFEST_FILE
+    tmp = path.with_suffix(".json.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(_jsonable(manifest), f, indent=2, sort_keys=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def read_manifest(folder: str | Path) -> dict[str, Any] | None:
+    path = Path(folder) / MANIFEST_FILE
+    if not path.exists():
+        return None
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _record_files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    if not path.exists():
+        raise FileNotFoundError(f"no records at {path}: pass a sweep folder or a records.jsonl file")
+    return sorted(path.rglob(RECORDS_FILE))
+
+
+def _latest_per_run(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One record per (folder, run id): the last ok one, else the last one (a retried failure)."""
+    chosen: dict[tuple, int] = {}
+    for i, r in enumerate(records):
+        key = (r.get("_folder"), r.get("run_id"), r.get("kind"))
+        prev = chosen.get(key)
+        if prev is None or r.get("status") == "ok" or records[prev].get("status") != "ok":
+            chosen[key] = i
+    return [records[i] for i in sorted(chosen.values())]
+
+
+def load_records(path: str | Path, kind: str | None = None, latest: bool = True):
+    """All records under ``path`` (a sweep folder, a folder of sweeps, or one JSONL) as a DataFrame.
+
+    The known columns come first in their documented order; ``folder`` names the sweep folder each
+    row came from. With ``latest`` a run recorded twice (a failure retried) keeps one row.
+    """
+    import pandas as pd
+
+    path = Path(path)
+    rows: list[dict[str, Any]] = []
+    for file in _record_files(path):
+        for r in read_jsonl(file):
+            r["_folder"] = str(file.parent)
+            rows.append(r)
+    if kind is not None:
+        rows = [r for r in rows if r.get("kind") == kind]
+    if latest:
+        rows = _latest_per_run(rows)
+    for r in rows:
+        r["folder"] = r.pop("_folder")
+    df = pd.DataFrame.from_records(rows)
+    if df.empty:
+        return pd.DataFrame(columns=list(PERF_COLUMNS))
+    first = [c for c in PERF_COLUMNS if c in df.columns]
+    return df[first + [c for c in df.columns if c not in first]]
+
+
+def to_parquet(df, path: str | Path) -> Path:
+    """Write a records DataFrame to Parquet; dict columns (``policy_params``) become JSON text so
+    rows with different keys share one schema."""
+    path = Path(path)
+    out = df.copy()
+    for col in out.columns:
+        if out[col].map(lambda v: isinstance(v, dict)).any():
+            out[col] = out[col].map(lambda v: canonical_json(v) if isinstance(v, dict) else v)
+    out.to_parquet(path, index=False)
+    return path
+
+
+def write_parquet(folder: str | Path, path: str | Path | None = None) -> Path:
+    """``load_records(folder)`` written to ``folder/records.parquet`` (or ``path``)."""
+    folder = Path(folder)
+    return to_parquet(load_records(folder), path or folder / PARQUET_FILE)

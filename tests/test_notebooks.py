@@ -1,0 +1,127 @@
+"""The notebooks: committed clean (python3 kernel, one literal-only parameters cell, no outputs, no
+def/class), and each executes under papermill on CPU with small parameters (slow)."""
+
+import ast
+import json
+from pathlib import Path
+
+import nbformat
+import pytest
+from browser import drawn_plots, dump_dom, require_chromium
+from synthetic_records import write_fake_sweep
+
+from kvlab import report
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+NAMES = [p.stem for p in NOTEBOOKS]
+
+
+def test_the_four_notebooks_exist():
+    assert set(NAMES) >= {"byte_budget", "sweep", "report", "anatomy"}
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=NAMES)
+def test_notebook_is_committed_clean(path):
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    assert nb.metadata.kernelspec.name == "python3"
+    assert "papermill" not in nb.metadata and "widgets" not in nb.metadata
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    for c in code:
+        assert c.outputs == [] and c.execution_count is None, "commit notebooks without outputs"
+        tree = ast.parse(c.source)
+        defs = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef
+                                                        | ast.Lambda)]
+        assert not defs, f"logic belongs in kvlab, not in a notebook cell:\n{c.source}"
+    tagged = [c for c in code if "parameters" in c.metadata.get("tags", [])]
+    assert len(tagged) == 1
+    for stmt in ast.parse(tagged[0].source).body:
+        assert isinstance(stmt, ast.Assign), ast.unparse(stmt)
+        ast.literal_eval(stmt.value)  # plain values only: derived values are not recomputed
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=NAMES)
+def test_papermill_sees_the_parameters(path):
+    import papermill as pm
+
+    params = pm.inspect_notebook(str(path))
+    assert params, "no parameters inferred"
+    assert all(p["help"] for p in params.values()), "each parameter has a trailing comment"
+
+
+def execute(name, out_dir, **parameters):
+    out = out_dir / f"{name}.ipynb"
+    return report.execute_notebook(ROOT / "notebooks" / f"{name}.ipynb", out, parameters, cwd=ROOT,
+                                   timeout=900), out
+
+
+def outputs_text(nb) -> str:
+    parts = []
+    for c in nb.cells:
+        for o in c.get("outputs", []):
+            parts.append(o.get("text", ""))
+            parts.extend(str(v) for v in o.get("data", {}).values())
+    return "\n".join(parts)
+
+
+@pytest.mark.slow
+def test_byte_budget_executes(tmp_path):
+    nb, _ = execute("byte_budget", tmp_path, model="mistral-7b", ctx=8192, bits=[4])
+    text = outputs_text(nb)
+    assert "application/vnd.jupyter.widget-view+json" in json.dumps(nb.cells[-1].outputs)
+    assert "int4 g64 r128" in text and "131072" in text  # the per-token table and the formats
+    assert text.count("Plotly.newPlot") == 4
+
+
+@pytest.mark.slow
+def test_report_executes_on_cpu_like_records(tmp_path):
+    folder = write_fake_sweep(tmp_path / "fake", energy=False)
+    nb, _ = execute("report", tmp_path, records_dir=str(folder), ctx=4096, n_boot=200)
+    text = outputs_text(nb)
+    assert "weights: synthetic" in text
+    assert "no energy data" in text  # the J/token headline says why it is empty
+
+
+@pytest.mark.slow
+def test_anatomy_executes_on_the_tiny_model(tmp_path):
+    pytest.importorskip("optimum.quanto")
+    nb, _ = execute("anatomy", tmp_path, ctx=64, steps=2, warmup=1)
+    text = outputs_text(nb)
+    assert "dequantize" in text and "CPU/launch gap" in text
+    assert "quanto int4" in text
+
+
+@pytest.fixture(scope="module")
+def smoke_sweep(tmp_path_factory):
+    """The sweep notebook on the smoke params (reduced: 3 methods, ctx 256, 4 new tokens)."""
+    tmp = tmp_path_factory.mktemp("smoke")
+    nb, out = execute("sweep", tmp, params_file="params/smoke.yaml", ctx=256, new_tokens=4,
+                      methods=["full", "streamingllm", "quanto"], out_dir=str(tmp / "records"))
+    return tmp, nb
+
+
+@pytest.mark.slow
+def test_sweep_notebook_runs_the_smoke_sweep(smoke_sweep):
+    tmp, nb = smoke_sweep
+    from kvlab.records import load_records
+
+    perf = load_records(tmp / "records", kind="perf")
+    assert set(perf["ctx"]) == {256} and set(perf["status"]) == {"ok"}
+    assert {"full", "streamingllm", "quanto"} <= set(perf["method"])
+    assert "ms/token (median)" in outputs_text(nb)  # the summary table
+
+
+@pytest.mark.slow
+def test_smoke_sweep_report_draws_offline_in_chromium(smoke_sweep):
+    """The done-when path: sweep notebook -> kvlab report -> HTML that draws with no network."""
+    require_chromium()
+    from kvlab.cli import main
+
+    tmp, _ = smoke_sweep
+    assert main(["report", str(tmp / "records"), "-o", str(tmp / "site" / "smoke.html")]) == 0
+    dom = dump_dom(tmp / "site" / "smoke.html", tmp / "chromium-profile")
+    counts = drawn_plots(dom)
+    assert counts["graph_divs"] == 7 and counts["drawn"] == 7, counts
+    assert counts["main_svg"] >= 7
+    assert 'href="smoke.html"' in (tmp / "site" / "index.html").read_text()

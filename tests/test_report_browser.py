@@ -1,0 +1,36 @@
+"""The rendered report opened in a real headless Chromium with the network cut off: every plotly
+figure must have drawn (SVG present), proving the HTML is self-contained."""
+
+import pytest
+from browser import drawn_plots, dump_dom, require_chromium
+from synthetic_records import write_fake_sweep
+
+from kvlab import report
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory):
+    require_chromium()
+    tmp = tmp_path_factory.mktemp("browser")
+    folders = {"gpu-like": write_fake_sweep(tmp / "gpu-like"),
+               "cpu-like": write_fake_sweep(tmp / "cpu-like", energy=False, quality=False)}
+    return tmp, {name: report.render_report(folder) for name, folder in folders.items()}
+
+
+@pytest.mark.parametrize("name", ["gpu-like", "cpu-like"])
+def test_every_figure_draws_offline(rendered, name):
+    tmp, htmls = rendered
+    dom = dump_dom(htmls[name], tmp / f"profile-{name}")
+    counts = drawn_plots(dom)
+    assert counts["graph_divs"] == 7
+    assert counts["drawn"] == counts["graph_divs"], counts  # plotly.js ran for every figure
+    assert counts["main_svg"] >= counts["graph_divs"]
+    assert "weights: synthetic" in dom
+
+
+def test_index_page_links_both_reports(rendered):
+    tmp, _ = rendered
+    dom = dump_dom(tmp / "index.html", tmp / "profile-index")
+    assert 'href="gpu-like/report.html"' in dom and 'href="cpu-like/report.html"' in dom

@@ -1,0 +1,246 @@
+"""Sweep params, expansion and the resumable runner on the tiny random Llama."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvlab.cli import main
+from kvlab.params import ParamsError, check_params, load_params, method_variants, parse_params
+from kvlab.records import load_records, read_jsonl, read_manifest
+from kvlab.sweep import SweepLock, SweepLocked, block_order, expand, plan, run_sweep
+
+REPO = Path(__file__).resolve().parent.parent
+
+TINY = {
+    "models": "tiny-llama", "weights": "synthetic", "device": "cpu",
+    "methods": ["full", "streamingllm", {"method": "quanto", "bits": [4, 2], "q_group_size": 16}],
+    "keep": 0.5, "ctx": [32, 64], "batch": 1, "new_tokens": 3, "prompts": 2, "repeats": 1, "threads": 1,
+}
+
+
+def tiny_params(**kw):
+    return parse_params({**TINY, **kw})
+
+
+def ids_in(folder):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return [r["run_id"] for r in read_jsonl(Path(folder) / "records.jsonl")]
+
+
+# --- params ----------------------------------------------------------------------------------
+
+
+def test_scalars_become_lists_and_files_validate():
+    p = tiny_params(ctx=16384)
+    assert p.ctx == [16384] and p.models == ["tiny-llama"] and p.keep == [0.5]
+    smoke = load_params(REPO / "params" / "smoke.yaml")
+    assert smoke.name == "smoke" and smoke.device == "cpu" and smoke.new_tokens == 8
+    assert len(plan(smoke)) == 20  # 10 methods x 2 contexts
+    seed = load_params(REPO / "params" / "seed-16k.yaml")
+    runs = plan(seed)  # validated without a GPU (check_device=False)
+    assert len(runs) == 15 * 3 * 5 * 3
+    assert {(r.method, r.policy_kwargs.get("keep"), r.policy_kwargs.get("nbits")) for r in runs} >= {
+        ("full", None, None), ("snapkv", 0.1, None), ("quanto", None, 2)}
+    assert load_params(REPO / "params" / "seed-16k.yaml", ["ctx=16384", "repeats=1"]).ctx == [16384]
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"ctxs": [512]}, "unknown key 'ctxs': did you mean 'ctx'?"),
+        ({"methods": ["full", "h2o"]}, "methods[1] (h2o): unknown method 'h2o'; methods: full"),
+        ({"keep": [0.5, 0]}, "keep (streamingllm): keep=0.0 is outside (0, 1]"),
+        ({"methods": [{"method": "quanto", "bits": 3, "q_group_size": 16}]},
+         "methods[0] (quanto: q_group_size=16, nbits=3): nbits=3 is not supported by the quanto backend: use one of 2, 4"),
+        ({"ctx": [4094]}, "ctx: 4094 + new_tokens 3 is above the maximum context 4096 of tiny-llama; lower ctx to at most 4093"),
+        ({"models": ["llama-3.1-8b"], "weights": None}, "models[0]: kvlab has no real weights for 'llama-3.1-8b'; set weights: synthetic"),
+        ({"new_tokens": 0}, "new_tokens: Input should be greater than or equal to 1"),
+        ({"device": "gpu"}, "device: 'gpu' is not a device; use cpu, cuda or cuda:N"),
+    ],
+)
+def test_bad_params_name_the_key_and_the_fix(change, message):
+    with pytest.raises(ParamsError) as err:
+        check_params(tiny_params(**change))
+    assert message in str(err.value)
+
+
+def test_missing_key_and_bad_overrides(tmp_path):
+    with pytest.raises(ParamsError, match="ctx: required"):
+        parse_params({k: v for k, v in TINY.items() if k != "ctx"})
+    with pytest.raises(ParamsError, match="write key=value"):
+        load_params(REPO / "params" / "smoke.yaml", ["ctx"])
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(TINY))
+    p = load_params(path, ["ctx=[8, 16]", "methods=[full, {method: snapkv, keep: 0.25}]", "sdpa_backend=math"])
+    assert p.ctx == [8, 16] and p.sdpa_backend == "math" and p.name == "p"
+    assert [v.kwargs for _, v in method_variants(p)] == [{}, {"keep": 0.25}]
+
+
+def test_cuda_device_is_refused_when_torch_has_none():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ParamsError, match="torch sees no CUDA device; use --set device=cpu"):
+        check_params(tiny_params(device="cuda"))
+    check_params(tiny_params(device="cuda"), check_device=False)
+
+
+# --- expansion -------------------------------------------------------------------------------
+
+
+def test_blocks_run_every_variant_once_in_a_seeded_order():
+    p = tiny_params(methods=["full", "streamingllm", "snapkv", "tova", "knorm"], ctx=[32], prompts=2, repeats=3)
+    runs = expand(p, check_params(p))
+    assert len(runs) == 5 * 2 * 3 and len({r.run_id for r in runs}) == len(runs)
+    blocks = [runs[i:i + 5] for i in range(0, len(runs), 5)]
+    orders = []
+    for block in blocks:
+        assert sorted(r.method for r in block) == sorted(["full", "streamingllm", "snapkv", "tova", "knorm"])
+        assert len({(r.repeat, r.prompt_id) for r in block}) == 1
+        orders.append(tuple(r.method for r in block))
+    assert len(set(orders)) > 1  # not one fixed order
+    assert [r.run_id for r in expand(p, check_params(p))] == [r.run_id for r in runs]
+    other = tiny_params(methods=["full", "streamingllm", "snapkv", "tova", "knorm"], ctx=[32], prompts=2,
+                        repeats=3, seed=1)
+    assert [r.method for r in expand(other, check_params(other))] != [r.method for r in runs]
+    assert sorted(block_order(7, 0, "x")) == list(range(7)) and block_order(7, 0, "x") == block_order(7, 0, "x")
+
+
+# --- the runner ------------------------------------------------------------------------------
+
+
+def test_sweep_records_every_run_once_and_a_rerun_does_nothing(tmp_path):
+    p = tiny_params()
+    s = run_sweep(p, tmp_path, progress=False, log=lambda m: None)
+    total = 4 * 2 * 2  # variants x ctx x prompts
+    assert (s.total, s.ok, s.failed, s.pending) == (total, total, 0, 0) and s.complete
+    ids = ids_in(tmp_path)
+    assert len(ids) == total and set(ids) == {r.run_id for r in plan(p)}
+    df = load_records(tmp_path)
+    assert set(df.status) == {"ok"} and set(df.weights) == {"synthetic"} and set(df.kind) == {"perf"}
+    assert df.ttft_s.notna().all() and (df.cache_logical_tokens == df.ctx).all()
+    assert df.sdpa_kernel.notna().all()  # from the probed warm-up of each shape
+    assert set(df.label) == {"full", "streamingllm 50%", "quanto int4", "quanto int2"}
+    warm = read_jsonl(tmp_path / "warmup.jsonl")
+    assert len(warm) == 4 * 2 and {(w["method"], w["ctx"], w["new_tokens"]) for w in warm} == {
+        (r.method, r.ctx, r.new_tokens) for r in plan(p)}
+    manifest = read_manifest(tmp_path)
+    assert manifest["status"] == "complete" and manifest["params"]["ctx"] == [32, 64]
+    inv = manifest["invocations"][0]
+    assert inv["env_start"]["packages"]["torch"] and inv["env_end"]["taken_at"]
+    assert inv["energy_source"].startswith("none")
+
+    again = run_sweep(p, tmp_path, progress=False, log=lambda m: None)
+    assert (again.already_done, again.ok, again.failed, again.pending) == (total, 0, 0, 0)
+    assert ids_in(tmp_path) == ids
+    assert len(read_manifest(tmp_path)["invocations"]) == 2
+
+
+def test_failures_are_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch):
+    import torch
+
+    import kvlab.measure as measure
+
+    real = measure.measure_generation
+
+    def flaky(*args, **kw):
+        if kw["prompt_id"] == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(measure, "measure_generation", flaky)
+    p = tiny_params(methods=["full", {"method": "quanto", "q_group_size": 64}], ctx=[32])
+    s = run_sweep(p, tmp_path, progress=False, log=lambda m: None)
+    assert (s.ok, s.failed, s.pending) == (1, 3, 0)
+    df = load_records(tmp_path).set_index(["method", "prompt_id"])
+    assert df.loc[("full", 0), "status"] == "ok"
+    assert df.loc[("full", 1), "error"].startswith("OutOfMemoryError: CUDA out of memory (simulated)")
+    for prompt in (0, 1):
+        err = df.loc[("quanto", prompt), "error"]
+        assert "q_group_size=64 does not divide" in err and "policy setup failed" in err
+    assert "OutOfMemoryError" in (tmp_path / "errors.log").read_text()
+
+    monkeypatch.setattr(measure, "measure_generation", real)
+    assert run_sweep(p, tmp_path, progress=False, log=lambda m: None).ok == 0  # failures are recorded runs
+    retry = run_sweep(tiny_params(methods=p.methods, ctx=[32], retry_failed=True), tmp_path, progress=False,
+                      log=lambda m: None)
+    assert (retry.ok, retry.failed) == (1, 2)  # the simulated OOM is gone; the bad policy still fails
+    latest = load_records(tmp_path).set_index(["method", "prompt_id"])
+    assert latest.loc[("full", 1), "status"] == "ok" and len(latest) == 4
+
+
+def test_run_budget_stops_cleanly_and_the_rerun_finishes(tmp_path):
+    s = run_sweep(tiny_params(max_runs=3), tmp_path, progress=False, log=lambda m: None)
+    assert s.ok == 3 and s.pending == 13 and "max_runs=3" in s.stopped and not s.complete
+    assert read_manifest(tmp_path)["status"] == "incomplete"
+    s = run_sweep(tiny_params(time_budget_s=1e-6), tmp_path, progress=False, log=lambda m: None)
+    assert s.ok == 0 and "time_budget_s" in s.stopped
+    s = run_sweep(tiny_params(), tmp_path, progress=False, log=lambda m: None)
+    assert s.ok == 13 and s.complete
+    ids = ids_in(tmp_path)
+    assert len(ids) == len(set(ids)) == 16
+
+
+def test_a_live_lock_refuses_and_a_dead_one_is_replaced(tmp_path):
+    with SweepLock(tmp_path):
+        with pytest.raises(SweepLocked, match=f"pid {os.getpid()}"):
+            run_sweep(tiny_params(), tmp_path, progress=False, log=lambda m: None)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    import socket
+
+    (tmp_path / "sweep.lock").write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname()}))
+    lock = SweepLock(tmp_path).acquire()
+    assert lock.stale["pid"] == dead.pid
+    lock.release()
+    assert SweepLock(tmp_path).acquire().stale is None  # a cleanly released lock is not stale
+
+
+def test_kill_9_midway_then_rerun_has_no_duplicate_and_no_lost_run(tmp_path):
+    params = {**TINY, "methods": ["full", "streamingllm"], "ctx": [32], "prompts": 4, "jitter_ms": 300,
+              "name": "killme"}
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(params))
+    out = tmp_path / "out"
+    total = len(plan(parse_params(params)))
+    proc = subprocess.Popen([sys.executable, "-m", "kvlab", "sweep", str(path), "-o", str(out), "--no-progress"],
+                            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while len(ids_in(out)) < 2 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL
+    done_before = len(ids_in(out))
+    assert 2 <= done_before < total, "the sweep finished before it could be killed midway"
+
+    logged = []
+    s = run_sweep(parse_params(params), out, progress=False, log=logged.append)
+    assert s.stale_lock and s.stale_lock["pid"] == proc.pid and "stale lock" in logged[0]
+    assert s.already_done == done_before and s.ok == total - done_before and s.complete
+    ids = ids_in(out)
+    assert len(ids) == len(set(ids)) == total
+    assert set(ids) == {r.run_id for r in plan(parse_params(params))}
+
+
+def test_cli_dry_run_errors_and_lock(tmp_path, capsys):
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(TINY))
+    assert main(["sweep", str(path), "-o", str(tmp_path / "o"), "--dry-run"]) == 0
+    assert "16 runs to do" in capsys.readouterr().out
+    assert main(["sweep", str(path), "--set", "keep=0", "--dry-run"]) == 2
+    assert "keep (streamingllm): keep=0.0 is outside (0, 1]" in capsys.readouterr().err
+    with SweepLock(tmp_path / "o"):
+        assert main(["sweep", str(path), "-o", str(tmp_path / "o"), "--no-progress"]) == 2
+    assert "being written by another sweep" in capsys.readouterr().err
+    assert main(["sweep", str(path), "-o", str(tmp_path / "o"), "--no-progress", "--set", "max_runs=2"]) == 3
+    assert "rerun the same command to continue" in capsys.readouterr().out
