@@ -33,9 +33,15 @@ def _git(*args: str) -> str | None:
 
 
 def git_info() -> dict[str, Any]:
-    """HEAD commit of the kvlab checkout and whether the tree had local changes."""
+    """HEAD commit of the kvlab checkout and whether the tree had local changes.
+
+    A copy without ``.git`` (e.g. a working tree shipped to a GPU machine) can say its commit
+    through the ``KVLAB_GIT_SHA`` environment variable.
+    """
     sha = _git("rev-parse", "HEAD")
     status = _git("status", "--porcelain", "--untracked-files=no") if sha else None
+    if sha is None and os.environ.get("KVLAB_GIT_SHA"):
+        return {"git_sha": os.environ["KVLAB_GIT_SHA"], "git_dirty": None, "git_sha_from": "KVLAB_GIT_SHA"}
     return {"git_sha": sha, "git_dirty": bool(status) if status is not None else None}
 
 

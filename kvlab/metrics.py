@@ -193,13 +193,15 @@ def score_prediction(metric: str, prediction: str, references: Sequence[str], **
 # ---------------------------------------------------------------- fidelity to the full cache
 
 
-def answer_span_fidelity(logits, answer_ids: Sequence[int], ref_logits=None) -> dict[str, float | None]:
+def answer_span_fidelity(logits, answer_ids: Sequence[int], ref_logits=None,
+                         first_index: int = 0) -> dict[str, float | None]:
     """Teacher-forced metrics on a gold answer span.
 
     ``logits[t]`` (shape [T, V]) is the compressed run's prediction for ``answer_ids[t]``;
     ``ref_logits`` the full cache's on the same tokens. Returns the gold NLL (summed nats),
-    first-answer-token accuracy, per-token accuracy, and, given a reference, KL(full || compressed)
-    in nats per token and top-1 agreement, both averaged over the span.
+    first-answer-token accuracy and top-2 logit margin at ``first_index`` (the first token that
+    carries content: once it is right, later sub-tokens are easy), per-token accuracy, and, given
+    a reference, KL(full || compressed) in nats per token and top-1 agreement over the span.
     """
     import torch
 
@@ -207,10 +209,14 @@ def answer_span_fidelity(logits, answer_ids: Sequence[int], ref_logits=None) -> 
     gold = torch.as_tensor(list(answer_ids), dtype=torch.long, device=logq.device)
     if logq.ndim != 2 or logq.shape[0] != gold.numel() or gold.numel() == 0:
         raise ValueError(f"logits {tuple(logq.shape)} do not match {gold.numel()} answer tokens")
+    if not 0 <= first_index < gold.numel():
+        raise ValueError(f"first_index {first_index} is outside the {gold.numel()} answer tokens")
     top_q = logq.argmax(-1)
+    top2 = logits[first_index].float().topk(min(2, logits.shape[-1])).values
     out: dict[str, float | None] = {
         "gold_nll": float(-logq.gather(1, gold[:, None]).sum()),
-        "first_token_acc": float(top_q[0] == gold[0]),
+        "first_token_acc": float(top_q[first_index] == gold[first_index]),
+        "first_margin": float(top2[0] - top2[-1]),
         "tf_token_acc": float((top_q == gold).float().mean()),
         "kl": None,
         "top1_agree": None,

@@ -205,7 +205,6 @@ class ItemRun:
     generated: list[int]
     prediction: str
     tf_logits: Any  # [len(answer_ids), V] float32
-    first_margin: float
     cache: dict[str, Any] = field(default_factory=dict)
 
 
@@ -237,7 +236,6 @@ def run_item(loaded, policy, item: TaskItem, enc: Encoder, query_aware: bool = F
     answer = list(item.answer_ids)
     tf_cache = fork_cache(cache, model) if len(answer) > 1 else None
     last = logits[-1]
-    top2 = torch.topk(last, 2).values
     first_token = int(last.argmax())
     generated = _greedy(model, cache, first_token, max_new_tokens or item.max_new_tokens, start)
     if len(answer) > 1:
@@ -253,7 +251,6 @@ def run_item(loaded, policy, item: TaskItem, enc: Encoder, query_aware: bool = F
         generated=generated,
         prediction=reply_text(enc, generated),
         tf_logits=tf_logits,
-        first_margin=float(top2[0] - top2[1]),
         cache=stats,
     )
 
@@ -422,9 +419,9 @@ def run_quality(loaded, policies: Sequence, task_spec: TaskSpec | dict, out_writ
 def _item_record(loaded, policy, item, enc, spec, base, ref: ItemRun, reference) -> dict[str, Any]:
     try:
         run = ref if policy is reference else run_item(loaded, policy, item, enc, spec.query_aware)
-        fid = answer_span_fidelity(run.tf_logits, item.answer_ids, ref.tf_logits)
+        fid = answer_span_fidelity(run.tf_logits, item.answer_ids, ref.tf_logits, item.answer_start)
         extra = {"prediction": run.prediction, "references": list(item.references),
-                 "first_margin": run.first_margin, "new_tokens": len(run.generated), **run.cache}
+                 "first_margin": fid["first_margin"], "new_tokens": len(run.generated), **run.cache}
         return quality_record(base, policy, item, query_aware=spec.query_aware,
                               score=item.score(run.prediction), fidelity=fid, extra=extra)
     except (KeyboardInterrupt, MemoryError):

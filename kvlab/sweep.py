@@ -280,7 +280,7 @@ def _identity_record(run: RunSpec, sweep: str, kind: str = "perf") -> dict[str, 
     v = run.variant
     return {
         "run_id": run.run_id, "sweep": sweep, "kind": kind, "created_at": utc_now(),
-        "status": None, "error": None, "model": run.model, "weights": run.weights,
+        "status": None, "error": None, "model": run.model, "weights": run.weights or "real",
         "device": run.device, "dtype": run.dtype, "method": run.method,
         "policy_params": dict(run.policy_kwargs), "keep": v.keep, "bits": v.bits,
         "ctx": run.ctx, "batch": run.batch, "new_tokens": run.new_tokens, "prompt_id": run.prompt_id,
@@ -339,6 +339,9 @@ def run_sweep(
         summary = SweepSummary(str(out), total=len(runs), already_done=len(runs) - len(pending),
                                pending=len(pending), stale_lock=lock.stale)
         manifest = read_manifest(out) or {"sweep": sweep_name, "created_at": utc_now(), "invocations": []}
+        if manifest.get("run_ids") and set(manifest["run_ids"]) != {r.run_id for r in runs}:
+            log(f"kvlab sweep: {out} held a different plan; its records stay, and load_records reads both "
+                f"(use another -o to keep sweeps apart)")
         manifest.update(sweep=sweep_name, schema=1, params=params.model_dump(mode="json"), n_runs=len(runs),
                         run_ids=[r.run_id for r in runs])
         invocation: dict[str, Any] = {"started_at": utc_now(), "pid": os.getpid(),

@@ -127,6 +127,13 @@ def test_answer_span_fidelity_identical_and_shifted():
     kl0 = float((p * (p.log() - torch.log_softmax(other[0], -1))).sum())
     assert diff["kl"] == pytest.approx(kl0 / 3, rel=1e-5)
     assert diff["gold_nll"] > same["gold_nll"]
+    # first-token accuracy and margin at a later content token (after a lone space token)
+    shifted = M.answer_span_fidelity(other, gold, logits, first_index=1)
+    assert shifted["first_token_acc"] == 1.0
+    top = other[1].topk(2).values
+    assert shifted["first_margin"] == pytest.approx(float(top[0] - top[1]))
+    with pytest.raises(ValueError, match="first_index"):
+        M.answer_span_fidelity(other, gold, logits, first_index=3)
     # no reference: KL and agreement are unknown, not zero
     assert M.answer_span_fidelity(logits, gold)["kl"] is None
     with pytest.raises(ValueError, match="answer tokens"):

@@ -59,7 +59,6 @@ def test_full_cache_protocol_matches_one_plain_forward(toy, enc):
     for _ in range(5):
         seq.append(int(_plain_logits(toy.model, seq)[-1].argmax()))
     assert run.generated == seq[len(prompt):]
-    assert run.first_margin >= 0
 
 
 def test_query_aware_moves_the_question_into_the_prefill(enc):

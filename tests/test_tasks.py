@@ -66,6 +66,8 @@ def test_needle_sits_in_the_context_with_the_gold_value(enc):
     assert f"One of the special magic numbers for {key} is: {value}." in context
     assert key in _text(enc, item.question_ids)
     assert _text(enc, item.answer_ids) == f" {value}"
+    # the toy tokenizer splits " 1234567" into " " + digits: first-token accuracy looks at the digit
+    assert item.answer_start == 1 and _text(enc, item.answer_ids[1:2]) == value[0]
     # the recorded token position points at the needle
     pos = item.meta["needle_token_positions"][0]
     assert _text(enc, item.context_ids[pos:]).startswith("One of the special magic numbers")

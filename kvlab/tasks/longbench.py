@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvlab.tasks.prompt import ChatFrame, Encoder, TaskError, TaskItem, item_seed
+from kvlab.tasks.prompt import ChatFrame, Encoder, TaskError, TaskItem, content_start, item_seed
 
 
 class LongBenchError(TaskError):
@@ -235,6 +235,7 @@ def longbench_item(example: LongBenchExample, enc: Encoder, max_length: int, sam
                              f"more than max_length {max_length}; raise the length")
     doc_kept = middle_truncate(doc_ids, max_length - fixed)
     sep = "" if spec.answer_prefix.endswith((" ", "\n")) or not spec.answer_prefix else " "
+    answer_ids = enc.encode(sep + example.answers[0])
     return TaskItem(
         task=f"longbench/{example.dataset}",
         length=int(max_length),
@@ -244,7 +245,8 @@ def longbench_item(example: LongBenchExample, enc: Encoder, max_length: int, sam
         context_ids=head_ids + doc_kept + tail_ids,
         question_ids=question_ids,
         answer_prefix_ids=prefix_ids,
-        answer_ids=enc.encode(sep + example.answers[0]),
+        answer_ids=answer_ids,
+        answer_start=content_start(enc, answer_ids),
         references=example.answers,
         metric=spec.metric,
         max_new_tokens=int(max_new_tokens or spec.max_new_tokens),

@@ -106,6 +106,7 @@ class TaskItem:
     max_new_tokens: int
     metric_kwargs: dict = field(default_factory=dict)
     first_line_only: bool = False
+    answer_start: int = 0  # first answer token that is not whitespace (e.g. after a lone " ")
     meta: dict = field(default_factory=dict)
 
     @property
@@ -119,6 +120,12 @@ class TaskItem:
         if self.first_line_only:
             prediction = prediction.lstrip("\n").split("\n")[0]
         return score_prediction(self.metric, prediction, list(self.references), **self.metric_kwargs)
+
+
+def content_start(enc: Encoder, ids: tuple[int, ...]) -> int:
+    """Index of the first token that decodes to more than whitespace: first-answer-token
+    accuracy is measured there, since many tokenizers split " 1234567" into " " + digits."""
+    return next((i for i, t in enumerate(ids) if enc.decode([t]).strip()), 0)
 
 
 def item_seed(base_seed: int, task: str, length: int, depth: float | None, sample: int) -> int:
@@ -220,6 +227,7 @@ def assemble(
         references=tuple(references),
         metric=metric,
         max_new_tokens=max_new_tokens,
+        answer_start=content_start(enc, answer_ids),
         meta=item_meta,
     )
     if item.n_prompt_tokens != length:  # a bug, not bad input: fail loudly

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
-from kvlab.tasks.prompt import Encoder, TaskError, TaskItem, assemble, check_depth
+from kvlab.tasks.prompt import Encoder, TaskError, TaskItem, assemble, check_depth, content_start
 from kvlab.tasks.words import ADJECTIVES, NOISE_LINE, NOUNS
 
 
@@ -111,4 +111,5 @@ def niah_multivalue(enc: Encoder, *, length: int, depth: float, sample: int, see
     # the teacher-forced gold lists the values in the order they appear in the text
     positions = item.meta["needle_token_positions"]
     in_text_order = [values[k] for k in sorted(range(n), key=lambda k: positions[k])]
-    return replace(item, answer_ids=enc.encode(" " + ", ".join(in_text_order)))
+    answer_ids = enc.encode(" " + ", ".join(in_text_order))
+    return replace(item, answer_ids=answer_ids, answer_start=content_start(enc, answer_ids))
