@@ -20,6 +20,7 @@ import torch
 
 from kvlab.budget import cache_bytes
 from kvlab.decode import greedy_decode, prefill
+from kvlab.measure import sdpa_context
 from kvlab.models import load_model
 from kvlab.policies import cache_stats, make_policy
 
@@ -97,6 +98,8 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=16384)
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sdpa-backend", default="auto", help="pin torch's SDPA kernel (auto, cudnn, flash, ...)")
+    ap.add_argument("--only", nargs="*", help="run only these methods")
     ap.add_argument("--json-out", help="append one JSON line per policy here")
     args = ap.parse_args()
     t0 = time.perf_counter()
@@ -104,7 +107,11 @@ def main() -> None:
     print(f"model {args.model} ({loaded.weights}, {loaded.dtype}) on {args.device} in {time.perf_counter() - t0:.1f} s;"
           f" transformers {__import__('transformers').__version__}, torch {torch.__version__}")
     for method, kwargs in DEFAULT_POLICIES:
-        row = run_one(loaded, method, kwargs, args.ctx, args.new_tokens, args.seed)
+        if args.only and method not in args.only:
+            continue
+        with sdpa_context(args.sdpa_backend):
+            row = run_one(loaded, method, kwargs, args.ctx, args.new_tokens, args.seed)
+        row["sdpa_backend"] = args.sdpa_backend
         if args.json_out:
             with open(args.json_out, "a") as fh:
                 fh.write(json.dumps(row) + "\n")

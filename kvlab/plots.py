@@ -208,8 +208,10 @@ def energy_vs_memory(records: pd.DataFrame, energy: str = "j_per_token",
                      memory: str = "peak_mem_bytes") -> go.Figure:
     """One point per run: peak memory against J/token; good methods sit bottom-left."""
     title = "Energy vs memory per run"
-    if not _has(records, energy, memory):
+    if not _has(records, energy):
         return empty_figure(title, f"no {energy} data (no energy counter on this device?)")
+    if not _has(records, energy, memory):
+        return empty_figure(title, f"no {memory} data")
     df = records.dropna(subset=[energy, memory])
     colors = color_map(df["label"])
     fig = go.Figure()

@@ -525,6 +525,9 @@ def run_continuation(loaded, policies: Sequence, task_spec: TaskSpec | dict, out
     enc = Encoder(loaded.tokenizer)
     base = base if base is not None else {**model_columns(loaded), "seed": spec.seed}
     reference = next((p for p in policies if _is_full(p)), None) or make_policy("full")
+    for p in policies:  # idempotent; run_continuation may be called on its own
+        p.check(loaded.model)
+        p.prepare(loaded.model)
     items = continuation_items(enc, spec.lengths, spec.samples, spec.continuation_tokens,
                                spec.text_files, spec.seed)
     say = progress or (lambda _msg: None)

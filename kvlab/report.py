@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from kvlab.plots import ci_text
+from kvlab.plots import ci_text, is_baseline_label
 
 GB = 1e9
 DEFAULT_CTX = 16384
@@ -75,12 +75,17 @@ def failed_records(records: pd.DataFrame) -> pd.DataFrame:
 
 
 def with_derived(df: pd.DataFrame) -> pd.DataFrame:
-    """Add GB columns and a ``label`` (falls back to the method name) without touching the input."""
+    """Add GB columns and a ``label`` (the method name where missing, prefixed by the model when
+    several models are present) without touching the input."""
     df = df.copy()
     if "label" not in df.columns:
         df["label"] = df["method"] if "method" in df.columns else "?"
     elif "method" in df.columns:
         df["label"] = df["label"].fillna(df["method"])
+    if "model" in df.columns and df["model"].nunique() > 1:  # a sweep over models: keep them apart
+        prefix = df["model"].astype(str) + " · "
+        labels = df["label"].astype(str)
+        df["label"] = [lab if lab.startswith(p) else p + lab for p, lab in zip(prefix, labels, strict=True)]
     for src, dst in (("peak_mem_bytes", "peak_mem_gb"), ("cache_bytes", "cache_gb")):
         if src in df.columns:
             df[dst] = pd.to_numeric(df[src], errors="coerce") / GB
@@ -153,23 +158,40 @@ def method_summary(records: pd.DataFrame, metrics: Sequence[str], by: Sequence[s
                 pd.to_numeric(part[m], errors="coerce"), n_boot, level, seed)
         rows.append(row)
     cols = by + ["n"] + [f"{m}{s}" for m in metrics for s in ("", "_lo", "_hi")]
-    return pd.DataFrame(rows, columns=cols)
+    return _ordered(pd.DataFrame(rows, columns=cols))
+
+
+def _ordered(df: pd.DataFrame) -> pd.DataFrame:
+    """Rows in reading order: the full cache first, then labels alphabetically, then ctx, batch."""
+    keys = [c for c in ("model", "task") if c in df.columns]
+    if "label" in df.columns:
+        df = df.assign(_base=~df["label"].astype(str).map(is_baseline_label), _label=df["label"].astype(str))
+        keys += ["_base", "_label"]
+    elif "method" in df.columns:
+        df = df.assign(_base=df["method"] != "full")
+        keys += ["_base", "method"]
+    keys += [c for c in ("keep", "ctx", "batch") if c in df.columns]
+    if not keys or df.empty:
+        return df.drop(columns=["_base", "_label"], errors="ignore")
+    return (df.sort_values(keys, kind="stable").drop(columns=["_base", "_label"], errors="ignore")
+            .reset_index(drop=True))
 
 
 def relative_to_baseline(records: pd.DataFrame, metric: str = "j_per_token", baseline: str = "full",
-                         ctx: int | None = None, within: Sequence[str] = ("ctx", "batch"), n_boot: int = 2000,
+                         ctx: int | None = None, within: Sequence[str] = ("model", "ctx", "batch"),
+                         n_boot: int = 2000,
                          level: float = 0.95, seed: int = 0) -> pd.DataFrame:
-    """Each label's mean ``metric`` over the baseline method's, within the same ctx and batch
-    (only at ``ctx`` when given).
+    """Each label's mean ``metric`` over the baseline method's, within the same model, ctx and
+    batch (only at ``ctx`` when given).
 
     ``change_pct`` is the headline number: +35 means 35% more J/token than the full cache.
     """
+    within = [w for w in within if w in records.columns]
     cols = ["label", *within, "ratio", "ratio_lo", "ratio_hi", "change_pct"]
     if ctx is not None and "ctx" in records.columns:
         records = records[records["ctx"] == ctx]
     if records.empty or metric not in records.columns or "method" not in records.columns:
         return pd.DataFrame(columns=cols)
-    within = [w for w in within if w in records.columns]
     rows = []
     groups = records.groupby(within, sort=True) if within else [((), records)]
     for keys, part in groups:
@@ -181,7 +203,7 @@ def relative_to_baseline(records: pd.DataFrame, metric: str = "j_per_token", bas
             r, lo, hi = ratio_ci(pd.to_numeric(g[metric], errors="coerce"), base, n_boot, level, seed)
             rows.append({"label": label, **dict(zip(within, keys, strict=True)), "ratio": r,
                          "ratio_lo": lo, "ratio_hi": hi, "change_pct": (r - 1) * 100})
-    return pd.DataFrame(rows, columns=["label", *within, "ratio", "ratio_lo", "ratio_hi", "change_pct"])
+    return _ordered(pd.DataFrame(rows, columns=cols))
 
 
 def headline(rel: pd.DataFrame, metric_title: str = "J/token", baseline: str = "full") -> list[str]:
@@ -508,8 +530,14 @@ def render_report(records_dir: str | Path, out: str | Path | None = None, notebo
     html_path = render_notebook(notebook or REPORT_NOTEBOOK, out, params, cwd=records_dir,
                                 title=f"kvlab report: {records_dir.name}", **execute_kwargs)
     if index:
-        write_index(html_path.resolve().parent.parent if out.name == "report.html" else html_path.parent)
+        write_index(index_folder(html_path))
     return html_path
+
+
+def index_folder(html_path: str | Path) -> Path:
+    """Where ``kvlab report`` writes index.html: above ``DIR/report.html``, else next to the file."""
+    html_path = Path(html_path).resolve()
+    return html_path.parent.parent if html_path.name == "report.html" else html_path.parent
 
 
 def find_reports(folder: str | Path) -> list[Path]:

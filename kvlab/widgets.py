@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 import plotly.graph_objects as go
+import plotly.io as pio
 
 from kvlab import budget, plots
 from kvlab.models import PRESETS, ModelSpec, get_spec
@@ -255,16 +256,27 @@ class BudgetExplorer:
         self.render()
 
     def render(self) -> None:
-        """Draw the current figures into the Output widget (only inside IPython: no frontend, no draw)."""
-        from IPython import get_ipython
-        from IPython.display import display
+        """Put the current table and figures into the Output widget (inside IPython only: with no
+        frontend there is nothing to draw).
 
-        if get_ipython() is None:
+        The outputs are set as widget state, not printed inside ``with output:``: nbclient
+        (papermill) mirrors printed Output-widget messages back to the kernel on the shell channel
+        while the cell runs, which can deadlock (jupyter/nbclient#312, nteract/papermill#723).
+        """
+        from IPython import get_ipython
+
+        shell = get_ipython()
+        if shell is None:
             return
-        with self.output:
-            self.output.clear_output(wait=True)
-            if self.state is not None:
-                display(self.state.summary.round(3), *self.state.figures.values())
+        shown = [] if self.state is None else [self.state.summary.round(3), *self.state.figures.values()]
+        outputs = []
+        for obj in shown:
+            if isinstance(obj, go.Figure):  # JupyterLab draws the plotly mimetype (plotly.js not re-sent)
+                data, metadata = pio.renderers["plotly_mimetype"].to_mimebundle(obj.to_dict()), {}
+            else:
+                data, metadata = shell.display_formatter.format(obj)
+            outputs.append({"output_type": "display_data", "data": data, "metadata": metadata})
+        self.output.outputs = tuple(outputs)
 
     def _repr_mimebundle_(self, **kwargs):
         return self.ui._repr_mimebundle_(**kwargs)

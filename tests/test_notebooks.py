@@ -50,8 +50,8 @@ def test_papermill_sees_the_parameters(path):
     assert all(p["help"] for p in params.values()), "each parameter has a trailing comment"
 
 
-def execute(name, out_dir, **parameters):
-    out = out_dir / f"{name}.ipynb"
+def execute(name, dest, **parameters):
+    out = dest / f"{name}.ipynb"
     return report.execute_notebook(ROOT / "notebooks" / f"{name}.ipynb", out, parameters, cwd=ROOT,
                                    timeout=900), out
 
@@ -71,7 +71,13 @@ def test_byte_budget_executes(tmp_path):
     text = outputs_text(nb)
     assert "application/vnd.jupyter.widget-view+json" in json.dumps(nb.cells[-1].outputs)
     assert "int4 g64 r128" in text and "131072" in text  # the per-token table and the formats
-    assert text.count("Plotly.newPlot") == 4
+    assert text.count("Plotly.newPlot") == 4  # the static figures
+    assert text.count("window.PlotlyConfig") == 1  # plotly.js embedded once
+    # the explorer's Output widget holds the summary table and the four charts as widget state
+    state = nb.metadata.widgets["application/vnd.jupyter.widget-state+json"]["state"]
+    outputs = [m["state"]["outputs"] for m in state.values() if m["model_name"] == "OutputModel"]
+    assert len(outputs) == 1
+    assert [("application/vnd.plotly.v1+json" in o["data"]) for o in outputs[0]] == [False] + [True] * 4
 
 
 @pytest.mark.slow
@@ -86,7 +92,8 @@ def test_report_executes_on_cpu_like_records(tmp_path):
 @pytest.mark.slow
 def test_anatomy_executes_on_the_tiny_model(tmp_path):
     pytest.importorskip("optimum.quanto")
-    nb, _ = execute("anatomy", tmp_path, ctx=64, steps=2, warmup=1)
+    nb, _ = execute("anatomy", tmp_path, model="tiny-llama", weights="synthetic", ctx=64, steps=4, warmup=1,
+                    policy_params={"quanto": {"nbits": 4, "q_group_size": 16, "residual_length": 2}})
     text = outputs_text(nb)
     assert "dequantize" in text and "CPU/launch gap" in text
     assert "quanto int4" in text

@@ -252,3 +252,48 @@ def test_every_cache_is_fresh(lm):
     p = policy("snapkv", 0.5)
     a, b = p.make_cache(lm.model), p.make_cache(lm.model)
     assert a is not b and not any(x is y for x, y in zip(a.layers, b.layers, strict=True))
+
+
+ALLOWED: dict[int, torch.Tensor] = {}  # layer -> [B, Hkv, N] prompt positions each head may see
+
+
+def _register_per_head_reference():
+    """Full-cache attention that hides, per KV head, the prompt positions in ``ALLOWED``."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        groups = query.shape[1] // key.shape[1]
+        q_len, kv_len = query.shape[2], key.shape[2]
+        mask = torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)
+        mask = mask.expand(query.shape[0], query.shape[1], q_len, kv_len).clone()
+        allowed = ALLOWED[module.layer_idx].repeat_interleave(groups, 1)
+        mask[..., : allowed.shape[-1]] &= allowed[:, :, None, :]
+        out = F.scaled_dot_product_attention(query, key.repeat_interleave(groups, 1),
+                                             value.repeat_interleave(groups, 1), attn_mask=mask, scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register("kvlab_test_per_head", attend)
+    AttentionMaskInterface.register("kvlab_test_per_head", ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+
+
+@pytest.mark.parametrize("method", ["snapkv", "knorm", "random"])
+def test_per_head_eviction_equals_per_head_masking(method):
+    """Each KV head keeps its own positions: the question's logits must equal those of the full
+    cache with, per head, the evicted positions masked out."""
+    _register_per_head_reference()
+    model = load_model("tiny-llama", weights="synthetic", seed=0).model
+    ids, question = prompt(batch=2), prompt(batch=2, n=6, seed=5)
+    cache = policy(method, 0.3).make_cache(model)
+    prefill(model, ids, cache)
+    got = prefill(model, question, cache, logits_to_keep=0)
+    for layer, kept in enumerate(kept_positions(cache)):
+        assert not (kept[:, :1] == kept[:, 1:]).all()  # heads really differ
+        ALLOWED[layer] = torch.zeros(*kept.shape[:2], N, dtype=torch.bool).scatter_(2, kept, True)
+    model.set_attn_implementation("sdpa")
+    full = make_policy("full").make_cache(model)
+    prefill(model, ids, full)
+    model.set_attn_implementation("kvlab_test_per_head")
+    ref = model(input_ids=question, position_ids=torch.arange(N, N + 6).expand(2, -1), use_cache=True,
+                **{cache_kwarg(model): full}).logits
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)

@@ -99,8 +99,7 @@ def test_generate_text_prompt_needs_a_tokenizer(capsys, tmp_path):
 def test_generate_smollm2_prompt_file(capsys, tmp_path):
     prompt = tmp_path / "p.txt"
     prompt.write_text("What is the capital of France? Answer in one word.")
-    out = run_json(capsys, ["generate", "--model", "smollm2-135m", "--method", "snapkv", "--keep", "0.5",
-                            "--window-size", "8", "--prompt-file", str(prompt), "--chat",
-                            "--max-new-tokens", "8", "--json"])
+    out = run_json(capsys, ["generate", "--model", "smollm2-135m", "--method", "quanto", "--bits", "4",
+                            "--prompt-file", str(prompt), "--chat", "--max-new-tokens", "8", "--json"])
     assert "paris" in out["answer"].lower()
-    assert out["weights"] == "real" and out["attn_implementation"] == "kvlab_sdpa"
+    assert out["weights"] == "real" and out["cache_after_prefill"]["physical_tokens"] == out["prompt_tokens"]

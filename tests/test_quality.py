@@ -170,6 +170,21 @@ def test_summarize_pairs_methods_with_the_full_cache(toy):
     assert math.isnan(summary[summary["method"] == "full"].iloc[0]["gold_nll_diff"])
 
 
+def test_longbench_file_runs_through_the_quality_pass(toy, tmp_path):
+    import json
+
+    rows = [{"input": "Who wrote it?", "context": "Alice wrote the letter. " * 30, "answers": ["Alice"],
+             "all_classes": None, "dataset": "hotpotqa", "length": 100, "_id": str(i)} for i in range(2)]
+    path = tmp_path / "hotpotqa.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    spec = TaskSpec(tasks=[], longbench=str(path), lengths=[400], samples=2, max_new_tokens=3)
+    records = run_quality(toy, [make_policy("full"), make_policy("tova", keep=0.5)], spec)
+    assert len(records) == 4 and all(r["status"] == "ok" for r in records)
+    assert {r["task"] for r in records} == {"longbench/hotpotqa"}
+    assert all(r["metric"] == "qa_f1" and 0 <= r["score"] <= 1 and r["kl"] is not None for r in records)
+    assert all(r["prompt_tokens"] == 400 for r in records)  # the document was cut in the middle
+
+
 def test_continuation_fidelity_on_user_text(toy, tmp_path):
     text = tmp_path / "story.txt"
     text.write_text("the cat sat on the mat and then the dog came by. " * 40, encoding="utf-8")

@@ -78,7 +78,18 @@ def test_relative_to_full_gives_the_headline(perf):
 def test_relative_needs_the_baseline_in_the_same_context(perf):
     rel = report.relative_to_baseline(perf[perf["method"] != "full"])
     assert rel.empty
-    assert list(rel.columns) == ["label", "ctx", "batch", "ratio", "ratio_lo", "ratio_hi", "change_pct"]
+    assert list(rel.columns) == ["label", "model", "ctx", "batch", "ratio", "ratio_lo", "ratio_hi", "change_pct"]
+
+
+def test_several_models_are_kept_apart(perf):
+    other = perf.assign(model="mistral-7b", j_per_token=perf["j_per_token"] * 2)
+    both = report.perf_records(pd.concat([perf, other]))
+    assert "mistral-7b · quanto int4" in set(both["label"])
+    assert report.perf_records(both)["label"].equals(both["label"])  # idempotent
+    rel = report.relative_to_baseline(both, ctx=16384, n_boot=100).set_index("label")
+    # each model against its own full cache: 1.35 for both, not a cross-model mix
+    assert rel.loc["mistral-7b · quanto int4", "ratio"] == pytest.approx(1.35)
+    assert rel.loc["llama-3.1-8b · quanto int4", "ratio"] == pytest.approx(1.35)
 
 
 def test_study_summary_uses_16k_or_says_which_context(records):

@@ -16,12 +16,14 @@ def register(sub) -> None:
     p.add_argument("--params", default="{}", help='JSON: per-method policy params, e.g. \'{"quanto": {"nbits": 4}}\'')
     p.add_argument("--steps", type=int, default=8, help="profiled decode steps")
     p.add_argument("--warmup", type=int, default=2, help="unprofiled decode steps first")
+    p.add_argument("--sdpa-backend", default="auto", help="pin torch's SDPA kernel: auto, cudnn, flash, efficient, math")
     p.add_argument("--json", action="store_true", help="print the long table as JSON records")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     from kvlab import anatomy
+    from kvlab.measure import sdpa_context
     from kvlab.models import load_model
 
     try:
@@ -29,8 +31,9 @@ def run(args) -> int:
     except json.JSONDecodeError as err:
         raise anatomy.AnatomyError(f"--params is not JSON ({err}); e.g. --params '{{\"quanto\": {{\"nbits\": 4}}}}'") from None
     loaded = load_model(args.model, weights=args.weights, device=args.device)
-    table, _ = anatomy.compare_methods(loaded, args.methods, args.ctx, policy_params, steps=args.steps,
-                                       warmup=args.warmup)
+    with sdpa_context(args.sdpa_backend):
+        table, _ = anatomy.compare_methods(loaded, args.methods, args.ctx, policy_params, steps=args.steps,
+                                           warmup=args.warmup)
     if args.json:
         print(table.to_json(orient="records"))
     else:

@@ -17,13 +17,12 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from kvlab.report import render_report
+    from kvlab.report import index_folder, render_report
 
     params = {k: v for k, v in (("ctx", args.ctx), ("baseline", args.baseline)) if v is not None}
     html = render_report(args.dir, out=args.out, notebook=args.notebook, index=not args.no_index,
                          parameters=params, timeout=args.timeout)
     print(f"report: {html} ({html.stat().st_size / 1e6:.1f} MB, draws offline)")
     if not args.no_index:
-        index = html.parent.parent / "index.html" if html.name == "report.html" else html.parent / "index.html"
-        print(f"index:  {index}")
+        print(f"index:  {index_folder(html) / 'index.html'}")
     return 0

@@ -3,8 +3,10 @@
     policy = make_policy("snapkv", keep=0.25, quant={"backend": "quanto", "nbits": 4})
     policy.check(model); policy.prepare(model); policy.warmup(model)
     cache = policy.make_cache(model)          # fresh for every generation
-    model.generate(ids, past_key_values=cache, ...)   # or kvlab.decode
+    model.generate(ids, past_key_values=cache, ...)   # or kvlab.decode; the keyword is
+                                              # `cache` from transformers 5.24: kvlab.decode.cache_kwarg
     cache_stats(cache)                        # logical/physical tokens, bytes
+    kept_positions(cache)                     # per layer, the prompt positions each KV head kept
 
 transformers' cache internals are touched only in :mod:`kvlab.policies.cache` and
 :mod:`kvlab.policies.quantized`; kvlab supports transformers >= 5.17, < 5.25.

@@ -1,0 +1,83 @@
+"""Behaviour on real weights: a needle in a ~2k-token haystack, SmolLM2-135M-Instruct on CPU.
+
+Protocol (kvpress, question-agnostic): the context (instruction + haystack) is prefilled and
+compressed once; the question and answer prefix follow as a second forward that is not
+compressed. Prompt format from the RULER-style pilot that scores 100% with the full cache.
+"""
+
+import random
+
+import pytest
+
+from kvlab.decode import generate_text
+from kvlab.policies import kept_positions, make_policy
+
+pytestmark = pytest.mark.slow
+
+NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+KEYS = ["brave-otter", "silent-maple", "golden-river", "quiet-falcon"]
+
+
+def needle_prompt(tokenizer, n_tokens=2000, depth=0.5, seed=1):
+    """(context ids, question ids, answer, needle token span) for one seeded needle prompt."""
+    rng = random.Random(seed)
+    key, value = rng.choice(KEYS), str(rng.randint(1_000_000, 9_999_999))
+    per_line = len(tokenizer(NOISE + "\n", add_special_tokens=False).input_ids)
+    lines = [NOISE] * ((n_tokens - 150) // per_line)
+    lines.insert(int(len(lines) * depth), f"One of the special magic numbers for {key} is: {value}.")
+    instruction = ("Some special magic numbers are hidden within the following text. Make sure to memorize it. "
+                   "I will quiz you about the numbers afterwards.\n")
+    question = f"What is the special magic number for {key} mentioned in the provided text?"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": instruction + "\n".join(lines) + "\n" + question}],
+                                         tokenize=False, add_generation_prompt=True)
+    text += f"The special magic number for {key} mentioned in the provided text is"
+    cut = text.index(question)
+    context = tokenizer(text[:cut], add_special_tokens=False).input_ids
+    needle_at = len(tokenizer(text[: text.index("One of the special")], add_special_tokens=False).input_ids)
+    return context, tokenizer(text[cut:], add_special_tokens=False).input_ids, value, range(needle_at, needle_at + 20)
+
+
+@pytest.fixture(scope="module")
+def needle(smollm2):
+    return needle_prompt(smollm2.tokenizer)
+
+
+def answer(smollm2, needle, method, **params):
+    context, question, value, _ = needle
+    result = generate_text(smollm2, context, make_policy(method, **params), 12, question_ids=question)
+    return result, value
+
+
+def test_prompt_is_about_2k_tokens_with_the_needle_in_the_middle(needle):
+    context, question, _, span = needle
+    assert 1800 <= len(context) + len(question) <= 2100
+    assert 0.4 < span.start / len(context) < 0.6
+
+
+def test_full_cache_finds_the_needle(smollm2, needle):
+    result, value = answer(smollm2, needle, "full")
+    assert value in result.text
+
+
+def test_tova_half_cache_finds_the_needle(smollm2, needle):
+    result, value = answer(smollm2, needle, "tova", keep=0.5)
+    assert result.cache_after_prefill["physical_tokens"] == len(needle[0]) // 2
+    assert value in result.text
+
+
+def test_streamingllm_tenth_loses_a_needle_in_the_middle(smollm2, needle):
+    result, value = answer(smollm2, needle, "streamingllm", keep=0.1)
+    kept = set(kept_positions(result.cache)[0][0, 0].tolist())
+    assert not kept & set(needle[3])  # the needle left the cache...
+    assert value not in result.text  # ...and with it the answer
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "question-agnostic SnapKV (kvpress semantics, verified against eager attention) selects per KV head; on "
+    "SmolLM2 (3 KV heads) the heads that retrieve the needle do not attend to it from the last context "
+    "window, so they evict it (fails even at keep 0.9; evicting only layers 0-14 or averaging the scores "
+    "over heads finds it). The evicted cache equals a per-head-masked full cache, so this is the method."))
+def test_snapkv_half_cache_finds_the_needle(smollm2, needle):
+    result, value = answer(smollm2, needle, "snapkv", keep=0.5)
+    assert value in result.text
+
