@@ -86,6 +86,9 @@ class SweepParams(BaseModel):
     time_budget_s: float | None = Field(None, gt=0, description="stop cleanly before this many seconds")
     retry_failed: bool = Field(False, description="rerun runs recorded as failed")
     timelines: bool = Field(True, description="write power timelines to timelines.jsonl")
+    quality: dict[str, Any] | None = Field(
+        None, description="a quality pass after the performance runs: kvlab.quality.TaskSpec keys "
+                          "(tasks, lengths, depths, samples, ...); needs real weights")
 
     _lists = field_validator("models", "ctx", "batch", "keep", "bits", "methods", mode="before")(_as_list)
 
@@ -264,6 +267,17 @@ def check_params(params: SweepParams, check_device: bool = True) -> list[tuple[i
                     f"ctx: {ctx} + new_tokens {params.new_tokens} is above the maximum context "
                     f"{spec.max_context} of {name}; lower ctx to at most {spec.max_context - params.new_tokens}"
                 )
+
+    # the quality pass: its own keys
+    if params.quality is not None:
+        from kvlab.quality import TaskSpec
+
+        try:
+            TaskSpec(**params.quality)
+        except ValidationError as err:
+            for e in err.errors():
+                where = ".".join(str(x) for x in e["loc"])
+                problems.append(f"quality.{where}: {e['msg']}; see kvlab.quality.TaskSpec for the keys")
 
     # methods: every variant must build
     variants = method_variants(params)

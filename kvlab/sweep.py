@@ -375,6 +375,8 @@ def run_sweep(
                     session.loaded = None
                     session.policies.clear()
                     _release_memory(params.device)
+            if params.quality is not None and not budget.reason:
+                _quality_pass(params, variants, loader, writers[RECORDS_FILE], sweep_name, manifest, out, log)
         finally:
             bar.close()
             for w in writers.values():
@@ -390,6 +392,36 @@ def run_sweep(
             manifest["status"] = "complete" if summary.pending == 0 else "incomplete"
             write_manifest(out, manifest)
     return summary
+
+
+def _quality_pass(params, variants, loader, writer, sweep_name, manifest, out, log) -> None:
+    """Quality records for every model and method, once per model (marked done in the manifest).
+
+    A pass killed midway reruns whole; its records have stable run ids, so ``load_records`` keeps
+    one copy of each.
+    """
+    from kvlab.policies import make_policy
+    from kvlab.quality import TaskSpec, run_quality
+
+    done = manifest.setdefault("quality_done", {})
+    spec = TaskSpec(**params.quality)
+    for model_name in params.models:
+        if done.get(model_name):
+            continue
+        log(f"kvlab sweep: quality pass on {model_name} ({', '.join(spec.tasks)} at {spec.lengths})")
+        if params.weights == "synthetic":
+            log("kvlab sweep: quality on synthetic weights is meaningless (mechanics only); "
+                "its records say weights: synthetic")
+        loaded = loader(model_name, weights=params.weights, device=params.device, dtype=params.dtype,
+                        seed=params.seed, attn_implementation=params.attn_implementation)
+        try:
+            policies = [make_policy(v.method, **v.kwargs) for _, v in variants]
+            run_quality(loaded, policies, spec, out_writer=writer, base={"sweep": sweep_name})
+        finally:
+            del loaded
+            _release_memory(params.device)
+        done[model_name] = True
+        write_manifest(out, manifest)
 
 
 def _open_model(params, model_name, loader, sampler, model_runs, writers, summary, bar, sweep_name,

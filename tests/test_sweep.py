@@ -244,3 +244,34 @@ def test_cli_dry_run_errors_and_lock(tmp_path, capsys):
     assert "being written by another sweep" in capsys.readouterr().err
     assert main(["sweep", str(path), "-o", str(tmp_path / "o"), "--no-progress", "--set", "max_runs=2"]) == 3
     assert "rerun the same command to continue" in capsys.readouterr().out
+
+
+def test_quality_pass_runs_after_perf_once_and_is_keyed_like_perf(tmp_path):
+    import dataclasses
+
+    from toy_tokenizer import ToyTokenizer
+
+    from kvlab.models import load_model
+
+    def loader(name, **kw):
+        return dataclasses.replace(load_model(name, **kw), tokenizer=ToyTokenizer())
+
+    quality = {"tasks": ["niah_single"], "lengths": [480], "depths": [0.5], "samples": 1, "max_new_tokens": 4}
+    p = tiny_params(ctx=[32], prompts=1, quality=quality)
+    logs = []
+    run_sweep(p, tmp_path, progress=False, loader=loader, log=logs.append)
+    df = load_records(tmp_path)
+    q = df[df.kind == "quality"]
+    assert set(q.label) == {"full", "streamingllm 50%", "quanto int4", "quanto int2"}
+    assert set(q.weights) == {"synthetic"} and set(q.sweep) == {tmp_path.name}
+    assert q.kl.notna().all() and q.run_id.is_unique
+    assert any("meaningless" in m for m in logs)
+    assert read_manifest(tmp_path)["quality_done"] == {"tiny-llama": True}
+    n = len(read_jsonl(tmp_path / "records.jsonl"))
+    run_sweep(p, tmp_path, progress=False, loader=loader, log=logs.append)
+    assert len(read_jsonl(tmp_path / "records.jsonl")) == n  # nothing reran
+
+
+def test_quality_keys_are_validated_before_any_model_loads():
+    with pytest.raises(ParamsError, match="quality.lenghts"):
+        check_params(tiny_params(quality={"lenghts": [100]}))

@@ -21,7 +21,8 @@ COMMANDS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvlab", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="kvlab", description="Measure what KV-cache compression does to memory, time, energy and quality.")
     sub = parser.add_subparsers(dest="command", required=True)
     for module in COMMANDS.values():
         importlib.import_module(module).register(sub)
