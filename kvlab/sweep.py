@@ -21,6 +21,7 @@ import json
 import os
 import random
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable, Iterable
@@ -468,7 +469,12 @@ def _policy_for(session: _ModelSession, variant: MethodVariant):
             policy = make_policy(variant.method, **variant.kwargs)
             policy.check(session.loaded.model)
             policy.prepare(session.loaded.model)
-            policy.warmup(session.loaded.model)
+            started = time.perf_counter()
+            policy.warmup(session.loaded.model)  # e.g. quanto's CUDA build: minutes once, never measured
+            took = time.perf_counter() - started
+            if took > 5:
+                print(f"kvlab sweep: {policy.label} one-off warm-up (kernel builds) took {took:.0f} s",
+                      file=sys.stderr, flush=True)
         except Exception as err:
             session.broken[key] = f"policy setup failed: {_short_error(err)}"
             raise RuntimeError(session.broken[key]) from None
