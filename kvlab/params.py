@@ -21,9 +21,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
 DTYPES = ("bfloat16", "float16", "float32")
-# Fallback when kvlab.policies is not importable: which axis a plain method name takes.
-EVICTION_METHODS = {"streamingllm", "snapkv", "pyramidkv", "tova", "knorm", "random"}
-QUANTIZED_METHODS = {"quanto", "hqq"}
 
 
 class ParamsError(ValueError):
@@ -130,13 +127,11 @@ def method_axis(method: str) -> str | None:
     ``nbits`` (quantized), None for the rest (``full``, ``fp8``); read from the policy registry."""
     import dataclasses
 
-    try:
-        from kvlab.policies import POLICIES
-    except ImportError:
-        POLICIES = {}
+    from kvlab.policies import POLICIES
+
     cls = POLICIES.get(method)
-    if cls is None or not dataclasses.is_dataclass(cls):
-        return "keep" if method in EVICTION_METHODS else "bits" if method in QUANTIZED_METHODS else None
+    if cls is None:  # check_params reports the unknown method
+        return None
     names = {f.name for f in dataclasses.fields(cls)}
     return "keep" if "keep" in names else "bits" if "nbits" in names else None
 
@@ -169,11 +164,11 @@ def method_variants(params: SweepParams) -> list[tuple[str, MethodVariant]]:
 # --------------------------------------------------------------------------------------------
 
 
-def _pydantic_lines(err: ValidationError) -> list[str]:
-    known = list(SweepParams.model_fields)
+def _pydantic_lines(err: ValidationError, known: list[str] | None = None, prefix: str = "") -> list[str]:
+    known = known or list(SweepParams.model_fields)
     lines = []
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith(("str", "MethodEntry")))
+        loc = prefix + ".".join(str(p) for p in e["loc"] if not str(p).startswith(("str", "MethodEntry")))
         if e["type"] == "extra_forbidden":
             key = str(e["loc"][-1])
             close = difflib.get_close_matches(key, known, n=1)
@@ -275,28 +270,22 @@ def check_params(params: SweepParams, check_device: bool = True) -> list[tuple[i
         try:
             TaskSpec(**params.quality)
         except ValidationError as err:
-            for e in err.errors():
-                where = ".".join(str(x) for x in e["loc"])
-                problems.append(f"quality.{where}: {e['msg']}; see kvlab.quality.TaskSpec for the keys")
+            problems += _pydantic_lines(err, list(TaskSpec.model_fields), prefix="quality.")
 
     # methods: every variant must build
     variants = method_variants(params)
-    try:
-        from kvlab.policies import make_policy
-    except ImportError as err:
-        problems.append(f"methods: kvlab.policies is not importable ({err})")
-        make_policy = None
-    if make_policy is not None:
-        failures: dict[tuple[str, str], list[str]] = {}
-        for where, v in variants:
-            try:
-                make_policy(v.method, **v.kwargs)
-            except ValueError as err:
-                args = ", ".join(f"{k}={val!r}" for k, val in v.kwargs.items())
-                failures.setdefault((where, str(err)), []).append(v.method + (f": {args}" if where != "keep"
-                                                                                and where != "bits" and args else ""))
-        for (where, err), methods in failures.items():
-            problems.append(f"{where} ({', '.join(dict.fromkeys(methods))}): {err}")
+    from kvlab.policies import make_policy
+
+    failures: dict[tuple[str, str], list[str]] = {}
+    for where, v in variants:
+        try:
+            make_policy(v.method, **v.kwargs)
+        except ValueError as err:
+            args = ", ".join(f"{k}={val!r}" for k, val in v.kwargs.items())
+            failures.setdefault((where, str(err)), []).append(
+                v.method + (f": {args}" if where not in ("keep", "bits") and args else ""))
+    for (where, err), methods in failures.items():
+        problems.append(f"{where} ({', '.join(dict.fromkeys(methods))}): {err}")
     if problems:
         raise ParamsError("invalid sweep params:\n  " + "\n  ".join(dict.fromkeys(problems)))
     return variants
