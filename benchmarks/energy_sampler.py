@@ -158,7 +158,12 @@ def main(argv=None) -> int:
     ap.add_argument("--windows", default="0.5,1,2,5,10")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="fewer pairs and windows")
+    ap.add_argument("--parts", default="cadence,overhead,windows",
+                    help="which of the three measurements to run (comma-separated)")
     args = ap.parse_args(argv)
+    parts = set(args.parts.split(","))
+    if not parts <= {"cadence", "overhead", "windows"}:
+        ap.error(f"--parts takes cadence, overhead, windows; got {args.parts}")
     if args.quick:
         args.pairs, args.intervals_ms, args.windows, args.repeats = 4, "15", "0.5,2,5", 1
     if not torch.cuda.is_available():
@@ -173,13 +178,29 @@ def main(argv=None) -> int:
     probe.close()
     summary: dict = {"device": torch.cuda.get_device_name(args.device), "args": vars(args)}
 
-    load = MatmulLoad(args.device)
+    load = MatmulLoad(args.device) if parts & {"cadence", "windows"} else None
+    if "cadence" in parts:
+        _print_cadence(args, load, summary)
+    if "overhead" in parts:
+        _print_overhead(args, summary)
+    if "windows" in parts:
+        torch.cuda.empty_cache()
+        _print_windows(args, load, summary)
+    out = Path(os.environ.get("OUT", ".")) / "energy_sampler.json"
+    out.write_text(json.dumps(summary, indent=2, default=str))
+    print(f"\nwrote {out}")
+    return 0
+
+
+def _print_cadence(args, load, summary) -> None:
     print(f"\n[1] channel cadence under a matmul load (iteration {load.iter_s * 1000:.2f} ms, polled every 2 ms)")
     summary["cadence"] = c = cadence(args.device, load, 3.0)
     for name in ("counter", "instant", "average", "power_usage"):
         print(f"  {name:<12} changes {c[name]['changes']:>5}   median interval {c[name]['median_interval_ms']:7.1f} ms")
     print(f"  mean power from the counter: {c['mean_w_counter']:.0f} W")
 
+
+def _print_overhead(args, summary) -> None:
     print(f"\n[2] sampler overhead on decode ({args.model} synthetic, ctx {args.ctx}, {args.new_tokens} tokens, "
           f"{args.pairs} interleaved pairs)")
     intervals = [float(x) for x in args.intervals_ms.split(",")]
@@ -195,7 +216,8 @@ def main(argv=None) -> int:
               f"prefill share {split:.3f}, 10 Hz/counter {last['energy_10hz_j'] / last['energy_j']:.3f}, "
               f"{last['samples']} polls in {last['window_s']:.2f} s")
 
-    torch.cuda.empty_cache()
+
+def _print_windows(args, load, summary) -> None:
     lengths = [float(x) for x in args.windows.split(",")]
     print(f"\n[3] counter vs integrated power: idle {2.0:.0f} s, then a matmul load of T s in one window")
     summary["windows"] = wv = windows(args.device, load, lengths, args.repeats, idle_gap_s=2.0)
@@ -207,11 +229,6 @@ def main(argv=None) -> int:
 
         print(f"  {r['T_s']:6.2f} {r['counter_j']:10.1f} {r['mean_w']:7.0f} {f(r['instant_over_counter']):>9} "
               f"{f(r['average_over_counter']):>8} {f(r['10hz_over_counter']):>9} {f(r['10hz_predicted']):>9}")
-
-    out = Path(os.environ.get("OUT", ".")) / "energy_sampler.json"
-    out.write_text(json.dumps(summary, indent=2, default=str))
-    print(f"\nwrote {out}")
-    return 0
 
 
 if __name__ == "__main__":

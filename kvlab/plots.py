@@ -32,6 +32,22 @@ ANATOMY_COLORS = dict(zip(ANATOMY_ORDER, ("#4c78a8", "#f58518", "#54a24b", "#e45
 # helpers
 
 
+def is_empty(fig: go.Figure) -> bool:
+    """True for an :func:`empty_figure` (no traces, a note)."""
+    return len(fig.data) == 0
+
+
+def show(fig: go.Figure) -> None:
+    """Draw a figure, or print its note when it has no data: sections a folder may lack (batch
+    sizes, anatomy) then read as one sentence instead of an empty frame."""
+    if is_empty(fig):
+        notes = [a.text for a in fig.layout.annotations if a.text]
+        title = fig.layout.title.text or "figure"
+        print(f"{title}: {'; '.join(notes) or 'no data'}")
+    else:
+        fig.show()
+
+
 def empty_figure(title: str, reason: str) -> go.Figure:
     """A titled figure with a centred note: the report keeps its layout when data are missing."""
     fig = go.Figure()
@@ -193,6 +209,8 @@ def relative_to_baseline(rel: pd.DataFrame, metric_title: str = "J/token",
     x = rel["label"].astype(str)
     if "ctx" in rel.columns and rel["ctx"].nunique() > 1:
         x = x + " @" + rel["ctx"].map(_fmt_ctx)
+    if "batch" in rel.columns and rel["batch"].nunique() > 1:  # a folder of sweeps: bars per batch
+        x = x + " b" + rel["batch"].map(lambda b: str(int(b)))
     colors = color_map(rel["label"])
     fig = go.Figure(go.Bar(
         x=x, y=rel["ratio"], error_y=_error_y(rel, "ratio"),
@@ -324,5 +342,80 @@ def anatomy_bars(table: pd.DataFrame, key: str = "label") -> go.Figure:
                                  marker=dict(symbol="line-ew-open", size=30, color="black")))
     fig.update_layout(barmode="stack", title=title, yaxis_title="ms per decode step",
                       legend_title="category")
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------
+# a folder of sweeps (summaries from kvlab.report.batch_summary and compression_pays)
+
+
+def batch_scaling(summary: pd.DataFrame, metrics: dict[str, str], title: str = "Scaling with batch size",
+                  key: str = "label") -> go.Figure:
+    """One panel per metric against batch (log x), one line per method with CI bars; (method,
+    batch) pairs that failed (``status`` ``failed: OOM``) are listed under the panels."""
+    present = [m for m in metrics if _has(summary, m, "batch")]
+    if not present or summary["batch"].nunique() < 2:
+        return empty_figure(title, "fewer than two batch sizes at one context: no batch scaling to show")
+    cols = 2 if len(present) > 1 else 1
+    rows = math.ceil(len(present) / cols)
+    fig = make_subplots(rows=rows, cols=cols, subplot_titles=[metrics[m] for m in present],
+                        horizontal_spacing=0.1, vertical_spacing=0.16)
+    colors = color_map(summary[key])
+    ok = summary[summary["n"] > 0] if "n" in summary.columns else summary
+    for i, m in enumerate(present):
+        r, c = i // cols + 1, i % cols + 1
+        for label, part in ok.sort_values("batch").groupby(key, sort=False):
+            part = part.dropna(subset=[m])
+            if part.empty:
+                continue
+            fig.add_trace(go.Scatter(x=part["batch"], y=part[m], mode="lines+markers", name=str(label),
+                                     legendgroup=str(label), showlegend=i == 0, error_y=_error_y(part, m),
+                                     line=dict(color=colors[str(label)])), row=r, col=c)
+        batches = sorted(int(b) for b in summary["batch"].unique())
+        fig.update_xaxes(type="log", tickvals=batches, ticktext=[str(b) for b in batches],
+                         title_text="batch" if r == rows else None, row=r, col=c)
+    failed = summary[summary["status"].astype(str).str.startswith("failed")] if "status" in summary.columns \
+        else summary.iloc[0:0]
+    if not failed.empty:
+        text = "; ".join(f"{lab} at batch {int(b)}: {st}" for lab, b, st in
+                         zip(failed[key], failed["batch"], failed["status"], strict=True))
+        fig.add_annotation(text=text, x=0, y=-0.12, xref="paper", yref="paper", showarrow=False,
+                           xanchor="left", font=dict(color="#c00"))
+    fig.update_layout(title=title, legend_title="method", height=300 * rows + 120, margin=dict(b=90))
+    return fig
+
+
+def compression_pays(pays: pd.DataFrame, metric: str = "j_per_token", metric_title: str = "J/token",
+                     baseline: str = "full") -> go.Figure:
+    """Heatmap of each method's ``metric`` over the full cache's per (ctx, batch) cell: blue below
+    1 (compression pays), red above; cells show the change with its CI, or why there is none."""
+    title = f"Where compression pays: {metric_title} relative to {baseline}"
+    col = f"{metric}_ratio"
+    if not _has(pays, col):
+        return empty_figure(title, f"no {metric_title} ratios (no energy counter on this device?)")
+    df = pays.sort_values(["ctx", "batch"], kind="stable")
+    cells = list(dict.fromkeys(zip(df["ctx"], df["batch"], strict=True)))
+    x = [f"{_fmt_ctx(c)} · b{int(b)}" for c, b in cells]
+    labels = list(dict.fromkeys(pays["label"].astype(str)))
+    z = [[math.nan] * len(cells) for _ in labels]
+    text = [[""] * len(cells) for _ in labels]
+    for r in df.to_dict("records"):
+        i, j = labels.index(str(r["label"])), cells.index((r["ctx"], r["batch"]))
+        v, lo, hi = r[col], r.get(f"{col}_lo"), r.get(f"{col}_hi")
+        if v is None or math.isnan(v):
+            text[i][j] = str(r.get("verdict", ""))
+            continue
+        z[i][j] = v
+        ci = "" if lo is None or math.isnan(lo) else f"<br>[{(lo - 1) * 100:+.0f}%, {(hi - 1) * 100:+.0f}%]"
+        text[i][j] = f"{(v - 1) * 100:+.0f}%{ci}"
+    values = [v for row in z for v in row if not math.isnan(v)]
+    spread = max(abs(v - 1) for v in values) or 0.05
+    fig = go.Figure(go.Heatmap(
+        x=x, y=labels, z=z, text=text, texttemplate="%{text}", zmid=1.0, zmin=1 - spread, zmax=1 + spread,
+        colorscale="RdBu_r", colorbar=dict(title=f"× {baseline}"), hoverongaps=False,
+        hovertemplate="%{y} at %{x}: %{z:.3f}× " + baseline + "<extra></extra>",
+    ))
+    fig.update_layout(title=title, xaxis_title="context · batch", yaxis=dict(autorange="reversed"),
+                      height=160 + 45 * len(labels))
     return fig
 

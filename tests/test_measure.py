@@ -152,3 +152,24 @@ def test_real_model_gets_an_exact_length_haystack_through_its_tokenizer(smollm2)
                            new_tokens=4, input_ids=ids)
     assert m.tokens.shape == (2, 4)
     assert m.record["cache_physical_tokens"] == 150
+
+
+def test_kernel_ms_sums_the_kernels_of_cpu_ops_once():
+    """The decode probe's GPU time: every kernel under a CPU op counted once, async/annotation rows skipped."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from kvlab.measure import kernel_ms
+
+    def op(name, kernel_us, parent=None, **kw):
+        return SimpleNamespace(name=name, device_type=DeviceType.CPU, is_async=False, is_user_annotation=False,
+                               kernels=[SimpleNamespace(duration=us) for us in kernel_us], cpu_parent=parent, **kw)
+
+    step = op("aten::linear", [])
+    events = [step, op("aten::mm", [3000.0, 1000.0], parent=step), op("aten::add", [500.0]),
+              op("kvlab::attention", [9999.0]), op("ProfilerStep#1", [9999.0])]
+    events.append(SimpleNamespace(name="ncclKernel", device_type=DeviceType.CUDA, is_async=False,
+                                  is_user_annotation=False, kernels=[SimpleNamespace(duration=9999.0)],
+                                  cpu_parent=None))
+    assert kernel_ms(events) == 4.5

@@ -154,3 +154,63 @@ def test_budget_plots_from_tables():
     fig = plots.decode_split(decode, "X")
     assert [t.name for t in fig.data] == ["weights", "KV cache", "roofline time"]
     assert list(fig.data[2].text) == ["23.40 ms", "21.40 ms"]
+
+
+# --- a folder of sweeps --------------------------------------------------------------------
+
+
+def batch_summary_frame():
+    """What report.batch_summary returns: full at batch 4 and 16, int4 at 4 and OOM at 16."""
+    return pd.DataFrame([
+        {"label": "full", "batch": 4, "n": 1, "status": "ok", "tokens_per_s": 100.0, "j_per_token": 1.0},
+        {"label": "full", "batch": 16, "n": 1, "status": "ok", "tokens_per_s": 350.0, "j_per_token": 0.4},
+        {"label": "quanto int4", "batch": 4, "n": 1, "status": "ok", "tokens_per_s": 60.0, "j_per_token": 1.3},
+        {"label": "quanto int4", "batch": 16, "n": 0, "status": "failed: OOM"},
+    ])
+
+
+def test_batch_scaling_one_panel_per_metric_and_lists_failures():
+    metrics = {"tokens_per_s": "tokens/s", "j_per_token": "J/token", "itl_median_ms": "ITL"}
+    fig = plots.batch_scaling(batch_summary_frame(), metrics)
+    assert trace_names(fig) == ["full", "quanto int4", "full", "quanto int4"]  # no ITL column: two panels
+    assert [a.text for a in fig.layout.annotations][:2] == ["tokens/s", "J/token"]
+    assert list(fig.data[0].x) == [4, 16] and list(fig.data[0].y) == [100.0, 350.0]
+    assert list(fig.data[1].x) == [4]  # the OOM point is not drawn ...
+    assert any(a.text == "quanto int4 at batch 16: failed: OOM" for a in fig.layout.annotations)  # ... but named
+    assert fig.layout.xaxis.type == "log" and list(fig.layout.xaxis.tickvals) == [4, 16]
+    assert [t.showlegend for t in fig.data] == [True, True, False, False]
+
+
+def test_batch_scaling_with_one_batch_is_a_note():
+    one = batch_summary_frame()
+    assert is_empty_note(plots.batch_scaling(one[one["batch"] == 4], {"tokens_per_s": "tokens/s"}),
+                         "fewer than two batch sizes")
+
+
+def test_compression_pays_heatmap_cells():
+    pays = pd.DataFrame([
+        {"label": "quanto int4", "ctx": 16384, "batch": 1, "j_per_token_ratio": 1.3, "j_per_token_ratio_lo": 1.2,
+         "j_per_token_ratio_hi": 1.4, "verdict": "costs"},
+        {"label": "snapkv 10%", "ctx": 16384, "batch": 1, "j_per_token_ratio": 0.8, "j_per_token_ratio_lo": math.nan,
+         "j_per_token_ratio_hi": math.nan, "verdict": "no CI (one run each)"},
+        {"label": "quanto int4", "ctx": 16384, "batch": 32, "j_per_token_ratio": math.nan,
+         "j_per_token_ratio_lo": math.nan, "j_per_token_ratio_hi": math.nan, "verdict": "failed: OOM"},
+    ])
+    heat = plots.compression_pays(pays).data[0]
+    assert list(heat.x) == ["16k · b1", "16k · b32"] and list(heat.y) == ["quanto int4", "snapkv 10%"]
+    assert heat.z[0][0] == 1.3 and heat.z[1][0] == 0.8 and math.isnan(heat.z[0][1])
+    assert heat.text[0][0] == "+30%<br>[+20%, +40%]"
+    assert heat.text[1][0] == "-20%" and heat.text[0][1] == "failed: OOM"
+    assert heat.zmid == 1.0 and heat.zmin == pytest.approx(0.7) and heat.zmax == pytest.approx(1.3)
+    assert is_empty_note(plots.compression_pays(pays.assign(j_per_token_ratio=math.nan)), "no J/token")
+
+
+def test_relative_bars_name_the_batch_when_several():
+    rel = pd.DataFrame({"label": ["quanto int4", "quanto int4"], "ctx": [16384, 16384], "batch": [1, 4],
+                        "ratio": [1.35, 1.1], "ratio_lo": [1.3, 1.0], "ratio_hi": [1.4, 1.2]})
+    assert list(plots.relative_to_baseline(rel).data[0].x) == ["quanto int4 b1", "quanto int4 b4"]
+
+
+def test_show_prints_the_note_of_an_empty_figure(capsys):
+    plots.show(plots.empty_figure("Scaling with batch size", "only batch 1 measured"))
+    assert capsys.readouterr().out == "Scaling with batch size: only batch 1 measured\n"

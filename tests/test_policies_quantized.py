@@ -127,3 +127,26 @@ def test_inference_mode_works(lm):
             prefill(lm.model, prompt(), cache)
             prefill(lm.model, prompt(n=1), cache)
         assert cache.get_seq_length() == N + 1
+
+
+HAS_FP8 = Version(_version("transformers")) >= Version(FP8_MIN_TRANSFORMERS)
+
+
+@pytest.mark.skipif(not HAS_FP8, reason=f"fp8 needs transformers >= {FP8_MIN_TRANSFORMERS}")
+def test_fp8_saturates_tokens_beyond_the_prefill_scale(lm, monkeypatch):
+    """The scale is frozen at prefill; a louder token later must saturate at +-448, not overflow."""
+    from kvlab.policies.quantized import saturating_fp8_layer_class
+
+    cache = make_policy("fp8").make_cache(lm.model)
+    assert all(type(layer) is saturating_fp8_layer_class() for layer in cache.layers)
+    layer = saturating_fp8_layer_class()()
+    monkeypatch.setattr(layer, "fp8_dtype", torch.float32)  # keep the values that reach the cast
+    ones = torch.ones(1, 1, 4, 8)
+    layer.update(ones, ones)
+    layer.update(-10 * ones[:, :, :1], 10 * ones[:, :, :1])
+    keys, key_scale = layer._quantized_keys
+    values, _ = layer._quantized_values
+    assert key_scale.item() == pytest.approx(1 / layer.fp8_max)
+    m = layer.fp8_max  # unclamped, the loud token would reach 10 * 448
+    torch.testing.assert_close(keys, torch.tensor([m] * 4 + [-m]).view(1, 1, 5, 1).expand(1, 1, 5, 8))
+    torch.testing.assert_close(values.amax(), torch.tensor(m))

@@ -10,9 +10,19 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 import pytest
-from synthetic_records import FAKE_GPU, fake_records, write_fake_sweep
+from synthetic_records import (
+    FAKE_GPU,
+    FAKE_MANIFEST,
+    fake_perf_records,
+    fake_quality_records,
+    fake_records,
+    write_fake_sweep,
+)
 
 from kvlab import report, viz
+from kvlab.records import PERF_COLUMNS
+
+OOM = "RuntimeError: warm-up failed: OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
 
 
 @pytest.fixture(scope="module")
@@ -244,23 +254,28 @@ def test_render_report_rejects_bad_input(tmp_path):
 
 
 @pytest.mark.slow
-def test_kvlab_report_renders_a_fake_sweep(tmp_path):
-    """The CLI end to end on fake records: executed notebook, HTML with every figure, index."""
+def test_kvlab_report_renders_a_fake_campaign(tmp_path):
+    """The CLI end to end on a fake folder of sweeps: executed notebook, HTML with every figure
+    (batch, where compression pays and anatomy included), the int4 answer, index."""
     from kvlab.cli import main
 
-    folder = write_fake_sweep(tmp_path / "fake-sweep")
+    folder = write_fake_campaign(tmp_path / "fake-campaign")
     assert main(["report", str(folder), "--ctx", "16384"]) == 0
     html = (folder / "report.html").read_text()
     assert len(html) > 3_000_000  # plotly.js embedded
-    assert html.count('class="plotly-graph-div"') == 7  # every figure of the report notebook
+    assert html.count('class="plotly-graph-div"') == 10  # every figure of the report notebook
     assert "weights: synthetic" in html and FAKE_GPU in html
-    assert "+35% J/token vs full at ctx 16384" in html
+    assert "+35% J/token vs full at ctx 16384, batch 1" in html
+    assert "quanto int4 used +35% J/token vs full at 16k, batch 1 (95% CI" in html
+    assert "quanto int4 at 16k, batch 32: failed: OOM" in html
+    assert "dequantize +3.00 ms" in html
+    assert "h200-batch" in html and "h200-16k" in html  # provenance per sweep
     assert not re.search(r"<script[^>]+src=", html)
     executed = json.loads((folder / "report.ipynb").read_text())
     assert executed["metadata"]["papermill"]["input_path"] == "report.ipynb"  # no absolute paths
     assert str(tmp_path) not in json.dumps(executed["metadata"])
     index = (tmp_path / "index.html").read_text()
-    assert 'href="fake-sweep/report.html"' in index
+    assert 'href="fake-campaign/report.html"' in index
 
 
 def test_with_derived_adds_gb_and_label():
@@ -268,3 +283,323 @@ def test_with_derived_adds_gb_and_label():
                                            "peak_mem_bytes": [2e9, 1e9]}))
     assert list(df["label"]) == ["full", "x 4"]
     assert list(df["peak_mem_gb"]) == [2.0, 1.0]
+
+
+# --- a folder of sweeps (one GPU campaign) --------------------------------------------------
+
+
+def anatomy_rows(label, method, wall_ms, extra=None):
+    """A long anatomy table of one method (kvlab.anatomy.Anatomy.rows): 20 ms GEMMs, 2 ms attention,
+    1 ms gap, 0.1 ms elsewhere, plus ``extra`` ms per category."""
+    base = {"weight GEMMs": 20.0, "attention": 2.0, "CPU/launch gap": 1.0}
+    return [{"label": label, "method": method, "device": "cuda", "category": c,
+             "ms": base.get(c, 0.1) + (extra or {}).get(c, 0.0), "wall_ms": wall_ms, "busy_ms": wall_ms - 1.0,
+             "steps": 8} for c in ("weight GEMMs", "attention", "cache update/concat", "quantize", "dequantize",
+                                   "other ops", "CPU/launch gap")]
+
+
+ANATOMY = (anatomy_rows("full", "full", 27.0)
+           + anatomy_rows("quanto int4", "quanto", 30.3, {"dequantize": 3.0, "quantize": 0.3}))
+
+
+def write_fake_campaign(folder):
+    """A fake campaign folder: ``h200-16k`` (the fake sweep: 3 contexts at batch 1, quality
+    records), ``h200-batch`` (16k at batch 4, 16, 32, one repeat, 64 new tokens; quanto int4 OOMs at
+    batch 32 in warm-up, so its record has no label) and ``anatomy/anatomy_16k.json``."""
+    from kvlab.records import RecordWriter, write_manifest
+
+    write_fake_sweep(folder / "h200-16k")
+    rows = []
+    for b in (4, 16, 32):
+        for r in fake_perf_records(ctxs=(16384,), repeats=1, new_tokens=64):
+            if r["status"] != "ok":
+                continue
+            r = dict(r, run_id=f"{r['run_id']}-b{b}", sweep="h200-batch", batch=b, tokens_per_s=r["tokens_per_s"] * b)
+            if r["method"] == "quanto" and b == 32:
+                r = {k: r[k] for k in ("run_id", "sweep", "kind", "model", "weights", "device", "method", "keep",
+                                       "bits", "ctx", "batch", "new_tokens", "repeat")}
+                r.update(status="failed", error=OOM)
+            rows.append(r)
+    (folder / "h200-batch").mkdir()
+    with RecordWriter(folder / "h200-batch" / "records.jsonl") as w:
+        for r in rows:
+            w.append(r)
+    write_manifest(folder / "h200-batch", dict(FAKE_MANIFEST, params={"batch": [4, 16, 32]}))
+    (folder / "anatomy").mkdir()
+    # what `kvlab anatomy --json > file` may hold: a stray line, then the table
+    (folder / "anatomy" / "anatomy_16k.json").write_text("loading weights\n" + json.dumps(ANATOMY) + "\n")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def campaign(tmp_path_factory):
+    return report.load_study(write_fake_campaign(tmp_path_factory.mktemp("campaign")))
+
+
+def test_load_study_collects_the_sweeps_of_a_campaign(campaign):
+    assert list(campaign.manifests) == ["h200-16k", "h200-batch"]
+    assert campaign.manifest == {}
+    # 27 perf + 1 failed + 20 quality in the 16k sweep; 3 methods x 3 batches in the batch sweep
+    assert campaign.records["sweep_dir"].value_counts().to_dict() == {"h200-16k": 48, "h200-batch": 9}
+    assert set(campaign.anatomy["label"]) == {"full", "quanto int4"}
+    text = report.summary_markdown(campaign)
+    assert "**sweeps:** `h200-16k` (48 records), `h200-batch` (9 records)" in text
+
+
+def test_provenance_has_one_column_per_sweep(campaign):
+    prov = report.study_provenance(campaign)
+    assert list(prov.columns) == ["h200-16k", "h200-batch"]
+    assert prov.loc["runs", "h200-16k"] == "47 ok, 1 failed"
+    assert prov.loc["runs", "h200-batch"] == "8 ok, 1 failed"
+    assert prov.loc["manifest: params.batch", "h200-batch"] == "[4, 16, 32]"
+    assert prov.loc["manifest: params.batch", "h200-16k"] == ""  # that sweep has no such param
+    assert prov.loc["weights", "h200-batch"].startswith("synthetic")
+
+
+def test_a_single_sweep_keeps_one_value_column(tmp_path):
+    study = report.load_study(write_fake_sweep(tmp_path / "one"))
+    assert study.manifests == {} and study.anatomy.empty
+    prov = report.study_provenance(study)
+    assert list(prov.columns) == ["value"]
+    assert prov.equals(report.provenance(study.manifest, study.records))
+
+
+def test_decode_throughput_counts_every_sequence_after_the_first_token():
+    df = pd.DataFrame({"tokens_per_s": [100.0, None, None], "batch": [4, 4, 1], "new_tokens": [65, 65, 1],
+                       "decode_s": [2.0, 2.0, 0.5]})
+    out = report.decode_throughput(df)
+    assert out[0] == 100.0  # as measured
+    assert out[1] == 4 * 64 / 2.0  # 128: batch x (new_tokens - 1) / decode_s
+    assert math.isnan(out[2])  # one new token: no decode step
+
+
+def test_failed_runs_get_the_label_of_their_method():
+    df = pd.DataFrame([
+        {"method": "quanto", "label": "quanto int4", "bits": 4, "keep": 1.0, "status": "ok"},
+        {"method": "quanto", "label": "quanto int2", "bits": 2, "keep": 1.0, "status": "ok"},
+        {"method": "quanto", "label": None, "bits": 4, "keep": None, "status": "failed"},
+        {"method": "snapkv", "label": None, "bits": None, "keep": 0.1, "status": "failed"},
+        {"method": "fp8", "label": None, "bits": None, "keep": None, "status": "failed"},
+    ])
+    assert list(report.fill_labels(df)) == ["quanto int4", "quanto int2", "quanto int4", "snapkv 10%", "fp8"]
+    assert report.method_label("snapkv", 0.1, 4, {"backend": "quanto", "nbits": 4}) == "snapkv 10% + quanto int4"
+    assert report.method_label("hqq", None, 2) == "hqq int2"
+
+
+def test_failure_text_names_an_oom():
+    assert report.failure_text([OOM]) == "failed: OOM"
+    assert report.failure_text(["torch.OutOfMemoryError: x"]) == "failed: OOM"
+    assert report.failure_text([None, "ValueError: bad keep"]) == "failed: ValueError: bad keep"
+    assert report.failure_text([]) == "failed"
+
+
+def perf_row(method, label, ctx, batch, j=None, itl=10.0, tps=100.0, status="ok", error=None, **extra):
+    return {"kind": "perf", "status": status, "error": error, "model": "m", "method": method, "label": label,
+            "ctx": ctx, "batch": batch, "j_per_token": j, "itl_median_ms": itl, "tokens_per_s": tps,
+            "peak_mem_bytes": 2e9, **extra}
+
+
+def test_context_summary_compares_contexts_at_one_batch():
+    df = pd.DataFrame([perf_row("full", "full", 1024, 1, itl=10.0), perf_row("full", "full", 1024, 1, itl=12.0),
+                       perf_row("full", "full", 2048, 1, itl=20.0), perf_row("full", "full", 1024, 4, itl=40.0)])
+    summary, caption = report.context_summary(df, ["itl_median_ms"], n_boot=100)
+    assert caption == "batch 1, ctx 1024, 2048"
+    assert list(summary["ctx"]) == [1024, 2048] and list(summary["n"]) == [2, 1]
+    assert list(summary["itl_median_ms"]) == [11.0, 20.0]  # the batch-4 run stays out
+    assert report.context_summary(df, ["itl_median_ms"], batch=4)[0]["itl_median_ms"].tolist() == [40.0]
+    assert report.context_summary(df.iloc[0:0])[1] == "no performance records"
+
+
+def test_pick_batch_ctx_prefers_the_asked_context_with_several_batches():
+    df = pd.DataFrame({"ctx": [16384, 16384, 16384, 32768], "batch": [1, 4, 16, 1]})
+    assert report.pick_batch_ctx(df, 16384) == (16384, "ctx 16384")
+    chosen, caption = report.pick_batch_ctx(df, 32768)
+    assert chosen == 16384 and "most batch sizes" in caption
+    chosen, caption = report.pick_batch_ctx(df[df["batch"] == 1], 16384)
+    assert chosen is None and caption == "one batch size per context (batch 1): no batch scaling in this folder"
+
+
+def batch_records():
+    """16k: full at batch 1 (two runs) and 4; int4 at 1, and at 4 one ok and one OOM; at 32 only an
+    OOM (no label: failed in warm-up); streamingllm at batch 1 only (left out of the batch section)."""
+    return pd.DataFrame([
+        perf_row("full", "full", 16384, 1, j=1.0, tps=10.0, new_tokens=128),
+        perf_row("full", "full", 16384, 1, j=1.2, tps=12.0, new_tokens=128),
+        perf_row("full", "full", 16384, 4, j=0.5, tps=40.0, new_tokens=64),
+        perf_row("quanto", "quanto int4", 16384, 1, j=1.5, tps=8.0, new_tokens=128, bits=4),
+        perf_row("quanto", "quanto int4", 16384, 4, j=0.6, tps=30.0, new_tokens=64, bits=4),
+        perf_row("quanto", "quanto int4", 16384, 4, status="failed", error=OOM, new_tokens=64, bits=4),
+        perf_row("quanto", None, 16384, 32, status="failed", error=OOM, new_tokens=64, bits=4),
+        perf_row("streamingllm", "streamingllm 10%", 16384, 1, j=0.9, new_tokens=128),
+    ])
+
+
+def test_batch_summary_keeps_failures_as_rows():
+    summary, ctx, caption = report.batch_summary(batch_records(), 16384, ["tokens_per_s", "j_per_token"], n_boot=100)
+    assert ctx == 16384
+    assert caption.startswith("Batch sizes at ctx 16384: mean [95% CI]; new tokens")
+    assert "batch 1: 128, batch 4: 64, batch 32: 64" in caption and "decode J/token" in caption
+    rows = {(r["label"], r["batch"]): r for r in summary.to_dict("records")}
+    assert set(rows) == {("full", 1), ("full", 4), ("quanto int4", 1), ("quanto int4", 4), ("quanto int4", 32)}
+    assert rows[("full", 1)]["n"] == 2 and rows[("full", 1)]["tokens_per_s"] == pytest.approx(11.0)
+    assert rows[("full", 1)]["j_per_token"] == pytest.approx(1.1)
+    assert rows[("quanto int4", 4)]["status"] == "ok (1 failed: OOM)" and rows[("quanto int4", 4)]["n"] == 1
+    assert rows[("quanto int4", 32)]["status"] == "failed: OOM" and rows[("quanto int4", 32)]["n"] == 0
+    table = report.format_ci(summary, {"j_per_token": "J/token"}, keys=["batch"])
+    assert list(table.columns) == ["method", "batch", "runs", "status", "J/token"]
+    assert table.iloc[-1].tolist() == ["quanto int4", 32, 0, "failed: OOM", "failed: OOM"]
+    assert table.iloc[0]["J/token"].startswith("1.100 [")
+
+
+def test_batch_summary_with_one_batch_says_so():
+    one = batch_records()
+    summary, ctx, caption = report.batch_summary(one[one["batch"] == 1], 16384, n_boot=50)
+    assert summary.empty and ctx is None and "no batch scaling" in caption
+
+
+def test_pays_verdict_reads_the_ci():
+    assert report.pays_verdict(0.8, 0.7, 0.9) == "pays"
+    assert report.pays_verdict(1.2, 1.1, 1.3) == "costs"
+    assert report.pays_verdict(1.0, 0.9, 1.1) == "no clear difference"
+    assert report.pays_verdict(0.8, math.nan, math.nan) == "no CI (one run each)"
+    assert report.pays_verdict(math.nan, math.nan, math.nan) == "no J/token data"
+
+
+def pays_records():
+    """Exact cells: at (16k, 1) int4 spends 1.3x full's J/token (14 vs 10 ms ITL), snapkv 0.8x;
+    (16k, 4) one run each, int4 2.5 vs 2.0 J/token; at (16k, 16) int4 OOMs; at (16k, 32) full OOMs
+    and int4 runs."""
+    rows = []
+    for _ in range(2):
+        rows += [perf_row("full", "full", 16384, 1, j=1.0, itl=10.0, tps=100.0),
+                 perf_row("quanto", "quanto int4", 16384, 1, j=1.3, itl=14.0, tps=70.0),
+                 perf_row("snapkv", "snapkv 10%", 16384, 1, j=0.8, itl=9.0, tps=110.0)]
+    rows += [perf_row("full", "full", 16384, 4, j=2.0), perf_row("quanto", "quanto int4", 16384, 4, j=2.5),
+             perf_row("full", "full", 16384, 16, j=2.0),
+             perf_row("quanto", "quanto int4", 16384, 16, status="failed", error=OOM),
+             perf_row("full", "full", 16384, 32, status="failed", error=OOM),
+             perf_row("quanto", "quanto int4", 16384, 32, j=3.0)]
+    return pd.DataFrame(rows)
+
+
+def test_compression_pays_per_cell():
+    pays = report.compression_pays(pays_records(), n_boot=200)
+    rows = {(r["label"], r["batch"]): r for r in pays.to_dict("records")}
+    int4 = rows[("quanto int4", 1)]
+    assert (int4["j_per_token_ratio"], int4["j_per_token_ratio_lo"], int4["j_per_token_ratio_hi"]) == \
+        pytest.approx((1.3, 1.3, 1.3))
+    assert int4["itl_median_ms_ratio"] == pytest.approx(1.4) and int4["tokens_per_s_ratio"] == pytest.approx(0.7)
+    assert int4["verdict"] == "costs" and (int4["n"], int4["n_base"]) == (2, 2)
+    assert rows[("snapkv 10%", 1)]["j_per_token_ratio"] == pytest.approx(0.8)
+    assert rows[("snapkv 10%", 1)]["verdict"] == "pays"
+    assert rows[("quanto int4", 4)]["j_per_token_ratio"] == pytest.approx(1.25)
+    assert rows[("quanto int4", 4)]["verdict"] == "no CI (one run each)"
+    assert rows[("quanto int4", 16)]["verdict"] == "failed: OOM"
+    assert rows[("quanto int4", 32)]["verdict"] == "ran where full failed: OOM"
+    table = report.pays_table(pays)
+    assert list(table.columns) == ["ctx", "batch", "method", "runs (method/full)", "J/token / full",
+                                   "time between tokens / full", "tokens/s / full", "verdict (J/token)"]
+    first = table.iloc[0]
+    assert (first["method"], first["runs (method/full)"], first["J/token / full"]) == ("quanto int4", "2/2",
+                                                                                       "1.300 [1.300, 1.300]")
+
+
+def test_energy_answer_one_sentence_per_cell():
+    lines = report.energy_answer(report.compression_pays(pays_records(), n_boot=200))
+    assert lines == [
+        "quanto int4 used +30% J/token vs full at 16k, batch 1 (95% CI +30% to +30%, 2 vs 2 runs): "
+        "more energy than the full cache",
+        "quanto int4 used +25% J/token vs full at 16k, batch 4 (1 vs 1 runs, no CI)",
+        "quanto int4 at 16k, batch 16: failed: OOM",
+        "quanto int4 at 16k, batch 32: ran where full failed: OOM",
+    ]
+    no_energy = pays_records().assign(j_per_token=None)
+    assert report.energy_answer(report.compression_pays(no_energy, n_boot=50))[0] == \
+        "quanto int4 at 16k, batch 1: no J/token (no energy counter?)"
+    assert report.energy_answer(report.compression_pays(pays_records(), n_boot=50), "int2") == \
+        ["no 'int2' runs in this folder"]
+
+
+def test_headline_names_the_batch_when_several(campaign):
+    rel = report.relative_to_baseline(campaign.perf, ctx=16384, n_boot=100)
+    lines = report.headline(rel)
+    assert lines[0].startswith("quanto int4: +35% J/token vs full at ctx 16384, batch 1 (95% CI ")
+    assert "quanto int4: +35% J/token vs full at ctx 16384, batch 4" in lines
+
+
+def test_campaign_batch_section_and_failed_runs(campaign):
+    summary, ctx, _ = report.batch_summary(campaign.records, 16384, n_boot=100)
+    oom = summary[summary["status"] == "failed: OOM"]
+    assert oom[["label", "batch"]].values.tolist() == [["quanto int4", 32]]
+    failed = report.failed_records(campaign.records)
+    row = failed[failed["sweep_dir"] == "h200-batch"].iloc[0]
+    assert (row["label"], row["batch"], row["error"]) == ("quanto int4", 32, OOM)  # labelled though recorded without
+
+
+def test_tenhz_gap_in_percent_of_the_counter():
+    df = pd.DataFrame([perf_row("full", "full", 1024, 1, energy_j=100.0, energy_10hz_j=80.0, window_s=2.0),
+                       perf_row("full", "full", 1024, 1, energy_j=200.0, energy_10hz_j=180.0, window_s=4.0)])
+    summary, sentence = report.tenhz_gap(df, n_boot=500)
+    assert summary["gap_pct"].tolist() == pytest.approx([-15.0]) and summary["window_s"].tolist() == [3.0]
+    assert sentence == ("Over 2 runs the 10 Hz power integration read -15.0% of the counter's energy "
+                        "(95% CI -20.0% to -10.0%), energy windows 2.0 to 4.0 s.")
+    table = report.format_ci(summary, {"gap_pct": "gap (%)"}, key=None, keys=["ctx", "batch"])
+    assert list(table.columns) == ["ctx", "batch", "runs", "gap (%)"]
+    assert "no energy measurements" in report.tenhz_gap(df.assign(energy_j=None))[1]
+
+
+def test_anatomy_files_load_and_explain(tmp_path):
+    (tmp_path / "anatomy").mkdir()
+    (tmp_path / "anatomy" / "anatomy_16k.json").write_text("a warning\n" + json.dumps(ANATOMY))
+    (tmp_path / "anatomy" / "broken.json").write_text("not json")
+    table = report.load_anatomy(tmp_path)
+    assert len(table) == 14 and set(table["source"]) == {"anatomy_16k"}
+    assert report.anatomy_lines(table) == [
+        "quanto int4: 30.30 ms per decode step vs 27.00 ms for full (+3.30 ms); largest differences: "
+        "dequantize +3.00 ms, quantize +0.30 ms"]
+    cats = report.anatomy_categories(table)
+    assert cats.loc["quanto int4", "dequantize"] == pytest.approx(3.1)
+    assert cats.loc["full", "wall_ms"] == 27.0
+
+
+def test_anatomy_absent_says_how_to_make_it(tmp_path):
+    table = report.load_anatomy(tmp_path)
+    assert table.empty
+    assert report.anatomy_lines(table) == [report.ANATOMY_HINT]
+    assert report.anatomy_categories(table).empty
+
+
+def test_two_anatomy_files_keep_their_labels_apart(tmp_path):
+    (tmp_path / "anatomy_16k.json").write_text(json.dumps(ANATOMY))
+    (tmp_path / "anatomy_32k.json").write_text(json.dumps(ANATOMY))
+    table = report.load_anatomy(tmp_path)
+    assert "anatomy_32k · quanto int4" in set(table["label"])
+    assert len(report.anatomy_lines(table)) == 2  # each file against its own full cache
+
+
+def test_rows_or_none_hides_empty_tables():
+    assert report.rows_or_none(pd.DataFrame()) is None
+    table = pd.DataFrame({"a": [1]})
+    assert report.rows_or_none(table) is table
+
+
+@pytest.mark.parametrize("case", ["cpu-like", "quality-only", "empty"])
+def test_new_sections_degrade_with_a_sentence(case):
+    records = {"cpu-like": fake_records(energy=False), "quality-only": pd.DataFrame(fake_quality_records()),
+               "empty": pd.DataFrame(columns=list(PERF_COLUMNS))}[case]
+    batch, ctx, caption = report.batch_summary(records, n_boot=50)
+    assert batch.empty and ctx is None
+    assert caption in ("one batch size per context (batch 1): no batch scaling in this folder", "no performance records")
+    pays = report.compression_pays(records, n_boot=50)
+    lines = report.energy_answer(pays)
+    if case == "cpu-like":
+        assert set(pays["verdict"]) == {"no J/token data", "failed: OOM"}  # ITL and tokens/s ratios still there
+        assert pays["itl_median_ms_ratio"].notna().sum() == 6
+        assert lines[0] == "quanto int4 at 1k, batch 1: no J/token (no energy counter?)"
+    else:
+        assert pays.empty and report.rows_or_none(report.pays_table(pays)) is None
+        assert lines == ["no 'int4' runs in this folder"]
+    gap, sentence = report.tenhz_gap(records, n_boot=50)
+    assert gap.empty and sentence.startswith("no energy measurements")
+    summary, caption = report.context_summary(records, n_boot=50)
+    assert (summary.empty, caption.startswith("no performance records")) == (case != "cpu-like",) * 2

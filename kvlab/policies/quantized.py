@@ -130,8 +130,9 @@ class QuantSpec:
     def layer_class(self) -> type:
         from transformers import cache_utils
 
-        return {"quanto": cache_utils.QuantoQuantizedLayer, "hqq": cache_utils.HQQQuantizedLayer,
-                "fp8": getattr(cache_utils, "Fp8QuantizedLayer", None)}[self.backend]
+        if self.backend == "fp8":
+            return saturating_fp8_layer_class()
+        return {"quanto": cache_utils.QuantoQuantizedLayer, "hqq": cache_utils.HQQQuantizedLayer}[self.backend]
 
     def layer_kwargs(self) -> dict[str, int]:
         """Fresh keyword arguments for one quantized layer (a new dict on every call)."""
@@ -144,7 +145,10 @@ class QuantSpec:
         from transformers import QuantizedCache
 
         config = hf_model(model).config
-        return QuantizedCache(self.backend, config, **self.layer_kwargs())
+        cache = QuantizedCache(self.backend, config, **self.layer_kwargs())
+        if self.backend == "fp8":  # the same cache with saturating layers (see saturating_fp8_layer_class)
+            cache.layers = [self.layer_class()() for _ in cache.layers]
+        return cache
 
     def warmup(self, model) -> None:
         """Quantize and dequantize a tiny tensor on the model's device.
@@ -163,6 +167,34 @@ class QuantSpec:
         layer.update(x[:, :, :1], x[:, :, :1])
         if param.device.type == "cuda":
             torch.cuda.synchronize(param.device)
+
+
+_SATURATING_FP8: dict[type, type] = {}
+
+
+def saturating_fp8_layer_class() -> type:
+    """transformers' ``Fp8QuantizedLayer`` with a saturating cast for the tokens after prefill.
+
+    Why: the layer freezes its per-tensor scale on the prefill and casts later tokens with
+    ``.to(float8_e4m3fn)``; a token whose keys exceed the prefill's amplitude then overflows.
+    Out-of-range casts saturate to +-448 on the CPU (torch >= 2.12, pytorch#178817) but can give
+    NaN on CUDA: on the H200 (torch 2.11, 2026-12-02) every SmolLM2 answer under fp8 came out empty
+    with NaN logits while the CPU answered. Clamping first makes both devices saturate.
+    """
+    from transformers import cache_utils
+
+    base = getattr(cache_utils, "Fp8QuantizedLayer", None)
+    if base is None:
+        return None
+    if base not in _SATURATING_FP8:
+        def _quantize(self, tensor, scale=None):
+            if scale is None:  # calibrating on this tensor: nothing exceeds it
+                return base._quantize(self, tensor)
+            return (tensor.float() / scale).clamp_(-self.fp8_max, self.fp8_max).to(self.fp8_dtype), scale
+
+        _SATURATING_FP8[base] = type("SaturatingFp8QuantizedLayer", (base,), {
+            "_quantize": _quantize, "__doc__": saturating_fp8_layer_class.__doc__})
+    return _SATURATING_FP8[base]
 
 
 def _quant_field(default, help_text):

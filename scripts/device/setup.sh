@@ -1,23 +1,29 @@
 # Source at the start of every command on the lent GPU machine (it has no package registry):
 #   . scripts/device/setup.sh
-# with carry [".whl", ".device"]. It installs the carried wheels (built by ../shared/device/wheels.sh
-# plus hqq and termcolor) and restores optimum-quanto's CUDA extension built on an earlier call, so
-# its ~90 s JIT build never lands in a measurement.
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || return 1
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
-_ext=/tmp/site/optimum/quanto/library/extensions/cuda
-# Seen 2026-12-02: touching the restored objects made ninja rebuild anyway (its deps log records
-# the objects' original mtimes), so the build ran again inside a sweep. Now the archive keeps its
-# mtimes and the freshly installed sources are dated back instead, so ninja finds nothing to do.
-# Not yet verified on the device: check that `policy.warmup` takes seconds, not ~90 s.
-if [ -f .device/quanto_cuda_build.tgz ] && [ ! -f "$_ext/build/quanto_cuda.so" ]; then
-  find "$_ext" -type f \( -name '*.cu' -o -name '*.cpp' -o -name '*.h' -o -name '*.cuh' \) -exec touch -d '2000-01-01' {} +
-  tar xzf .device/quanto_cuda_build.tgz -C "$_ext"
+# with carry [".whl", ".whl-tf", ".device"] on a fresh machine. It installs the carried wheels
+# (optimum-quanto, gguf, hqq, einops, termcolor, pydantic and its parts; scripts/device/campaign.sh
+# says how they are built) into /tmp/site and
+# transformers 5.24 (FP8 needs >= 5.21; the machine has 5.17) into /tmp/site-tf, both ahead of the
+# machine's packages on PYTHONPATH. On a warm machine (an earlier call of this session left
+# /tmp/site) it installs nothing, so optimum-quanto's CUDA extension built by that call survives:
+# reinstalling the package would delete its build folder and cost the ~90 s JIT build again.
+_ready=/tmp/site/.kvlab-ready
+if [ ! -f "$_ready" ]; then
+  [ -d .whl ] || { echo "setup.sh: fresh machine and no .whl/ carried: carry [\".whl\", \".whl-tf\"]" >&2; return 1; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || return 1
+  if [ -d .whl-tf ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-tf .whl-tf/*.whl || return 1
+  fi
+  # A quanto build from an earlier machine (same image and torch): the archive keeps its mtimes and
+  # the fresh sources are dated back, so ninja's deps log finds nothing newer and nothing to rebuild.
+  _ext=/tmp/site/optimum/quanto/library/extensions/cuda
+  if [ -f .device/quanto_cuda_build.tgz ]; then
+    find "$_ext" -type f \( -name '*.cu' -o -name '*.cpp' -o -name '*.h' -o -name '*.cuh' \) -exec touch -d '2000-01-01' {} +
+    tar xzf .device/quanto_cuda_build.tgz -C "$_ext"
+  fi
+  unset _ext
+  touch "$_ready"
 fi
-unset _ext
-# Optional: a newer transformers (carry [".whl-tf"]) in its own folder, so one command can run the
-# same script on the machine's stock transformers and on the carried one:
-#   PYTHONPATH=/tmp/site-tf:$PYTHONPATH python3 ...
-if [ -d .whl-tf ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-tf .whl-tf/*.whl
-fi
+unset _ready
+export PYTHONPATH=/tmp/site-tf:/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+export KVLAB_GIT_SHA=${KVLAB_GIT_SHA:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
