@@ -15,6 +15,9 @@ What a run measures, and how:
   optionally (``probe=True``, used on warm-ups) the SDPA kernels torch actually picked for prefill
   and decode, read from a profiler trace, with the decode step's summed GPU kernel time.
 - **Energy**: one sampler window around prefill + decode, split at the decode start.
+- **Host**: during decode, this process's CPU time, the VM's steal time and the main thread's
+  involuntary context switches (:mod:`kvlab.hostload`): batch-1 decode is host-bound, so a slow
+  run needs them to say whether it lost its CPU or spent it.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvlab.energy import NullSampler, Sampler, WindowResult
+from kvlab.hostload import host_delta, read_counters
 
 SDPA_BACKENDS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION",
                  "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
@@ -304,11 +308,13 @@ def measure_generation(
         stats = cache_stats(cache)
         t_decode = win.mark("decode")
         clock.mark()  # 2: decode start
+        host_start = read_counters()
         if probe_decode:
             probe_decode.start()
         tokens = greedy_decode(model, cache, first, new_tokens, start_position=ctx, on_step=step_done)
         if probe_decode:
             probe_decode.stop()
+    host = host_delta(host_start, read_counters())  # decode, to the window's closing synchronize
     res = win.result
     if _token_count(tokens) != new_tokens:
         raise MeasureError(f"generated {_token_count(tokens)} tokens per sequence, expected exactly {new_tokens}")
@@ -354,6 +360,7 @@ def measure_generation(
         "energy_samples": res.n_samples,
         "temp_start_c": res.temp_start_c,
         "temp_end_c": res.temp_end_c,
+        **{f"decode_{k}": v for k, v in host.items()},
     }
     if probe:
         record["sdpa_kernel"] = _kernel_label(probe_prefill.kernels, probe_decode.kernels if probe_decode else [])

@@ -83,6 +83,9 @@ def test_full_cache_run_generates_exactly_n_tokens_and_times_each(tiny):
     # CPU: no CUDA memory or GPU time, and the energy fields say why they are empty
     assert r["peak_mem_bytes"] is None and r["gpu_busy_ms"] is None
     assert r["energy_j"] is None and r["energy_source"].startswith("none")
+    # host counters over decode (Linux): this process was busy decoding, and the VM counters read
+    assert r["decode_host_process_cpu_ms"] > 0 and r["decode_host_process_cpu_share"] > 0
+    assert r["decode_host_steal_ms"] >= 0 and r["decode_host_nonvoluntary_switches"] >= 0
 
 
 def test_greedy_tokens_match_transformers_generate(tiny):

@@ -1,0 +1,44 @@
+"""Host counters: parsing /proc text and the deltas a record carries."""
+
+import pytest
+
+from kvlab.hostload import HostCounters, host_delta, parse_nonvoluntary, parse_steal_s, read_counters
+
+PROC_STAT = """cpu  4705 356 584 3699176 23060 0 277 1234 0 0
+cpu0 1393 280 209 923545 6017 0 207 600 0 0
+intr 114930548 113199788 3 0 5 263 0 4 [...]
+"""
+STATUS = "Name:\tpython\nvoluntary_ctxt_switches:\t150\nnonvoluntary_ctxt_switches:\t545\n"
+
+
+def test_steal_comes_from_the_aggregate_cpu_line():
+    assert parse_steal_s(PROC_STAT, ticks_per_s=100) == pytest.approx(12.34)
+    assert parse_steal_s("cpu  1 2 3 4\n", 100) is None  # a kernel too old to report steal
+    assert parse_steal_s("intr 5\n", 100) is None
+
+
+def test_nonvoluntary_switches_from_status():
+    assert parse_nonvoluntary(STATUS) == 545
+    assert parse_nonvoluntary("Name:\tpython\n") is None
+
+
+def test_delta_over_an_interval():
+    a = HostCounters(wall_s=10.0, process_cpu_s=1.0, steal_s=12.0, nonvoluntary_switches=500)
+    b = HostCounters(wall_s=12.0, process_cpu_s=2.5, steal_s=12.25, nonvoluntary_switches=545)
+    assert host_delta(a, b) == {"host_process_cpu_ms": 1500.0, "host_process_cpu_share": 0.75,
+                                "host_steal_ms": 250.0, "host_nonvoluntary_switches": 45}
+    c = HostCounters(wall_s=12.0, process_cpu_s=2.5)  # counters unreadable: None, not an error
+    assert host_delta(a, c)["host_steal_ms"] is None and host_delta(a, c)["host_nonvoluntary_switches"] is None
+
+
+def test_reading_this_machine():
+    """On Linux every counter reads; 0.2 s of busy Python shows up as this process's CPU time."""
+    import time
+
+    before = read_counters()
+    end = time.perf_counter() + 0.2
+    while time.perf_counter() < end:
+        pass
+    delta = host_delta(before, read_counters())
+    assert delta["host_process_cpu_ms"] > 0 and delta["host_process_cpu_share"] > 0
+    assert delta["host_steal_ms"] is not None and delta["host_nonvoluntary_switches"] is not None
