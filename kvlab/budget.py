@@ -68,9 +68,17 @@ def check_group_size(spec: ModelSpec, group_size: int | None) -> None:
         )
 
 
-def check_keep(keep: float) -> float:
+def keep_problem(keep: float) -> str | None:
+    """Why a keep ratio is invalid, or None: one wording for the budget math and the policies."""
     if not 0 < keep <= 1:
-        raise BudgetError(f"keep ratio {keep} is outside (0, 1]: 0.1 keeps 10% of the prompt cache, 1.0 keeps all")
+        return f"keep={keep} is outside (0, 1]: 0.1 keeps 10% of the prompt cache, 1.0 keeps all"
+    return None
+
+
+def check_keep(keep: float) -> float:
+    problem = keep_problem(keep)
+    if problem:
+        raise BudgetError(problem)
     return keep
 
 

@@ -10,6 +10,8 @@ import math
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, ClassVar
 
+from kvlab.budget import keep_problem
+
 
 class PolicyError(ValueError):
     """Bad policy input (method, keep, nbits, backend, model); the message names the fix."""
@@ -68,8 +70,9 @@ def model_shape(model) -> ModelShape:
 def check_keep(keep: Any) -> float:
     if isinstance(keep, bool) or not isinstance(keep, (int, float)) or not math.isfinite(keep):
         raise PolicyError(f"keep must be a number in (0, 1], got {keep!r}")
-    if not 0 < keep <= 1:
-        raise PolicyError(f"keep={keep} is outside (0, 1]: 0.1 keeps 10% of the prompt cache, 1.0 keeps all")
+    problem = keep_problem(keep)
+    if problem:
+        raise PolicyError(problem)
     return float(keep)
 
 
