@@ -94,7 +94,7 @@ def _error_y(df: pd.DataFrame, col: str) -> dict | None:
                 arrayminus=(df[col] - df[lo]).tolist(), thickness=1.2, width=4)
 
 
-def _fmt_ctx(ctx: float) -> str:
+def fmt_ctx(ctx: float) -> str:
     ctx = int(ctx)
     return f"{ctx // 1024}k" if ctx >= 1024 and ctx % 1024 == 0 else f"{ctx:,}"
 
@@ -126,7 +126,7 @@ def capacity(table: pd.DataFrame, gpu_name: str, ctx: int) -> go.Figure:
     colors = color_map(table["format"])
     fig = go.Figure(go.Bar(x=table["format"], y=table["max_batch"], text=table["max_batch"],
                            textposition="outside", marker_color=[colors[str(f)] for f in table["format"]]))
-    fig.update_layout(title=f"Capacity on {gpu_name} at {_fmt_ctx(ctx)} context",
+    fig.update_layout(title=f"Capacity on {gpu_name} at {fmt_ctx(ctx)} context",
                       xaxis_title="cache format", yaxis_title="max batch (sequences)", showlegend=False)
     return fig
 
@@ -208,7 +208,7 @@ def relative_to_baseline(rel: pd.DataFrame, metric_title: str = "J/token",
     rel = rel.dropna(subset=["ratio"])
     x = rel["label"].astype(str)
     if "ctx" in rel.columns and rel["ctx"].nunique() > 1:
-        x = x + " @" + rel["ctx"].map(_fmt_ctx)
+        x = x + " @" + rel["ctx"].map(fmt_ctx)
     if "batch" in rel.columns and rel["batch"].nunique() > 1:  # a folder of sweeps: bars per batch
         x = x + " b" + rel["batch"].map(lambda b: str(int(b)))
     colors = color_map(rel["label"])
@@ -260,7 +260,7 @@ def itl_vs_context(summary: pd.DataFrame, metric: str = "itl_median_ms") -> go.F
 
 def token_latency_series(records: pd.DataFrame, ctx: int | None = None) -> go.Figure:
     """Per-token latency of one run per method: a quantized cache's residual flushes show as spikes."""
-    title = "Per-token latency" + (f" at {_fmt_ctx(ctx)} context" if ctx else "")
+    title = "Per-token latency" + (f" at {fmt_ctx(ctx)} context" if ctx else "")
     if records is None or records.empty or "itl_ms" not in records.columns:
         return empty_figure(title, "no latency records")
     df = records if ctx is None else records[records["ctx"] == ctx]
@@ -395,7 +395,7 @@ def compression_pays(pays: pd.DataFrame, metric: str = "j_per_token", metric_tit
         return empty_figure(title, f"no {metric_title} ratios (no energy counter on this device?)")
     df = pays.sort_values(["ctx", "batch"], kind="stable")
     cells = list(dict.fromkeys(zip(df["ctx"], df["batch"], strict=True)))
-    x = [f"{_fmt_ctx(c)} · b{int(b)}" for c, b in cells]
+    x = [f"{fmt_ctx(c)} · b{int(b)}" for c, b in cells]
     labels = list(dict.fromkeys(pays["label"].astype(str)))
     z = [[math.nan] * len(cells) for _ in labels]
     text = [[""] * len(cells) for _ in labels]

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from kvlab.plots import ci_text, is_baseline_label
+from kvlab.plots import ci_text, fmt_ctx, is_baseline_label
 
 GB = 1e9
 DEFAULT_CTX = 16384
@@ -133,20 +133,25 @@ def _plain(v: Any) -> Any:
 
 
 def method_label(method: Any, keep: Any = None, bits: Any = None, quant: Any = None) -> str:
-    """The label kvlab.policies gives a method ("snapkv 10%", "quanto int4", "fp8"), rebuilt from a
-    record's identity fields for runs that failed before their policy existed."""
+    """The label kvlab.policies gives a method ("snapkv 10%", "quanto int4", "fp8") for a run that
+    failed before its policy existed: the policy is rebuilt from the record's identity fields and
+    asked, so the report never spells labels itself. An unknown method keeps its name."""
+    from kvlab.params import method_axis
+    from kvlab.policies import make_policy
+
     method, keep, bits = str(method), _plain(keep), _plain(bits)
-    if method in ("full", "fp8"):
+    kwargs: dict[str, Any] = {}
+    axis = method_axis(method)
+    if axis == "keep" and keep is not None:
+        kwargs["keep"] = keep
+    elif axis == "bits" and bits is not None:
+        kwargs["nbits"] = int(bits)
+    if axis == "keep" and isinstance(quant, dict):
+        kwargs["quant"] = quant
+    try:
+        return make_policy(method, **kwargs).label
+    except ValueError:
         return method
-    if keep is not None and method not in ("quanto", "hqq"):
-        text = f"{method} {keep:.0%}"
-        if isinstance(quant, dict) and quant.get("backend"):
-            q = quant["backend"]
-            text += " + " + (q if q == "fp8" else f"{q} int{int(quant.get('nbits') or 4)}")
-        return text
-    if bits is not None:
-        return f"{method} int{int(bits)}"
-    return method
 
 
 def fill_labels(df: pd.DataFrame) -> pd.Series:
@@ -576,11 +581,6 @@ def pays_table(pays: pd.DataFrame, metrics: dict[str, str] | None = None) -> pd.
     return out.sort_values(["ctx", "batch"], kind="stable").reset_index(drop=True)
 
 
-def _ctx_text(ctx: Any) -> str:
-    ctx = int(ctx)
-    return f"{ctx // 1024}k" if ctx >= 1024 and ctx % 1024 == 0 else str(ctx)
-
-
 def energy_answer(pays: pd.DataFrame, pattern: str = "int4", baseline: str = "full") -> list[str]:
     """The int4-vs-bf16 question in sentences, one per (ctx, batch) cell, from
     :func:`compression_pays`: 'quanto int4 used +35% J/token vs full at 16k, batch 1 (95% CI +30%
@@ -590,7 +590,7 @@ def energy_answer(pays: pd.DataFrame, pattern: str = "int4", baseline: str = "fu
         return [f"no '{pattern}' runs in this folder"]
     lines = []
     for r in rows.sort_values(["ctx", "batch"], kind="stable").to_dict("records"):
-        where = f"at {_ctx_text(r['ctx'])}, batch {int(r['batch'])}"
+        where = f"at {fmt_ctx(r['ctx'])}, batch {int(r['batch'])}"
         ratio, lo, hi = r["j_per_token_ratio"], r["j_per_token_ratio_lo"], r["j_per_token_ratio_hi"]
         if ratio is None or math.isnan(ratio):
             reason = r["verdict"] if r["verdict"] != "no J/token data" else "no J/token (no energy counter?)"

@@ -7,6 +7,7 @@ next call). Backend, bit width and package presence are checked when the policy 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
@@ -169,9 +170,7 @@ class QuantSpec:
             torch.cuda.synchronize(param.device)
 
 
-_SATURATING_FP8: dict[type, type] = {}
-
-
+@functools.cache
 def saturating_fp8_layer_class() -> type:
     """transformers' ``Fp8QuantizedLayer`` with a saturating cast for the tokens after prefill.
 
@@ -179,22 +178,21 @@ def saturating_fp8_layer_class() -> type:
     ``.to(float8_e4m3fn)``; a token whose keys exceed the prefill's amplitude then overflows.
     Out-of-range casts saturate to +-448 on the CPU (torch >= 2.12, pytorch#178817) but can give
     NaN on CUDA: on the H200 (torch 2.11, 2026-12-02) every SmolLM2 answer under fp8 came out empty
-    with NaN logits while the CPU answered. Clamping first makes both devices saturate.
+    with non-finite logits while the CPU answered. Clamping first makes both devices saturate.
     """
     from transformers import cache_utils
 
     base = getattr(cache_utils, "Fp8QuantizedLayer", None)
     if base is None:
         return None
-    if base not in _SATURATING_FP8:
-        def _quantize(self, tensor, scale=None):
-            if scale is None:  # calibrating on this tensor: nothing exceeds it
-                return base._quantize(self, tensor)
-            return (tensor.float() / scale).clamp_(-self.fp8_max, self.fp8_max).to(self.fp8_dtype), scale
 
-        _SATURATING_FP8[base] = type("SaturatingFp8QuantizedLayer", (base,), {
-            "_quantize": _quantize, "__doc__": saturating_fp8_layer_class.__doc__})
-    return _SATURATING_FP8[base]
+    def _quantize(self, tensor, scale=None):
+        if scale is None:  # calibrating on this tensor: nothing exceeds it
+            return base._quantize(self, tensor)
+        return (tensor.float() / scale).clamp_(-self.fp8_max, self.fp8_max).to(self.fp8_dtype), scale
+
+    return type("SaturatingFp8QuantizedLayer", (base,), {
+        "_quantize": _quantize, "__doc__": saturating_fp8_layer_class.__doc__})
 
 
 def _quant_field(default, help_text):
