@@ -15,6 +15,9 @@
 #   policies          every registered policy generating at 16k (benchmarks/policies_gpu.py)
 #   sampler           the energy sampler's overhead on decode, 15 ms vs 100 ms polling
 #   sweep:NAME        kvlab sweep params/NAME.yaml -o outputs/h200/NAME (resumes)
+#   sweep:NAME@K=V..  the same with --set K=V for each @-separated pair, e.g. a part of the plan:
+#                     sweep:h200-batch@methods=[full,snapkv] (run ids do not depend on the other
+#                     methods, so the whole plan later resumes from these records)
 #   quality-part1     keep the first half of SmolLM2's GGUF (carry .model1) in /tmp/smollm2
 #   quality           join the second half (carry .model2) and run the quality pass on the GPU
 #   quality-rest      variable tracking at 4k (the part the first pass did not reach)
@@ -75,11 +78,17 @@ step_sampler() {
 }
 
 step_sweep() {
-  local name=$1 budget
+  local spec=$1 name budget sets=() kv
+  name=${spec%%@*}
+  if [ "$name" != "$spec" ]; then
+    IFS=@ read -ra kv <<< "${spec#*@}"
+    for k in "${kv[@]}"; do sets+=(--set "$k"); done
+  fi
   budget=$(( $(left) - 15 ))
-  [ "$budget" -gt 60 ] || { say "sweep:$name skipped: ${budget}s left"; return 0; }
+  [ "$budget" -gt 60 ] || { say "sweep:$spec skipped: ${budget}s left"; return 0; }
+  rm -f "$out/$name/sweep.lock"  # carried back from an earlier machine: its pid means nothing here
   timeout "$(( budget + 10 ))" python3 -m kvlab sweep "params/$name.yaml" -o "$out/$name" \
-    --set time_budget_s="$budget" --no-progress
+    --set time_budget_s="$budget" "${sets[@]}" --no-progress
 }
 
 step_quality_part1() {

@@ -14,16 +14,17 @@ if [ ! -f "$_ready" ]; then
   if [ -d .whl-tf ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-tf .whl-tf/*.whl || return 1
   fi
-  # A quanto build from an earlier machine (same image and torch): the archive keeps its mtimes and
-  # the fresh sources are dated back, so ninja's deps log finds nothing newer and nothing to rebuild.
-  _ext=/tmp/site/optimum/quanto/library/extensions/cuda
-  if [ -f .device/quanto_cuda_build.tgz ]; then
-    find "$_ext" -type f \( -name '*.cu' -o -name '*.cpp' -o -name '*.h' -o -name '*.cuh' \) -exec touch -d '2000-01-01' {} +
-    tar xzf .device/quanto_cuda_build.tgz -C "$_ext"
-  fi
-  unset _ext
   touch "$_ready"
 fi
 unset _ready
+# A quanto build from an earlier machine (same image and torch), when carried and none is here yet
+# (also on a warm machine whose earlier calls could not carry it): the archive keeps its mtimes and
+# the fresh sources are dated back, so ninja's deps log finds nothing newer and nothing to rebuild.
+_ext=/tmp/site/optimum/quanto/library/extensions/cuda
+if [ -f .device/quanto_cuda_build.tgz ] && [ ! -f "$_ext/build/quanto_cuda.so" ]; then
+  find "$_ext" -type f \( -name '*.cu' -o -name '*.cpp' -o -name '*.h' -o -name '*.cuh' \) -exec touch -d '2000-01-01' {} +
+  tar xzf .device/quanto_cuda_build.tgz -C "$_ext" && echo "setup.sh: restored quanto's CUDA build"
+fi
+unset _ext
 export PYTHONPATH=/tmp/site-tf:/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 export KVLAB_GIT_SHA=${KVLAB_GIT_SHA:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
