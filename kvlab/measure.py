@@ -206,8 +206,9 @@ def kernel_ms(events) -> float:
     """Summed duration of the GPU kernels launched by the CPU ops of a profiler trace (ms).
 
     Counted per op from ``evt.kernels``, as :func:`kvlab.anatomy.op_times` does. Summing
-    ``self_device_time_total`` over ``key_averages()`` instead gave about 0.1 ms for a 16k decode
-    step on the H200 (2026-12-02) whose kernels the anatomy timed at 8 ms: it misses most kernels.
+    ``self_device_time_total`` over ``key_averages()`` instead counts every kernel twice, once as its
+    own row and once under the op that launched it: the H200 records of 2026-12-02 made that way say
+    16.4 ms for a 16k decode step whose kernels the anatomy timed at 8.2 ms.
     """
     from kvlab.anatomy import op_times
 

@@ -94,6 +94,13 @@ class RunSpec:
         return (self.model, self.ctx, self.batch)
 
 
+def is_part_of_plan(run_ids: list[str], planned: list[str] | None) -> bool:
+    """Whether a run list is a strict part of a folder's recorded plan (e.g. ``--set methods=[...]``
+    over a sweep's params): such an invocation must not replace the plan in the manifest, or the
+    folder would say "complete" with runs of the whole plan never measured."""
+    return bool(planned) and set(run_ids) < set(planned)
+
+
 def block_order(n: int, seed: int, *key: Any) -> list[int]:
     """A seeded permutation of ``range(n)``, stable across processes and Python versions."""
     rng = random.Random(json.dumps([seed, *key]))
@@ -340,13 +347,21 @@ def run_sweep(
         summary = SweepSummary(str(out), total=len(runs), already_done=len(runs) - len(pending),
                                pending=len(pending), stale_lock=lock.stale)
         manifest = read_manifest(out) or {"sweep": sweep_name, "created_at": utc_now(), "invocations": []}
-        if manifest.get("run_ids") and set(manifest["run_ids"]) != {r.run_id for r in runs}:
+        plan_ids = [r.run_id for r in runs]
+        part = is_part_of_plan(plan_ids, manifest.get("run_ids"))
+        if part:
+            log(f"kvlab sweep: running {len(runs)} of the {len(manifest['run_ids'])} runs planned in {out}; "
+                f"its manifest keeps the whole plan")
+        elif manifest.get("run_ids") and not set(manifest["run_ids"]) <= set(plan_ids):  # a superset extends it
             log(f"kvlab sweep: {out} held a different plan; its records stay, and load_records reads both "
                 f"(use another -o to keep sweeps apart)")
-        manifest.update(sweep=sweep_name, schema=1, params=params.model_dump(mode="json"), n_runs=len(runs),
-                        run_ids=[r.run_id for r in runs])
+        if not part:
+            manifest.update(params=params.model_dump(mode="json"), n_runs=len(runs), run_ids=plan_ids)
+        manifest.update(sweep=sweep_name, schema=1)
         invocation: dict[str, Any] = {"started_at": utc_now(), "pid": os.getpid(),
                                       "pending_at_start": len(pending), "env_start": env.snapshot(params.device)}
+        if part:
+            invocation["part_of_plan"] = {"n_runs": len(runs), "params": params.model_dump(mode="json")}
         manifest["invocations"].append(invocation)
         write_manifest(out, manifest)
 
@@ -385,12 +400,13 @@ def run_sweep(
             summary.stopped = budget.reason
             left = recorded_run_ids(out, statuses=skip_statuses)
             summary.pending = sum(1 for r in runs if r.run_id not in left)
+            plan_pending = sum(1 for i in manifest["run_ids"] if i not in left)
             invocation.update(finished_at=utc_now(), ok=summary.ok, failed=summary.failed,
                               pending_at_end=summary.pending, stopped=budget.reason,
                               env_end=env.snapshot(params.device))
             if sampler is not None:
                 sampler.close()
-            manifest["status"] = "complete" if summary.pending == 0 else "incomplete"
+            manifest["status"] = "complete" if plan_pending == 0 else "incomplete"
             write_manifest(out, manifest)
     return summary
 

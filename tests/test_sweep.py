@@ -191,6 +191,24 @@ def test_run_budget_stops_cleanly_and_the_rerun_finishes(tmp_path):
     assert len(ids) == len(set(ids)) == 16
 
 
+def test_a_part_of_the_plan_keeps_the_whole_plan_in_the_manifest(tmp_path):
+    whole = tiny_params()
+    run_sweep(tiny_params(max_runs=1), tmp_path, progress=False, log=lambda m: None)  # records the whole plan
+    logs = []
+    part = run_sweep(tiny_params(methods=["full"]), tmp_path, progress=False, log=logs.append)
+    assert part.complete and part.total == 4
+    manifest = read_manifest(tmp_path)
+    assert manifest["run_ids"] == [r.run_id for r in plan(whole)] and manifest["n_runs"] == 16
+    assert manifest["status"] == "incomplete" and manifest["params"]["methods"] == whole.model_dump()["methods"]
+    assert manifest["invocations"][-1]["part_of_plan"]["n_runs"] == 4
+    assert any("4 of the 16 runs" in m for m in logs)
+    rest = run_sweep(whole, tmp_path, progress=False, log=logs.append)
+    assert rest.complete and read_manifest(tmp_path)["status"] == "complete"
+    assert not any("different plan" in m for m in logs)
+    ids = ids_in(tmp_path)
+    assert len(ids) == len(set(ids)) == 16
+
+
 def test_a_live_lock_refuses_and_a_dead_one_is_replaced(tmp_path):
     with SweepLock(tmp_path):
         with pytest.raises(SweepLocked, match=f"pid {os.getpid()}"):

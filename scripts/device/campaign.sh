@@ -17,7 +17,8 @@
 #   sweep:NAME        kvlab sweep params/NAME.yaml -o outputs/h200/NAME (resumes)
 #   sweep:NAME@K=V..  the same with --set K=V for each @-separated pair, e.g. a part of the plan:
 #                     sweep:h200-batch@methods=[full,snapkv] (run ids do not depend on the other
-#                     methods, so the whole plan later resumes from these records)
+#                     methods, so the whole plan later resumes from these records, and the
+#                     folder's manifest keeps the whole plan)
 #   quality-part1     keep the first half of SmolLM2's GGUF (carry .model1) in /tmp/smollm2
 #   quality           join the second half (carry .model2) and run the quality pass on the GPU
 #   quality-rest      variable tracking at 4k (the part the first pass did not reach)
