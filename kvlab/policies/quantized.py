@@ -128,7 +128,7 @@ class QuantSpec:
             raise PolicyError(f"q_group_size={self.q_group_size} does not divide {shape.name}'s head_dim "
                               f"{shape.head_dim}: use a divisor such as {shape.head_dim}")
 
-    def layer_class(self) -> type:
+    def layer_class(self) -> type | None:
         from transformers import cache_utils
 
         if self.backend == "fp8":
@@ -171,7 +171,7 @@ class QuantSpec:
 
 
 @functools.cache
-def saturating_fp8_layer_class() -> type:
+def saturating_fp8_layer_class() -> type | None:
     """transformers' ``Fp8QuantizedLayer`` with a saturating cast for the tokens after prefill.
 
     Why: the layer freezes its per-tensor scale on the prefill and casts later tokens with

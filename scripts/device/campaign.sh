@@ -87,7 +87,6 @@ step_sweep() {
   fi
   budget=$(( $(left) - 15 ))
   [ "$budget" -gt 60 ] || { say "sweep:$spec skipped: ${budget}s left"; return 0; }
-  rm -f "$out/$name/sweep.lock"  # carried back from an earlier machine: its pid means nothing here
   timeout "$(( budget + 10 ))" python3 -m kvlab sweep "params/$name.yaml" -o "$out/$name" \
     --set time_budget_s="$budget" "${sets[@]}" --no-progress
 }
