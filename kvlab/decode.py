@@ -118,29 +118,42 @@ def _as_batch(ids, device) -> torch.Tensor:
     return ids.unsqueeze(0) if ids.dim() == 1 else ids
 
 
-def generate_text(loaded, prompt_ids, policy, max_new_tokens: int, question_ids=None) -> Generation:
+def generate_text(loaded, prompt_ids, policy, max_new_tokens: int, question_ids=None,
+                  engine=None) -> Generation:
     """Check, prepare and build the policy's cache, prefill ``prompt_ids`` (compressed once),
     then ``question_ids`` if given (appended uncompressed), then greedy-decode ``max_new_tokens``.
 
     ``loaded`` is a kvlab ``LoadedModel`` (texts are decoded with its tokenizer, if any) or a
-    transformers model.
+    transformers model. ``engine``: None for transformers' loop, or a
+    :class:`kvlab.engine.fast.FastEngine` (the prefill still runs through transformers).
     """
-    from kvlab.policies import cache_stats
     from kvlab.policies.base import hf_model
 
     model = hf_model(loaded)
     tokenizer = getattr(loaded, "tokenizer", None)
-    policy.check(loaded)
-    policy.prepare(model)
+    with policy.attach(loaded, warm=False):
+        return _generate(loaded, model, tokenizer, prompt_ids, policy, max_new_tokens, question_ids, engine)
+
+
+def _generate(loaded, model, tokenizer, prompt_ids, policy, max_new_tokens, question_ids, engine) -> Generation:
+    from kvlab.policies import cache_stats
+
     device = next(model.parameters()).device
     ids = _as_batch(prompt_ids, device)
-    cache = policy.make_cache(model)
+    cache = (policy.fast_storage()[0] if engine is not None else policy).make_cache(model)
     logits = prefill(model, ids, cache)
     after_prefill = cache_stats(cache)
     if question_ids is not None:
         question = _as_batch(question_ids, device).expand(ids.shape[0], -1)
         logits = prefill(model, question, cache)
     first = logits[:, -1].argmax(dim=-1)
-    tokens = greedy_decode(model, cache, first, max_new_tokens, cache.get_seq_length())
+    if engine is None:
+        tokens = greedy_decode(model, cache, first, max_new_tokens, cache.get_seq_length())
+        final = cache_stats(cache)
+    else:
+        decoder = engine.decoder_for_cache(policy, cache, max_new_tokens)
+        decoder.load(cache)
+        tokens = decoder.decode(first, max_new_tokens, cache.get_seq_length())
+        final, cache = decoder.stats(max_new_tokens), None  # the static buffers held the decode
     texts = tokenizer.batch_decode(tokens, skip_special_tokens=True) if tokenizer is not None else None
-    return Generation(tokens.cpu(), texts, ids.shape[1], after_prefill, cache_stats(cache), cache)
+    return Generation(tokens.cpu(), texts, ids.shape[1], after_prefill, final, cache)

@@ -69,6 +69,8 @@ class SweepParams(BaseModel):
     methods: list[str | MethodEntry]
     keep: list[float] | None = Field(None, description="kept fraction for eviction methods listed by name")
     bits: list[int] | None = Field(None, description="bit widths for quantized methods listed by name")
+    engine: list[Literal["hf", "fast"]] = Field(
+        ["hf"], description="decode engines: hf (transformers per step) and/or fast (static KV, CUDA graph)")
     ctx: list[int] = Field(description="prompt lengths in tokens")
     batch: list[int] = [1]
     new_tokens: int = Field(128, ge=1, description="exactly this many new tokens per sequence (EOS ignored)")
@@ -87,7 +89,8 @@ class SweepParams(BaseModel):
         None, description="a quality pass after the performance runs: kvlab.quality.TaskSpec keys "
                           "(tasks, lengths, depths, samples, ...); needs real weights")
 
-    _lists = field_validator("models", "ctx", "batch", "keep", "bits", "methods", mode="before")(_as_list)
+    _lists = field_validator("models", "ctx", "batch", "keep", "bits", "methods", "engine",
+                             mode="before")(_as_list)
 
     @field_validator("ctx", "batch")
     @classmethod
@@ -256,6 +259,13 @@ def check_params(params: SweepParams, check_device: bool = True) -> list[tuple[i
         if name in PRESETS and name not in EMBEDDED_WEIGHTS and params.weights != "synthetic":
             problems.append(f"models[{i}]: kvlab has no real weights for {name!r}; set weights: synthetic "
                             f"(or pass a local folder with weights)")
+        if "fast" in params.engine:
+            from kvlab.engine.llama import check_model_type
+
+            try:
+                check_model_type(spec.model_type)
+            except ValueError as err:
+                problems.append(f"engine: fast with models[{i}] {name}: {err}")
         for ctx in params.ctx:
             if ctx + params.new_tokens > spec.max_context:
                 problems.append(
@@ -279,7 +289,9 @@ def check_params(params: SweepParams, check_device: bool = True) -> list[tuple[i
     failures: dict[tuple[str, str], list[str]] = {}
     for where, v in variants:
         try:
-            make_policy(v.method, **v.kwargs)
+            policy = make_policy(v.method, **v.kwargs)
+            if "fast" in params.engine:
+                policy.fast_storage()
         except ValueError as err:
             args = ", ".join(f"{k}={val!r}" for k, val in v.kwargs.items())
             failures.setdefault((where, str(err)), []).append(

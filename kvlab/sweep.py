@@ -25,6 +25,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Iterable
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from itertools import groupby
 from pathlib import Path
@@ -75,10 +76,15 @@ class RunSpec:
     prompt_id: int
     seed: int
     repeat: int
+    engine: str = "hf"
 
     def identity(self) -> dict[str, Any]:
+        """Everything but ``repeat``; ``engine`` only when not ``hf``, so runs recorded before
+        engines existed keep their ids."""
         d = asdict(self)
         d.pop("repeat")
+        if d["engine"] == "hf":
+            d.pop("engine")
         return d
 
     @property
@@ -92,6 +98,10 @@ class RunSpec:
     @property
     def shape(self) -> tuple[str, int, int]:
         return (self.model, self.ctx, self.batch)
+
+    def unit(self) -> tuple:
+        """What is warmed up (and can break) as one: the method variant on its engine."""
+        return (self.variant.key(), self.engine)
 
 
 def is_part_of_plan(run_ids: list[str], planned: list[str] | None) -> bool:
@@ -110,8 +120,9 @@ def block_order(n: int, seed: int, *key: Any) -> list[int]:
 
 
 def expand(params: SweepParams, variants: list[tuple[int, MethodVariant]]) -> list[RunSpec]:
-    """All runs in execution order: model > ctx > batch > (repeat, prompt) blocks > shuffled variants."""
-    vs = [v for _, v in variants]
+    """All runs in execution order: model > ctx > batch > (repeat, prompt) blocks > shuffled
+    (variant, engine) pairs."""
+    vs = [(v, engine) for _, v in variants for engine in params.engine]
     runs = []
     for model in params.models:
         for ctx in params.ctx:
@@ -122,10 +133,10 @@ def expand(params: SweepParams, variants: list[tuple[int, MethodVariant]]) -> li
                             runs.append(RunSpec(
                                 model=model, weights=params.weights, device=params.device, dtype=params.dtype,
                                 attn_implementation=params.attn_implementation,
-                                sdpa_backend=params.sdpa_backend, method=vs[k].method,
-                                policy_kwargs=dict(vs[k].kwargs), ctx=ctx, batch=batch,
+                                sdpa_backend=params.sdpa_backend, method=vs[k][0].method,
+                                policy_kwargs=dict(vs[k][0].kwargs), ctx=ctx, batch=batch,
                                 new_tokens=params.new_tokens, prompt_id=prompt_id, seed=params.seed,
-                                repeat=repeat,
+                                repeat=repeat, engine=vs[k][1],
                             ))
     return runs
 
@@ -293,7 +304,7 @@ def _identity_record(run: RunSpec, sweep: str, kind: str = "perf") -> dict[str, 
         "policy_params": dict(run.policy_kwargs), "keep": v.keep, "bits": v.bits,
         "ctx": run.ctx, "batch": run.batch, "new_tokens": run.new_tokens, "prompt_id": run.prompt_id,
         "repeat": run.repeat, "seed": run.seed, "sdpa_backend": run.sdpa_backend,
-        "attn_implementation": run.attn_implementation,
+        "attn_implementation": run.attn_implementation, "engine": run.engine,
     }
 
 
@@ -308,6 +319,18 @@ class _ModelSession:
         self.policies: dict[tuple, Any] = {}
         self.broken: dict[tuple, str] = {}  # variant key (+ shape) -> error
         self.probes: dict[tuple, dict[str, Any]] = {}
+        self.attached = ExitStack()  # policies stay attached while the model is loaded
+        self._fast = None
+
+    def engine(self, name: str):
+        """None for ``hf``; the model's :class:`~kvlab.engine.fast.FastEngine` (made once) for ``fast``."""
+        if name == "hf":
+            return None
+        if self._fast is None:
+            from kvlab.engine.fast import FastEngine
+
+            self._fast = FastEngine(self.loaded)
+        return self._fast
 
 
 def run_sweep(
@@ -388,7 +411,9 @@ def run_sweep(
                         if budget.reason:
                             break
                 finally:
+                    session.attached.close()
                     session.loaded = None
+                    session._fast = None
                     session.policies.clear()
                     _release_memory(params.device)
             if params.quality is not None and not budget.reason:
@@ -482,11 +507,10 @@ def _policy_for(session: _ModelSession, variant: MethodVariant):
         raise RuntimeError(session.broken[key])
     if key not in session.policies:
         try:
-            policy = make_policy(variant.method, **variant.kwargs)
-            policy.check(session.loaded.model)
-            policy.prepare(session.loaded.model)
             started = time.perf_counter()
-            policy.warmup(session.loaded.model)  # e.g. quanto's CUDA build: minutes once, never measured
+            # check, prepare and warm up (e.g. quanto's CUDA build: minutes once, never measured)
+            policy = session.attached.enter_context(
+                make_policy(variant.method, **variant.kwargs).attach(session.loaded.model))
             took = time.perf_counter() - started
             if took > 5:
                 print(f"kvlab sweep: {policy.label} one-off warm-up (kernel builds) took {took:.0f} s",
@@ -504,7 +528,7 @@ def _measure(params, session, run: RunSpec, policy, probe: bool):
     return measure_generation(
         session.loaded, policy, ctx=run.ctx, batch=run.batch, new_tokens=run.new_tokens,
         prompt_id=run.prompt_id, seed=run.seed, sampler=session.sampler, sdpa_backend=run.sdpa_backend,
-        idle_w=session.idle_w, probe=probe,
+        idle_w=session.idle_w, probe=probe, engine=session.engine(run.engine),
     )
 
 
@@ -521,7 +545,7 @@ def _run_shape(params, session, runs: list[RunSpec], writers, summary, bar, budg
     """Warm up every variant of one (model, ctx, batch) shape, then measure its runs in order."""
     first_of: dict[tuple, RunSpec] = {}
     for run in runs:
-        first_of.setdefault(run.variant.key(), run)
+        first_of.setdefault(run.unit(), run)
     for key, run in first_of.items():
         for w in range(params.warmup_runs):
             if not budget.allows():
@@ -562,7 +586,7 @@ def _warm_up(params, session, run, key, index, writers, budget, sweep_name) -> N
 
 def _measured_run(params, session, run, writers, summary, bar, budget, sweep_name, out) -> None:
     started = time.monotonic()
-    key = run.variant.key()
+    key = run.unit()
     rec = _identity_record(run, sweep_name)
     error = None
     timeline = None

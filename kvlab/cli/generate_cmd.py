@@ -41,6 +41,8 @@ def register(sub) -> None:
     src.add_argument("--prompt-tokens", type=int, help="seeded random prompt of exactly N token ids")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--max-new-tokens", type=int, default=16, help="exactly this many tokens (EOS ignored)")
+    p.add_argument("--engine", choices=["hf", "fast"], default="hf",
+                   help="decode loop: hf (transformers forward per step) or fast (static KV, CUDA graph)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -103,13 +105,24 @@ def run(args) -> int:
     spec = get_spec(args.model)
     policy.check(spec)
     _check_prompt_source(args)
+    if args.engine == "fast":
+        from kvlab.engine.llama import check_model_type
+
+        check_model_type(spec.model_type)
+        policy.fast_storage()  # formats the fast engine cannot store fail here, before the load
     loaded = load_model(args.model, weights=args.weights, device=args.device, dtype=args.dtype, seed=args.seed)
     if loaded.tokenizer is None and args.prompt_tokens is None:
         raise ValueError(f"{args.model} has no tokenizer here: pass --prompt-tokens N")
     ids = _prompt_ids(args, loaded.tokenizer, loaded.spec.vocab_size)
     policy.warmup(loaded.model)
-    result = generate_text(loaded, ids, policy, args.max_new_tokens)
+    engine = None
+    if args.engine == "fast":
+        from kvlab.engine.fast import FastEngine
+
+        engine = FastEngine(loaded)
+    result = generate_text(loaded, ids, policy, args.max_new_tokens, engine=engine)
     out = {
+        "engine": args.engine,
         **loaded.provenance(),
         "method": policy.name,
         "label": policy.label,
@@ -136,7 +149,7 @@ def format_text(out: dict) -> str:
     return "\n".join([
         f"model   {out['model']} ({out['weights']} weights, {out['device']}, {out['dtype']}), "
         f"attention {out['attn_implementation']}",
-        f"policy  {out['label']}   {json.dumps(out['policy_params'])}",
+        f"policy  {out['label']}   {json.dumps(out['policy_params'])}   engine {out['engine']}",
         f"prompt  {out['prompt_tokens']} tokens -> {out['new_tokens']} new tokens",
         f"answer  {answer}",
         f"cache after prefill  {_size(out['cache_after_prefill'])}",

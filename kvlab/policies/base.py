@@ -7,6 +7,8 @@ A policy is a frozen dataclass: its fields are the typed parameters (shown by ``
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, ClassVar
 
@@ -146,3 +148,35 @@ class Policy:
     def make_cache(self, model):
         """A fresh transformers ``Cache`` for one generation."""
         raise NotImplementedError
+
+    @contextmanager
+    def attach(self, model, warm: bool = True) -> Iterator[Policy]:
+        """The one lifecycle of a policy on a model: check, prepare, warm up (unless ``warm`` is
+        False), yield the policy, and on exit give the model back the attention implementation it
+        had (``prepare`` may switch it to kvlab's query hand-off)::
+
+            with policy.attach(loaded) as bound:
+                cache = bound.make_cache(loaded.model)
+        """
+        self.check(model)
+        inner = hf_model(model)
+        config = getattr(inner, "config", None)
+        before = getattr(config, "_attn_implementation", None)
+        try:
+            self.prepare(inner)
+            if warm:
+                self.warmup(inner)
+            yield self
+        finally:
+            if config is not None and before is not None and config._attn_implementation != before:
+                inner.set_attn_implementation(before)
+
+    # -- the fast engine (kvlab.engine.fast) -----------------------------------------------------
+    def kept_tokens(self, n: int, num_layers: int) -> list[int]:
+        """Prompt tokens each layer keeps after a prefill of ``n`` (sizes the fast engine's buffers)."""
+        return [n] * num_layers
+
+    def fast_storage(self) -> tuple[Policy, str]:
+        """``(policy to prefill with, KV format of the fast engine's store)``: the prefill runs through
+        transformers unquantized, and the store holds the format (``"model"``: the model dtype)."""
+        return self, "model"

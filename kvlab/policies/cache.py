@@ -224,6 +224,18 @@ def kept_positions(cache) -> list[torch.Tensor | None]:
     return [getattr(layer, "kept_positions", None) for layer in cache.layers]
 
 
+def layer_tensors(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, the stored K/V ``[B, Hkv, n_l, D]`` of an unquantized cache (dynamic or evicting):
+    what the fast engine copies into its static buffers after the prefill."""
+    out = []
+    for i, layer in enumerate(cache.layers):
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if not isinstance(keys, torch.Tensor) or keys.dim() != 4 or hasattr(layer, "_quantized_keys"):
+            raise EvictionError(f"layer {i} ({type(layer).__name__}) holds no plain K/V tensors to copy")
+        out.append((keys, values))
+    return out
+
+
 # -- statistics -----------------------------------------------------------------------------------
 def tensor_bytes(obj: Any, _seen: set | None = None) -> int:
     """Bytes held by tensors inside ``obj`` (tensors, quanto tensor subclasses, HQQ (W, meta), tuples)."""

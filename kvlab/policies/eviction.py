@@ -10,7 +10,7 @@ read attention set ``needs_attention`` and say how many last prompt queries they
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 import torch
@@ -52,6 +52,14 @@ class EvictionPolicy(Policy):
         return scores.topk(n_kept, dim=-1).indices.sort(dim=-1).values
 
     # -- the Policy contract ------------------------------------------------------------------
+    def kept_tokens(self, n: int, num_layers: int) -> list[int]:
+        return [min(n, self.budget(n, i, num_layers)) for i in range(num_layers)]
+
+    def fast_storage(self):
+        if self.quant is None:
+            return self, "model"
+        return replace(self, quant=None), self.quant.fast_format()
+
     @property
     def bits(self) -> int | None:
         return self.quant.nbits if self.quant else None

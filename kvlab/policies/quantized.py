@@ -142,6 +142,18 @@ class QuantSpec:
         return {"nbits": self.nbits, "axis_key": self.axis_key, "axis_value": self.axis_value,
                 "q_group_size": self.q_group_size, "residual_length": self.residual_length}
 
+    def fast_format(self) -> str:
+        """This storage in the fast engine's terms: ``fp8`` or ``int<bits>-g<group>`` (per token)."""
+        if self.backend == "fp8":
+            return "fp8"
+        if self.backend == "hqq":
+            raise PolicyError("hqq's optimized scales have no kernel on the fast engine: use engine hf for hqq, "
+                              "or quanto / kvq-int4 (round-to-nearest, same storage) on fast")
+        if (self.axis_key, self.axis_value) != (0, 0):
+            raise PolicyError("the fast engine stores per-token groups along head_dim (axis 0): use "
+                              "axis_key=0 and axis_value=0, or engine hf")
+        return f"int{self.nbits}-g{self.q_group_size}"
+
     def make_cache(self, model):
         from transformers import QuantizedCache
 
@@ -232,6 +244,11 @@ class QuantizedPolicy(Policy):
 
     def make_cache(self, model):
         return self.spec.make_cache(model)
+
+    def fast_storage(self):
+        from kvlab.policies.full import FullPolicy
+
+        return FullPolicy(), self.spec.fast_format()
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,216 @@
+"""hf vs fast engine, side by side in one process: ms per decode step, decode J/token, HBM floor.
+
+For the H200 (issue #12), e.g.
+
+    python benchmarks/engines.py --batch 1 --ctx 16384 --new-tokens 256 --repeats 3 --out $OUT/engines-b1.json
+
+Per batch size: loads the model once (Llama-3.1-8B shape, synthetic bf16 weights unless --model
+says otherwise), measures the device copy bandwidth, then for every (method, engine) pair one
+warm-up run (the exact shape: CUDA graph capture, cuDNN plans, quanto's build) and ``repeats``
+measured runs in a seeded shuffled order per repeat, all through ``kvlab.measure`` (the sweep's
+harness, NVML energy counter). Prints per pair: median ms/step (ITL), decode J/token (mean and
+95% bootstrap CI over repeats), the HBM floor ((weight + KV bytes) / copy bandwidth) and the
+ratio to it; then the fast/hf ratio per method, and the fast engine's logit error and top-1
+agreement against hf (teacher-forced, bf16). Every row, failures included, goes to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+import traceback
+
+import torch
+
+METHODS = {
+    "full": ("full", {}),
+    "snapkv10": ("snapkv", {"keep": 0.1}),
+    "pyramidkv10": ("pyramidkv", {"keep": 0.1}),
+    "quanto4": ("quanto", {"nbits": 4}),
+    "fp8": ("fp8", {}),
+}
+
+
+def copy_bandwidth(device: str, gib: int = 4) -> float:
+    """Device-to-device copy, bytes read + written per second (median of 10)."""
+    n = gib * 2**30
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(12):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / 1000)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * n / statistics.median(times[2:])
+
+
+def bootstrap_ci(values: list[float], n: int = 2000, seed: int = 0) -> tuple[float, float]:
+    from kvlab.metrics import bootstrap_ci as ci
+
+    _, lo, hi = ci(values, n_boot=n, seed=seed)
+    return lo, hi
+
+
+def ratio_ci(a: list[float], b: list[float], n: int = 4000, seed: int = 0) -> tuple[float, float, float]:
+    """mean(a)/mean(b) with a 95% bootstrap interval (independent resamples)."""
+    rng = random.Random(seed)
+    point = statistics.fmean(a) / statistics.fmean(b)
+    if len(a) < 2 or len(b) < 2:
+        return point, float("nan"), float("nan")
+    draws = sorted(statistics.fmean(rng.choices(a, k=len(a))) / statistics.fmean(rng.choices(b, k=len(b)))
+                   for _ in range(n))
+    return point, draws[int(0.025 * n)], draws[int(0.975 * n) - 1]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--weights", default="synthetic")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--ctx", type=int, default=16384)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1])
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    ap.add_argument("--engines", nargs="+", default=["hf", "fast"], choices=["hf", "fast"])
+    ap.add_argument("--attention", default="auto", help="fast engine attention: auto, flash, sdpa")
+    ap.add_argument("--compare-steps", type=int, default=32, help="teacher-forced steps for the logit check")
+    ap.add_argument("--out", default="engines.json")
+    args = ap.parse_args()
+
+    from kvlab.energy import make_sampler
+    from kvlab.engine.compare import compare_engines
+    from kvlab.engine.fast import FastEngine
+    from kvlab.measure import make_prompt, measure_generation
+    from kvlab.models import load_model
+    from kvlab.policies import make_policy
+
+    t_start = time.time()
+    result: dict = {"args": vars(args), "torch": torch.__version__, "rows": [], "compare": []}
+    cuda = args.device.startswith("cuda")
+    result["gpu"] = torch.cuda.get_device_name() if cuda else None
+    bw = copy_bandwidth(args.device) if cuda else None
+    result["copy_bandwidth_Bps"] = bw
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s (read + write)" if bw else "no GPU: no floor", flush=True)
+
+    sampler = make_sampler(args.device)
+    for batch in args.batch:
+        loaded = load_model(args.model, weights=args.weights, device=args.device)
+        weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+        fast = FastEngine(loaded, attention=args.attention, max_decoders=len(args.methods) + 1)
+        policies = {}
+        for name in args.methods:
+            method, kw = METHODS[name]
+            try:
+                p = make_policy(method, **kw)
+                p.check(loaded)
+                p.prepare(loaded.model)
+                p.warmup(loaded.model)
+                policies[name] = p
+            except Exception as err:
+                result["rows"].append({"method": name, "batch": batch, "status": "failed", "error": repr(err)})
+                print(f"{name}: setup failed: {err!r}", flush=True)
+        pairs = [(m, e) for m in policies for e in args.engines]
+        ids = make_prompt(loaded, args.ctx, batch, 0, 0)
+        for rep in range(-1, args.repeats):  # -1: the warm-up pass, never recorded
+            order = list(pairs)
+            random.Random(f"{batch}-{rep}").shuffle(order)
+            for name, engine in order:
+                row = {"method": name, "engine": engine, "batch": batch, "ctx": args.ctx, "repeat": rep}
+                try:
+                    m = measure_generation(loaded, policies[name], ctx=args.ctx, batch=batch,
+                                           new_tokens=args.new_tokens, sampler=sampler, input_ids=ids,
+                                           engine=fast if engine == "fast" else None)
+                    r = m.record
+                    kv_bytes = r.get("cache_bytes") or 0
+                    floor_ms = (weight_bytes + kv_bytes) / bw * 1000 if bw else None
+                    row.update(status="ok", ms_step=r["itl_median_ms"], itl_mean_ms=r["itl_mean_ms"],
+                               decode_j_per_token=r.get("decode_j_per_token"), prefill_s=r["prefill_s"],
+                               peak_mem_bytes=r.get("peak_mem_bytes"), cache_bytes=kv_bytes,
+                               weight_bytes=weight_bytes, floor_ms=floor_ms,
+                               kv_format=r.get("kv_format"), fast_attention=r.get("fast_attention"),
+                               cuda_graph=r.get("cuda_graph"), energy_source=r.get("energy_source"),
+                               tokens=m.tokens[:, :8].tolist())
+                    del m
+                except Exception as err:
+                    row.update(status="failed", error=f"{type(err).__name__}: {err}",
+                               trace=traceback.format_exc()[-1500:])
+                    torch.cuda.empty_cache() if cuda else None
+                if rep >= 0:
+                    result["rows"].append(row)
+                label = "warm-up" if rep < 0 else f"rep {rep}"
+                if row["status"] == "ok":
+                    j = row["decode_j_per_token"]
+                    print(f"b{batch} {label:7s} {name:12s} {engine:4s} {row['ms_step']:8.2f} ms/step "
+                          f"{j if j is None else round(j, 3)} J/tok  floor {row['floor_ms'] or 0:.2f} ms "
+                          f"[{time.time() - t_start:.0f}s]", flush=True)
+                else:
+                    print(f"b{batch} {label} {name} {engine}: {row['error']}", flush=True)
+        if "fast" in args.engines and args.compare_steps:
+            for name, p in policies.items():
+                try:
+                    c = compare_engines(loaded, p, ids[:1, :], args.compare_steps)
+                    c.update(method=name, batch=1)
+                except Exception as err:
+                    c = {"method": name, "error": f"{type(err).__name__}: {err}"}
+                result["compare"].append(c)
+                print(f"compare {name}: {c}", flush=True)
+        del loaded, fast, policies
+        torch.cuda.empty_cache() if cuda else None
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+    summarize(result)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    return 0
+
+
+def summarize(result: dict) -> None:
+    rows = [r for r in result["rows"] if r["status"] == "ok"]
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r["batch"], r["method"], r["engine"]), []).append(r)
+    print("\nbatch method       engine  ms/step  floor  x floor  decode J/token (95% CI)")
+    summary = []
+    for (batch, method, engine), rs in sorted(groups.items()):
+        ms = statistics.median(r["ms_step"] for r in rs)
+        js = [r["decode_j_per_token"] for r in rs if r["decode_j_per_token"] is not None]
+        floor = rs[0]["floor_ms"]
+        j = statistics.fmean(js) if js else None
+        lo, hi = bootstrap_ci(js) if len(js) > 1 else (float("nan"), float("nan"))
+        summary.append({"batch": batch, "method": method, "engine": engine, "ms_step": ms, "floor_ms": floor,
+                        "decode_j_per_token": j, "ci": [lo, hi], "n": len(rs)})
+        print(f"{batch:5d} {method:12s} {engine:6s} {ms:8.2f} {floor or 0:6.2f} {ms / floor if floor else 0:7.2f}  "
+              f"{j if j is None else f'{j:.3f} ({lo:.3f}-{hi:.3f})'}")
+    result["summary"] = summary
+    print("\nratios (J/token, 95% CI over repeats)")
+    ratios = []
+    for batch in sorted({r["batch"] for r in rows}):
+        def js(method, engine, b=batch):
+            return [r["decode_j_per_token"] for r in groups.get((b, method, engine), [])
+                    if r["decode_j_per_token"] is not None]
+        for method in sorted({r["method"] for r in rows}):
+            if js(method, "fast") and js(method, "hf"):
+                ratios.append({"batch": batch, "what": f"{method}: fast / hf",
+                               "ratio": ratio_ci(js(method, "fast"), js(method, "hf"))})
+            for engine in ("hf", "fast"):
+                if method != "full" and js(method, engine) and js("full", engine):
+                    ratios.append({"batch": batch, "what": f"{engine}: {method} / full",
+                                   "ratio": ratio_ci(js(method, engine), js("full", engine))})
+    for r in ratios:
+        point, lo, hi = r["ratio"]
+        print(f"  b{r['batch']:<3d} {r['what']:28s} {point:.3f} ({lo:.3f}-{hi:.3f})")
+    result["ratios"] = ratios
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

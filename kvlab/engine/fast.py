@@ -1,0 +1,181 @@
+"""The fast engine: static KV buffers and one CUDA-graph replay per decode step.
+
+    engine = FastEngine(loaded)                         # once per loaded model
+    decoder = engine.decoder(policy, batch, ctx, n)     # sized and captured once per shape (warm-up)
+    cache = decoder.prefill_cache()                     # the policy's transformers cache, unquantized
+    logits = kvlab.decode.prefill(model, ids, cache)    # eviction happens here, as on ``hf``
+    decoder.load(cache)                                 # kept K/V -> static buffers (slots 0..kept)
+    tokens = decoder.decode(first, n, start_position=ctx, on_step=...)
+
+The decode loop (``FastDecoder.decode``) reads top to bottom: set the first token, then replay the
+graph ``n - 1`` times. The graph holds the whole step: embedding, every layer (the model's own
+modules, kvlab's attention over the static store), the LM head, argmax, and the writes of the new
+token into the token tensor and the output row; ``step`` and ``position`` advance on the device. On
+CPU the same step runs eagerly, which is what the tests compare with ``hf`` token for token.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kvlab.engine import EngineError
+from kvlab.engine.kvstore import DenseStore, Layout
+from kvlab.engine.llama import LlamaFamilyStep, check_model
+
+CAPTURE_WARMUP_STEPS = 3
+
+
+class FastDecoder:
+    """Static buffers + the captured step for one layout (batch, kept tokens per layer, new tokens)."""
+
+    def __init__(self, model, step: LlamaFamilyStep, store, layout: Layout, prefill_policy, device,
+                 capture: bool):
+        self.model = model
+        self.step_fn = step
+        self.store = store
+        self.layout = layout
+        self.prefill_policy = prefill_policy
+        self.device = torch.device(device)
+        bsz = layout.batch
+        self.token = torch.zeros(bsz, 1, dtype=torch.long, device=device)
+        self.position = torch.zeros(bsz, 1, dtype=torch.long, device=device)
+        self.tokens = torch.zeros(bsz, layout.new_tokens + 1, dtype=torch.long, device=device)
+        self.graph = None
+        if capture:
+            self._capture()
+
+    # -- the step, as captured --------------------------------------------------------------
+    def _step(self) -> None:
+        logits = self.step_fn(self.token, self.position, self.store)
+        nxt = logits.argmax(dim=-1, keepdim=True)  # [B, 1]
+        self.tokens.index_copy_(1, self.store.step + 1, nxt)
+        self.token.copy_(nxt)
+        self.position.add_(1)
+        self.store.advance()
+
+    @torch.no_grad()
+    def _capture(self) -> None:
+        """Warm up on a side stream (lazy inits, cuBLAS handles), then capture one step."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(CAPTURE_WARMUP_STEPS):
+                self._step()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._step()
+        torch.cuda.synchronize(self.device)
+        self.graph = graph
+
+    # -- a generation ------------------------------------------------------------------------
+    def prefill_cache(self):
+        """A fresh transformers cache to prefill into: the policy's own, minus any quantization."""
+        return self.prefill_policy.make_cache(self.model)
+
+    def load(self, cache) -> None:
+        """Move the prefilled cache's kept K/V into the static buffers (a copy, inside prefill)."""
+        from kvlab.policies.cache import layer_tensors
+
+        self.store.load(layer_tensors(cache))
+        self.logical_tokens = int(cache.get_seq_length())
+
+    @torch.no_grad()
+    def decode(self, first_token: torch.Tensor, n_new: int, start_position: int | torch.Tensor,
+               on_step: Callable[[int], Any] | None = None) -> torch.Tensor:
+        """Greedy tokens ``[B, n_new]``: ``first_token`` then ``n_new - 1`` replays; EOS ignored."""
+        if not 1 <= n_new <= self.layout.new_tokens:
+            raise EngineError(f"this decoder was sized for {self.layout.new_tokens} new tokens, asked {n_new}")
+        self.token.copy_(first_token.reshape(-1, 1))
+        self.position.copy_(torch.as_tensor(start_position, device=self.device).reshape(-1, 1)
+                            .expand_as(self.position))
+        self.tokens[:, :1].copy_(self.token)
+        self.store.step.zero_()
+        for i in range(n_new - 1):
+            if self.graph is not None:
+                self.graph.replay()
+            else:
+                self._step()
+            if on_step is not None:
+                on_step(i)
+        return self.tokens[:, :n_new].clone()
+
+    def stats(self, new_tokens: int = 0) -> dict[str, Any]:
+        """Tokens held and their bytes, like ``policies.cache_stats`` (per layer mean): after the
+        prefill, or after ``new_tokens`` generated (the last one is never written back)."""
+        held = [k + max(0, new_tokens - 1) for k in self.layout.kept]
+        logical = getattr(self, "logical_tokens", None)
+        return {"logical_tokens": None if logical is None else logical + max(0, new_tokens - 1),
+                "physical_tokens": sum(held) // len(held) if len(set(held)) == 1 else sum(held) / len(held),
+                "bytes": sum(held) * self.layout.batch * self.store.bytes_per_slot(),
+                "bytes_allocated": self.store.bytes_allocated(),
+                "kv_format": self.store.kv_format, "attention": self.store.attention,
+                "graph": self.graph is not None}
+
+
+class FastEngine:
+    """Builds and keeps :class:`FastDecoder` s for one loaded model (captured graphs are reused).
+
+    ``capture``: ``None`` = on CUDA only. ``max_decoders`` bounds how many layouts keep their
+    buffers and graphs alive at once (a sweep interleaves a shape's methods; each has its layout).
+    """
+
+    name = "fast"
+
+    def __init__(self, model, attention: str = "auto", capture: bool | None = None, max_decoders: int = 4):
+        from kvlab.policies.base import hf_model
+
+        self.model = hf_model(model)
+        check_model(self.model)
+        self.step = LlamaFamilyStep(self.model)
+        param = next(self.model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.attention = attention
+        self.capture = self.device.type == "cuda" if capture is None else capture
+        self.max_decoders = max_decoders
+        self._decoders: OrderedDict[tuple, FastDecoder] = OrderedDict()
+
+    def layout(self, policy, batch: int, ctx: int, new_tokens: int) -> Layout:
+        return Layout(batch, tuple(policy.kept_tokens(ctx, self.step.num_layers)), new_tokens,
+                      self.step.num_kv_heads, self.step.head_dim)
+
+    def decoder(self, policy, batch: int, ctx: int, new_tokens: int) -> FastDecoder:
+        """The decoder for a ``ctx``-token prompt, sized from the policy before any prefill (so a
+        measured run captures its graph before its energy window opens)."""
+        prefill_policy, kv_format = policy.fast_storage()
+        return self._decoder(self.layout(policy, batch, ctx, new_tokens), kv_format, prefill_policy)
+
+    def decoder_for_cache(self, policy, cache, new_tokens: int) -> FastDecoder:
+        """The decoder for whatever a prefilled cache holds (e.g. a context, then a question
+        appended uncompressed): sized from the cache itself."""
+        from kvlab.policies.cache import layer_tensors
+
+        prefill_policy, kv_format = policy.fast_storage()
+        kv = layer_tensors(cache)
+        layout = Layout(kv[0][0].shape[0], tuple(k.shape[-2] for k, _ in kv), new_tokens,
+                        self.step.num_kv_heads, self.step.head_dim)
+        return self._decoder(layout, kv_format, prefill_policy)
+
+    def _decoder(self, layout: Layout, kv_format: str, prefill_policy) -> FastDecoder:
+        key = (layout, kv_format, repr(prefill_policy.params()))
+        if key in self._decoders:
+            self._decoders.move_to_end(key)
+            return self._decoders[key]
+        while len(self._decoders) >= self.max_decoders:
+            self._decoders.popitem(last=False)
+        store = self._store(layout, kv_format)
+        decoder = FastDecoder(self.model, self.step, store, layout, prefill_policy, self.device, self.capture)
+        self._decoders[key] = decoder
+        return decoder
+
+    def _store(self, layout: Layout, kv_format: str):
+        if kv_format == "model":
+            return DenseStore(layout, self.dtype, self.device, self.step.scaling, self.attention)
+        raise EngineError(f"the fast engine has no {kv_format!r} KV store yet: use --engine hf")
+
+    def clear(self) -> None:
+        self._decoders.clear()

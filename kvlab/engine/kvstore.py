@@ -1,0 +1,125 @@
+"""Static KV buffers for the fast engine: sized once, written in place, attended by length.
+
+Each layer ``l`` owns buffers of ``capacity_l = kept_l + new_tokens`` slots. The prefill's kept K/V
+fill slots ``[0, kept_l)``; decode step ``s`` writes its token at slot ``kept_l + s`` and attends over
+the first ``kept_l + s + 1`` slots. ``step`` is a device tensor advanced inside the step, so a
+captured CUDA graph replays every step unchanged: nothing on the host changes between tokens.
+
+:class:`DenseStore` keeps K/V at the model dtype in ``[B, C, Hkv, D]`` (the layout flash attention's
+variable-length kernel reads, with per-sequence used lengths ``seqused_k``); attention is either
+that kernel (``flash``, CUDA) or SDPA with a length mask (``sdpa``, any device, the CPU reference).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+ATTENTION = ("auto", "flash", "sdpa")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What fixes a store's buffers (and so a captured graph): batch, per-layer kept tokens, room."""
+
+    batch: int
+    kept: tuple[int, ...]
+    new_tokens: int
+    kv_heads: int
+    head_dim: int
+
+    @property
+    def capacity(self) -> tuple[int, ...]:
+        return tuple(k + self.new_tokens for k in self.kept)
+
+
+def flash_available(device, dtype) -> bool:
+    return torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+
+
+def sdpa_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: torch.Tensor,
+                scale: float) -> torch.Tensor:
+    """Attention of one query per sequence over the first ``length`` slots; ``[B, Hq, D]``.
+
+    ``q`` ``[B, Hq, 1, D]``; ``keys``/``values`` ``[B, C, Hkv, D]``; ``length`` a device tensor ``[1]``.
+    The GQA group's queries become the query rows of their KV head, so K/V are never repeated.
+    """
+    bsz, n_heads, _, dim = q.shape
+    cap, n_kv = keys.shape[1], keys.shape[2]
+    groups = n_heads // n_kv
+    valid = torch.arange(cap, device=keys.device) < length  # [C]
+    out = F.scaled_dot_product_attention(
+        q.reshape(bsz, n_kv, groups, dim), keys.transpose(1, 2), values.transpose(1, 2),
+        attn_mask=valid.view(1, 1, 1, cap), scale=scale)
+    return out.reshape(bsz, n_heads, dim)
+
+
+def flash_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, used: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """flash attention's varlen kernel: sequence ``b`` attends over its first ``used[b]`` slots.
+
+    ``used`` is int32 ``[B]`` on the device, so the same launch serves every step (graph-safe);
+    GQA is native and the kernel splits long sequences over the SMs itself.
+    """
+    bsz, n_heads, _, dim = q.shape
+    cap, n_kv = keys.shape[1], keys.shape[2]
+    cu_q = torch.arange(bsz + 1, device=q.device, dtype=torch.int32)
+    cu_k = cu_q * cap
+    out = torch.ops.aten._flash_attention_forward(
+        q.reshape(bsz, n_heads, dim), keys.view(bsz * cap, n_kv, dim), values.view(bsz * cap, n_kv, dim),
+        cu_q, cu_k, 1, cap, 0.0, False, False, scale=scale, seqused_k=used)[0]
+    return out.view(bsz, n_heads, dim)
+
+
+class DenseStore:
+    """Per-layer K/V at the model dtype, ``[B, C_l, Hkv, D]``, attended with ``flash`` or ``sdpa``."""
+
+    kv_format = "model dtype"
+
+    def __init__(self, layout: Layout, dtype, device, scale: float, attention: str = "auto"):
+        if attention not in ATTENTION:
+            raise ValueError(f"attention={attention!r}: use one of {', '.join(ATTENTION)}")
+        if attention == "auto":
+            attention = "flash" if flash_available(device, dtype) else "sdpa"
+        elif attention == "flash" and not flash_available(device, dtype):
+            raise ValueError("attention='flash' needs a CUDA device and bf16/fp16: use 'sdpa'")
+        self.layout = layout
+        self.attention = attention
+        self.scale = scale
+        shape = (layout.batch, 0, layout.kv_heads, layout.head_dim)
+        self.keys = [torch.zeros(shape[0], c, *shape[2:], dtype=dtype, device=device) for c in layout.capacity]
+        self.values = [torch.zeros_like(k) for k in self.keys]
+        self.step = torch.zeros(1, dtype=torch.long, device=device)
+        self._base = [torch.tensor([k], dtype=torch.long, device=device) for k in layout.kept]
+
+    def bytes_allocated(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    def bytes_per_slot(self) -> int:
+        """Bytes one token takes in one layer (K and V, all KV heads, one sequence)."""
+        return 2 * self.layout.kv_heads * self.layout.head_dim * self.keys[0].element_size()
+
+    def load(self, layer_kv) -> None:
+        """Copy each layer's kept prefill K/V (``[B, Hkv, n_l, D]`` pairs) into its first slots."""
+        for i, (k, v) in enumerate(layer_kv):
+            n = k.shape[-2]
+            if n != self.layout.kept[i]:
+                raise ValueError(f"layer {i} kept {n} tokens, the store was sized for {self.layout.kept[i]}")
+            self.keys[i][:, :n].copy_(k.transpose(1, 2))
+            self.values[i][:, :n].copy_(v.transpose(1, 2))
+        self.step.zero_()
+
+    def attend(self, layer: int, q, k, v) -> torch.Tensor:
+        slot = self._base[layer] + self.step  # [1]
+        self.keys[layer].index_copy_(1, slot, k.transpose(1, 2))
+        self.values[layer].index_copy_(1, slot, v.transpose(1, 2))
+        length = slot + 1
+        if self.attention == "flash":
+            used = length.to(torch.int32).expand(q.shape[0]).contiguous()
+            return flash_decode(q, self.keys[layer], self.values[layer], used, self.scale)
+        return sdpa_decode(q, self.keys[layer], self.values[layer], length, self.scale)
+
+    def advance(self) -> None:
+        self.step.add_(1)

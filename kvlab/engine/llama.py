@@ -1,0 +1,135 @@
+"""One decode step of a Llama-family model, read from the loaded transformers model's own modules.
+
+Why the model's own modules: the fast step must compute what transformers computes (CPU tests
+compare tokens one for one) with the weights the user loaded, so it calls the model's embedding,
+norms, projections, MLP, rotary embedding and LM head directly and replaces only what sits between
+the projections and ``o_proj``: the cache update and attention, which go to a static KV store
+(:mod:`kvlab.engine.kvstore`). No weight is copied or fused, so memory is the model's.
+
+Supported: decoder-only models whose layers are Llama's (``input_layernorm`` -> attention with
+``q/k/v/o_proj`` and rotary embeddings -> ``post_attention_layernorm`` -> MLP) with full attention
+in every layer: Llama (incl. SmolLM2), Mistral, Qwen2 (without sliding window).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvlab.engine import EngineError
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+def check_model_type(kind: str) -> None:
+    """Raise :class:`EngineError` (one line naming the supported architectures) for other models;
+    cheap enough to run on a ``ModelSpec`` before any weight loads."""
+    if kind not in SUPPORTED_MODEL_TYPES:
+        raise EngineError(f"the fast engine supports {', '.join(SUPPORTED_MODEL_TYPES)} models, not {kind!r}: "
+                          f"use engine hf for this model")
+
+
+def check_model(model) -> None:
+    """:func:`check_model_type`, plus the loaded config's sliding windows and layer types."""
+    config = getattr(model, "config", None)
+    kind = getattr(config, "model_type", type(model).__name__)
+    check_model_type(kind)
+    sliding = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    if kind == "mistral" and sliding and sliding < getattr(config, "max_position_embeddings", 0):
+        raise EngineError(f"the fast engine attends over every cached token, and this {kind} model uses a "
+                          f"{sliding}-token sliding window: use --engine hf")
+    types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if types != {"full_attention"}:
+        raise EngineError(f"the fast engine supports full-attention layers only, this model has "
+                          f"{', '.join(sorted(types))}: use --engine hf")
+
+
+def _fuse_linears(linears: list) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) over several ``nn.Linear`` s that read the same input, sharing storage.
+
+    The concatenated tensor replaces the modules' own weights, which become views into it: the
+    model computes exactly what it did, no byte is duplicated once the old tensors are freed, and
+    the fast step runs one GEMM where transformers runs three (q, k, v) or two (gate, up).
+    Idempotent: a second call returns the tensors of the first.
+    """
+    cached = getattr(linears[0], "_kvlab_fused", None)
+    if cached is not None and cached[2] == len(linears):
+        return cached[0], cached[1]
+    fused_w = torch.cat([lin.weight.detach() for lin in linears])
+    offset = 0
+    for lin in linears:
+        n = lin.weight.shape[0]
+        lin.weight = torch.nn.Parameter(fused_w[offset:offset + n], requires_grad=False)
+        offset += n
+    fused_b = None
+    if linears[0].bias is not None:
+        fused_b = torch.cat([lin.bias.detach() for lin in linears])
+        offset = 0
+        for lin in linears:
+            n = lin.bias.shape[0]
+            lin.bias = torch.nn.Parameter(fused_b[offset:offset + n], requires_grad=False)
+            offset += n
+    linears[0]._kvlab_fused = (fused_w, fused_b, len(linears))
+    return fused_w, fused_b
+
+
+def rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
+    """transformers' Llama RMSNorm (normalize in float32, cast back, then scale) in 3 kernels."""
+    eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
+    return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaFamilyStep:
+    """``step(token [B, 1], position [B, 1], kv) -> logits [B, V]``: one token through every layer.
+
+    ``kv.attend(layer, q, k, v)`` (q ``[B, Hq, 1, D]``, k/v ``[B, Hkv, 1, D]``, post-RoPE) stores
+    the new K/V and returns attention output ``[B, Hq, D]``.
+    """
+
+    def __init__(self, model):
+        check_model(model)
+        config = model.config
+        inner = model.model
+        self.embed = inner.embed_tokens
+        self.layers = list(inner.layers)
+        self.norm = inner.norm
+        self.rotary = inner.rotary_emb
+        self.lm_head = model.lm_head
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.scaling = self.layers[0].self_attn.scaling
+        with torch.no_grad():
+            self.qkv = [_fuse_linears([la.self_attn.q_proj, la.self_attn.k_proj, la.self_attn.v_proj])
+                        for la in self.layers]
+            self.gate_up = [_fuse_linears([la.mlp.gate_proj, la.mlp.up_proj]) for la in self.layers]
+        self.q_width = self.num_heads * self.head_dim
+        self.kv_width = self.num_kv_heads * self.head_dim
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def __call__(self, token: torch.Tensor, position: torch.Tensor, kv) -> torch.Tensor:
+        bsz = token.shape[0]
+        hidden = self.embed(token)  # [B, 1, H]
+        cos, sin = self.rotary(hidden, position)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, 1, D]
+        for i, layer in enumerate(self.layers):
+            qkv = F.linear(rms_norm(layer.input_layernorm, hidden), *self.qkv[i])
+            q, k, v = qkv.split((self.q_width, self.kv_width, self.kv_width), dim=-1)
+            q = q.view(bsz, 1, self.num_heads, self.head_dim).transpose(1, 2)
+            k = k.view(bsz, 1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            v = v.view(bsz, 1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            out = kv.attend(i, q, k, v)  # [B, Hq, D]
+            hidden = hidden + layer.self_attn.o_proj(out.reshape(bsz, 1, self.q_width))
+            gate, up = F.linear(rms_norm(layer.post_attention_layernorm, hidden), *self.gate_up[i]).chunk(2, -1)
+            hidden = hidden + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+        return self.lm_head(rms_norm(self.norm, hidden))[:, -1]

@@ -1,0 +1,122 @@
+"""The fast engine on CPU (no graph): token for token what transformers' loop produces."""
+
+import pytest
+import torch
+
+from kvlab.decode import generate_text, greedy_decode, prefill
+from kvlab.engine import EngineError
+from kvlab.engine.compare import compare_engines
+from kvlab.engine.fast import FastEngine
+from kvlab.engine.llama import check_model_type
+from kvlab.policies import POLICIES, EvictionPolicy, make_policy
+from kvlab.policies.base import PolicyError
+
+# Every policy the fast engine stores at the model dtype: full and every eviction, from the registry.
+DENSE = ["full"] + [name for name, cls in POLICIES.items() if issubclass(cls, EvictionPolicy)]
+
+
+def _kwargs(method, keep=0.25, window=8):
+    if method == "full":
+        return {}
+    kw = {"keep": keep}
+    if method in ("snapkv", "pyramidkv"):
+        kw["window_size"] = window
+    return kw
+
+
+def ids(batch=2, n=64, seed=1, vocab=500):
+    return torch.randint(3, vocab, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def both_engines(loaded, policy, prompt, n_new):
+    model = loaded.model
+    cache = policy.make_cache(model)
+    first = prefill(model, prompt, cache)[:, -1].argmax(-1)
+    ref = greedy_decode(model, cache, first, n_new, prompt.shape[1])
+    decoder = FastEngine(loaded).decoder(policy, prompt.shape[0], prompt.shape[1], n_new)
+    fast_cache = decoder.prefill_cache()
+    first_fast = prefill(model, prompt, fast_cache)[:, -1].argmax(-1)
+    decoder.load(fast_cache)
+    return ref, decoder.decode(first_fast, n_new, prompt.shape[1]), decoder
+
+
+@pytest.mark.parametrize("method", DENSE)
+def test_fast_equals_hf_token_for_token_on_the_tiny_model(tiny, method):
+    policy = make_policy(method, **_kwargs(method))
+    with policy.attach(tiny, warm=False):
+        ref, fast, decoder = both_engines(tiny, policy, ids(), 24)
+    assert fast.shape == (2, 24)
+    assert torch.equal(ref, fast)
+    assert decoder.graph is None  # CPU: the step runs eagerly
+    assert list(decoder.layout.kept) == policy.kept_tokens(64, tiny.spec.num_layers)
+
+
+def test_the_decoder_is_sized_once_and_reused(tiny):
+    engine = FastEngine(tiny)
+    policy = make_policy("snapkv", keep=0.5, window_size=8)
+    a = engine.decoder(policy, 1, 64, 8)
+    assert engine.decoder(policy, 1, 64, 8) is a
+    assert engine.decoder(policy, 2, 64, 8) is not a
+    assert a.layout.capacity == tuple(k + 8 for k in a.layout.kept)
+    with pytest.raises(EngineError, match="sized for 8 new tokens"):
+        a.decode(torch.zeros(1, dtype=torch.long), 9, 64)
+
+
+def test_generate_text_on_fast_matches_hf_with_a_question_appended(tiny):
+    policy = make_policy("tova", keep=0.5)
+    hf = generate_text(tiny, ids(batch=1), policy, 12, question_ids=ids(batch=1, n=5, seed=2)[0])
+    fast = generate_text(tiny, ids(batch=1), policy, 12, question_ids=ids(batch=1, n=5, seed=2)[0],
+                         engine=FastEngine(tiny))
+    assert torch.equal(hf.tokens, fast.tokens)
+    assert fast.cache_final["logical_tokens"] == hf.cache_final["logical_tokens"] == 64 + 5 + 11
+    assert fast.cache_final["physical_tokens"] == hf.cache_final["physical_tokens"]
+
+
+def test_compare_engines_reports_agreement_and_logit_error(tiny):
+    out = compare_engines(tiny, make_policy("full"), ids(batch=1), 6)
+    assert out["top1_agree"] == 1.0
+    assert out["max_abs_logit_err"] < 1e-4 * max(1.0, out["max_abs_logit"])
+
+
+def test_fusing_projections_keeps_the_model_output(tiny):
+    prompt = ids(batch=1, n=16)
+    before = tiny.model(prompt).logits
+    FastEngine(tiny)
+    FastEngine(tiny)  # idempotent: the second engine reuses the fused tensors
+    attn = tiny.model.model.layers[0].self_attn
+    assert attn.q_proj.weight.untyped_storage().data_ptr() == attn.v_proj.weight.untyped_storage().data_ptr()
+    assert torch.allclose(tiny.model(prompt).logits, before, atol=1e-6)
+
+
+def test_attach_restores_the_attention_implementation(tiny):
+    before = tiny.model.config._attn_implementation
+    policy = make_policy("snapkv", keep=0.5)
+    with policy.attach(tiny, warm=False):
+        assert tiny.model.config._attn_implementation.startswith("kvlab_")
+    assert tiny.model.config._attn_implementation == before
+
+
+def test_other_architectures_fail_in_one_line():
+    with pytest.raises(EngineError, match="supports llama, mistral, qwen2 models, not 'gpt2'"):
+        check_model_type("gpt2")
+
+
+def test_hqq_says_it_has_no_fast_kernel():
+    pytest.importorskip("hqq")
+    with pytest.raises(PolicyError, match="engine hf for hqq"):
+        make_policy("hqq", nbits=4).fast_storage()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", DENSE)
+def test_fast_equals_hf_for_32_steps_on_smollm2(smollm2, method):
+    """The issue's bar: SmolLM2 (real weights, float32), 32 greedy steps, every dense policy."""
+    from kvlab.measure import make_prompt
+
+    prompt = make_prompt(smollm2, 1024, 1, prompt_id=0, seed=0)
+    policy = make_policy(method, **_kwargs(method, keep=0.25, window=8))
+    with policy.attach(smollm2, warm=False):
+        ref, fast, decoder = both_engines(smollm2, policy, prompt, 32)
+    assert torch.equal(ref, fast), f"{method}: first difference at step {(ref != fast).nonzero()[0].tolist()}"
+    if method == "pyramidkv":
+        assert len(set(decoder.layout.kept)) > 1  # per-layer budgets really differ here
