@@ -173,6 +173,7 @@ def _decode_reduce_kernel(
     base = bq.to(tl.int64) * NUM_SPLITS
     lse = tl.load(part_lse_ptr + base + offs_s, mask=mask_s, other=float("-inf"))
     m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # length 0: no split saw a token; keep exp2 finite
     w = tl.where(mask_s, tl.exp2(lse - m), 0.0)
     parts = tl.load(part_out_ptr + (base + offs_s)[:, None] * D + offs_d[None, :], mask=mask_s[:, None], other=0.0)
     total = tl.sum(w, 0)
