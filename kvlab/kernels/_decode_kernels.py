@@ -2,7 +2,7 @@
 
 Flash-decoding in two launches:
 
-1. ``_decode_split_kernel``, grid ``(B * Hkv, NUM_SPLITS)``: one program reads one KV head's slots
+1. ``_decode_split_kernel``, grid ``(B * Hkv, num_splits)``: one program reads one KV head's slots
    ``[split * split_len, min((split + 1) * split_len, length))`` once for all ``G = Hq / Hkv`` query
    heads of that KV head (``BLOCK_H >= 16`` rows, the unused ones masked, so both products are
    ``tl.dot`` on tensor cores), keeps an online softmax in float32 and writes the split's normalized
@@ -11,7 +11,8 @@ Flash-decoding in two launches:
    (``cdiv(length, split_len)`` of them) with their log-sum-exps.
 
 The grid depends only on B, Hkv and the static capacity, the length is read on the device: the pair
-is CUDA-graph capturable.
+is CUDA-graph capturable. Shape integers are not specialized (``do_not_specialize``), so one compiled
+kernel per format, head dim and ``BLOCK_H`` serves every batch, capacity and split count.
 
 Codes are read directly. fp8 (passed as uint8 and bitcast): the key scale multiplies the score
 after the product, the value scale multiplies the value tile. int4/int2: each byte holds ``PACK``
@@ -51,13 +52,12 @@ def _store_plane(rows, offs_j, mask_h, acc, inv_l, P: tl.constexpr, PACK: tl.con
     tl.store(rows[:, None] + offs_j[None, :] * PACK + P, acc * inv_l[:, None], mask=mask_h[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Hq", "Hkv", "T", "split_len", "num_splits", "G"])
 def _decode_split_kernel(
     q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, len_ptr, part_out_ptr, part_lse_ptr,
-    qk_scale, Hq, Hkv, T, split_len,
-    D: tl.constexpr, G: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, FMT: tl.constexpr, BITS: tl.constexpr, PACK: tl.constexpr,
-    QGROUP: tl.constexpr,
+    qk_scale, Hq, Hkv, T, split_len, num_splits, G,
+    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    FMT: tl.constexpr, BITS: tl.constexpr, PACK: tl.constexpr, QGROUP: tl.constexpr,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -147,7 +147,7 @@ def _decode_split_kernel(
     has = l_i > 0
     inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    part = (b * Hq + heads) * NUM_SPLITS + split
+    part = (b * Hq + heads) * num_splits + split
     tl.store(part_lse_ptr + part, lse, mask=mask_h)
     out_rows = part_out_ptr + part.to(tl.int64) * D
     _store_plane(out_rows, offs_j, mask_h, acc0, inv_l, 0, PACK)
@@ -158,10 +158,10 @@ def _decode_split_kernel(
         _store_plane(out_rows, offs_j, mask_h, acc3, inv_l, 3, PACK)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Hq", "T", "split_len", "num_splits"])
 def _decode_reduce_kernel(
-    part_out_ptr, part_lse_ptr, len_ptr, out_ptr, Hq, T, split_len,
-    D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
+    part_out_ptr, part_lse_ptr, len_ptr, out_ptr, Hq, T, split_len, num_splits,
+    D: tl.constexpr, SPLITS_P2: tl.constexpr,
 ):
     bq = tl.program_id(0)
     b = bq // Hq
@@ -170,7 +170,7 @@ def _decode_reduce_kernel(
     offs_s = tl.arange(0, SPLITS_P2)
     offs_d = tl.arange(0, D)
     mask_s = offs_s < n_valid
-    base = bq.to(tl.int64) * NUM_SPLITS
+    base = bq.to(tl.int64) * num_splits
     lse = tl.load(part_lse_ptr + base + offs_s, mask=mask_s, other=float("-inf"))
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)  # length 0: no split saw a token; keep exp2 finite

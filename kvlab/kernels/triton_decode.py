@@ -152,13 +152,14 @@ def _launch(q, k_store, v_store, lengths, scale, group, out, workspace):
         codes(v_store), extra(v_store.scale), extra(v_store.zero), lengths,
         workspace.part_out, workspace.part_lse,
         float(scale) * math.log2(math.e), q_heads, k_store.kv_heads, k_store.capacity, workspace.split_len,
-        D=head_dim, G=group, BLOCK_H=max(16, triton_next_pow2(group)), BLOCK_N=BLOCK_N,
-        NUM_SPLITS=splits, FMT=kind, BITS=bits, PACK=pack, QGROUP=qgroup,
+        splits, group,
+        D=head_dim, BLOCK_H=max(16, triton_next_pow2(group)), BLOCK_N=BLOCK_N,
+        FMT=kind, BITS=bits, PACK=pack, QGROUP=qgroup,
         num_warps=4, num_stages=2,
     )
     kern._decode_reduce_kernel[(batch * q_heads,)](
         workspace.part_out, workspace.part_lse, lengths, out, q_heads, k_store.capacity, workspace.split_len,
-        D=head_dim, NUM_SPLITS=splits, SPLITS_P2=triton_next_pow2(splits),
+        splits, D=head_dim, SPLITS_P2=max(2, triton_next_pow2(splits)),
         num_warps=4 if splits * head_dim <= 4096 else 8,
     )
     return out
