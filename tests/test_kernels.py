@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -229,3 +232,22 @@ def test_split_plan_fills_the_gpu_and_covers_the_capacity(batch, kv_heads, capac
 
 def test_split_plan_for_one_llama_sequence_at_16k():
     assert plan_splits(1, 8, 16384, sm_count=132) == (64, 256)
+
+
+@pytest.mark.slow  # a fresh interpreter importing torch: several seconds on a loaded machine
+def test_kernels_import_and_run_on_cpu_without_triton():
+    code = ("import sys; sys.modules['triton'] = None\n"
+            "import torch\n"
+            "from kvlab.kernels import decode_attention, make_format\n"
+            "f = make_format('int4'); k, v = f.alloc(1, 1, 4, 64), f.alloc(1, 1, 4, 64)\n"
+            "out = decode_attention(torch.ones(1, 2, 64), k, v, torch.tensor([4], dtype=torch.int32), 1.0)\n"
+            "assert out.shape == (1, 2, 64)\n"
+            "try:\n"
+            "    decode_attention(torch.ones(1, 2, 64), k, v, torch.tensor([4], dtype=torch.int32), 1.0,"
+            " backend='triton')\n"
+            "except RuntimeError as err:\n"
+            "    assert 'need triton' in str(err), err\n"
+            "else:\n"
+            "    raise AssertionError('no error without triton')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

@@ -118,7 +118,11 @@ def decode_attention(q: torch.Tensor, k_store: KVStore, v_store: KVStore, length
 
 
 def _launch(q, k_store, v_store, lengths, scale, group, out, workspace):
-    from kvlab.kernels import _decode_kernels as kern  # imports triton
+    try:
+        from kvlab.kernels import _decode_kernels as kern  # imports triton
+    except ImportError as err:
+        raise RuntimeError(f"the decode kernels need triton ({err}); install it (CUDA builds of torch ship it) "
+                           "or pass backend='reference'") from err
 
     batch, q_heads, head_dim = q.shape
     fmt = k_store.format
