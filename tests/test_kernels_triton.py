@@ -13,7 +13,14 @@ import os
 import pytest
 import torch
 
-from kvlab.kernels import decode_attention, decode_attention_reference, make_format, make_workspace
+from kvlab.kernels import (
+    FormatError,
+    decode_attention,
+    decode_attention_reference,
+    make_format,
+    make_workspace,
+)
+from kvlab.kernels.triton_write import quantize_write
 
 pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -91,8 +98,6 @@ def test_one_workspace_serves_every_length():
 
 
 def test_kernel_refuses_what_it_cannot_read():
-    from kvlab.kernels import FormatError
-
     fmt = make_format("int2", group=32)
     k, v = fmt.alloc(1, 1, 8, 32, device=DEVICE), fmt.alloc(1, 1, 8, 32, device=DEVICE)
     q = torch.zeros(1, 1, 32, device=DEVICE)
@@ -102,3 +107,63 @@ def test_kernel_refuses_what_it_cannot_read():
     k8 = make_format("fp8").alloc(1, 1, 8, 32, device=DEVICE)
     with pytest.raises(FormatError, match="K and V in one format"):
         decode_attention(q, k8, v, lengths, 1.0, backend="triton")
+
+
+def mismatches(got, want):
+    """Elements (codes, scales, zeros) that differ bit-wise between two stores."""
+    return sum(int((a.view(torch.uint8) != b.view(torch.uint8)).sum()) if a.dtype == torch.float8_e4m3fn
+               else int((a != b).sum()) for a, b in zip(got.tensors(), want.tensors(), strict=True))
+
+
+# The interpreter runs the kernel's float32 steps exactly as torch does: bit for bit. On a GPU a fused
+# multiply-add may move a code that sits exactly on a rounding tie by one.
+ALLOWED = 0 if DEVICE == "cpu" else 4
+
+
+@pytest.mark.parametrize("name,group,scale_dtype,per_row", [
+    ("bf16", None, None, False), ("fp8", None, None, True), ("int4", 64, torch.float16, False),
+    ("int4", 32, torch.float32, True), ("int2", 128, torch.float16, True), ("int2", 32, torch.float16, False)])
+def test_write_kernel_matches_the_torch_write(name, group, scale_dtype, per_row):
+    fmt = make_format(name, group=group, **({"scale_dtype": scale_dtype} if scale_dtype else {}))
+    want, got = (fmt.alloc(2, 3, 10, 128, device=DEVICE) for _ in range(2))
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(2, 3, 4, 128, generator=gen) * 3 + torch.randn(2, 3, 4, 1, generator=gen) * 20).to(DEVICE)
+    x[0, 0, 0, :64] = 0.0  # a flat group
+    x[1, 2, 3] = 0.0  # an all-zero token
+    positions = torch.tensor([[1, 5, 9, 0], [2, 3, 4, 7]] if per_row else [6, 1, 9, 3], device=DEVICE)
+    fmt.write(want, x, positions)
+    quantize_write(got, x.transpose(1, 2).contiguous().transpose(1, 2), positions, backend="triton")  # strided x
+    assert mismatches(got, want) <= ALLOWED
+    assert got.dequantize().abs().sum() > 0
+
+
+def test_write_kernel_rounds_to_fp8_and_bf16_like_torch():
+    """Every e4m3 value, the midpoints between neighbours (ties to even), subnormals, signs and -0."""
+    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = grid[torch.isfinite(grid) & (grid.abs() <= 448)].unique()
+    mids = (grid[1:] + grid[:-1]) / 2
+    values = torch.cat([grid, mids, mids.nextafter(torch.tensor(-1e9)), mids.nextafter(torch.tensor(1e9)),
+                        torch.tensor([-0.0, 2**-12, -(2**-11), 447.9, 1.5e-3, -3.3e-2])])
+    rows = -(-values.numel() // 127)
+    x = torch.zeros(rows * 127)
+    x[:values.numel()] = values
+    x = torch.cat([torch.full((rows, 1), 448.0), x.view(rows, 127)], 1)  # amax 448: the scale is exactly 1
+    x = x.view(1, 1, rows, 128).to(DEVICE)
+    for name in ("fp8", "bf16"):
+        fmt = make_format(name)
+        want, got = (fmt.alloc(1, 1, rows, 128, device=DEVICE) for _ in range(2))
+        slots = torch.arange(rows, device=DEVICE)
+        fmt.write(want, x, slots)
+        quantize_write(got, x, slots, backend="triton")
+        assert mismatches(got, want) == 0, name
+
+
+def test_write_kernel_rejects_what_it_cannot_write():
+    fmt = make_format("int4")
+    store = fmt.alloc(1, 1, 4, 64, device=DEVICE)
+    with pytest.raises(FormatError, match="positions must be"):
+        quantize_write(store, torch.zeros(1, 1, 2, 64, device=DEVICE), torch.zeros(3, dtype=torch.int64, device=DEVICE),
+                       backend="triton")
+    with pytest.raises(FormatError, match="unit stride along D"):
+        quantize_write(store, torch.zeros(1, 1, 64, 2, device=DEVICE).transpose(2, 3),
+                       torch.zeros(2, dtype=torch.int64, device=DEVICE), backend="triton")

@@ -250,7 +250,8 @@ class IntFormat(KVFormat):
         zero = _round_toward(low, self.scale_dtype, down=True)
         scale = _round_toward((high - zero.float()) / self.levels, self.scale_dtype, down=False)
         inv = torch.where(scale > 0, 1.0 / scale.float(), torch.zeros_like(scale, dtype=torch.float32))
-        codes = ((xg - zero.float().unsqueeze(-1)) * inv.unsqueeze(-1)).round().clamp(0, self.levels)
+        # floor(v + 0.5), not round-half-even: the same steps as the Triton write kernel
+        codes = ((xg - zero.float().unsqueeze(-1)) * inv.unsqueeze(-1) + 0.5).floor().clamp(0, self.levels)
         return KVStore(self, packing.pack(codes.flatten(-2), self.bits), scale, zero, x.shape[-1])
 
     def _dequantize(self, store, length):
