@@ -17,6 +17,9 @@ imported from this checkout). From the repository root:
     (``F.scaled_dot_product_attention(..., enable_gqa=True)``) and dequantize-then-SDPA (what
     transformers' quantized caches do). Inputs rotate over enough copies to exceed the L2 cache.
 
+(c) Quantize-on-write of the token a decode step appends (same shape, batch 1/16/32): the Triton
+    kernel vs the torch ops of ``KVFormat.write`` (mismatching elements, time eager and in a graph).
+
 Every case runs in its own try/except: a failure is reported (and lands in the JSON), never aborts.
 ``--device cpu --quick --backend triton`` with TRITON_INTERPRET=1 smoke-tests the script on CPU.
 """
@@ -41,6 +44,7 @@ from kvlab.kernels import (  # noqa: E402
     decode_attention_reference,
     make_format,
     make_workspace,
+    quantize_write,
 )
 
 FORMATS = [("bf16", None), ("fp8", None), ("int4", 64), ("int2", 64)]
@@ -241,6 +245,40 @@ def run_performance(case, device, backend, clock, copy_gbps, seed, l2_bytes, ite
     return row
 
 
+def run_write(case, device, backend, clock, seed, iters, repeats):
+    """One appended token per row: the write kernel against the torch write, agreement and time."""
+    row = dict(case)
+    try:
+        fmt = make_format(case["format"], group=case["group"])
+        batch, kv_heads, capacity = case["batch"], case["kv_heads"], case["capacity"]
+        gen = torch.Generator(device=device).manual_seed(seed)
+        x = torch.randn(batch, kv_heads, 1, 128, device=device, generator=gen).to(torch.bfloat16) * 3
+        positions = torch.randint(0, capacity, (batch, 1), device=device, generator=gen)
+        want, got = (fmt.alloc(batch, kv_heads, capacity, 128, device=device) for _ in range(2))
+        fmt.write(want, x, positions)
+        quantize_write(got, x, positions, backend=backend)
+        row.update(label=fmt.label, status="ok", mismatched=sum(
+            int((a.view(torch.uint8) != b.view(torch.uint8)).sum()) if a.dtype == torch.float8_e4m3fn
+            else int((a != b).sum()) for a, b in zip(got.tensors(), want.tensors(), strict=True)))
+        time_both(lambda: fmt.write(want, x, positions), device, clock, iters, repeats, row, "torch", 1)
+        time_both(lambda: quantize_write(got, x, positions, backend=backend), device, clock, iters, repeats, row,
+                  "kernel", 1)
+    except Exception as err:  # noqa: BLE001
+        row.update(status="failed", error=f"{type(err).__name__}: {err}", traceback=traceback.format_exc(limit=6))
+    return row
+
+
+def print_write(rows):
+    print("\n(c) quantize-on-write of one token per row into a 16k store (ms per call)")
+    print(f"{'format':<10} {'B':>3} {'mismatch':>8} {'torch':>8} {'torch gr':>8} {'kernel':>8} {'kern gr':>8}")
+    for r in rows:
+        if r["status"] != "ok":
+            print(f"{r['format']:<10} {r['batch']:>3} FAILED {r['error'][:120]}")
+            continue
+        print(f"{r['label']:<10} {r['batch']:>3} {r['mismatched']:>8} {fmt_ms(r.get('torch_ms'))} "
+              f"{fmt_ms(r.get('torch_graph_ms'))} {fmt_ms(r.get('kernel_ms'))} {fmt_ms(r.get('kernel_graph_ms'))}")
+
+
 def performance_cases(quick: bool):
     length = 300 if quick else 16384
     heads = (4, 2) if quick else (32, 8)
@@ -298,7 +336,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--backend", default="auto", choices=["auto", "triton", "reference"])
     ap.add_argument("--quick", action="store_true", help="tiny shapes (a smoke test of the script)")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["correctness", "performance"])
+    ap.add_argument("--skip", nargs="*", default=[], choices=["correctness", "performance", "write"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--copy-gib", type=float, default=4.0)
     args = ap.parse_args()
@@ -336,6 +374,15 @@ def main() -> None:
                 for case in performance_cases(args.quick)]
         result["performance"] = rows
         print_performance(rows, copy_gbps)
+
+    if "write" not in args.skip:
+        iters, repeats = (2, 2) if args.quick else (50, 5)
+        cases = [{"format": name, "group": group, "batch": batch, "kv_heads": 2 if args.quick else 8,
+                  "capacity": 300 if args.quick else 16384}
+                 for batch in ((1, 2) if args.quick else (1, 16, 32)) for name, group in FORMATS]
+        rows = [run_write(case, args.device, args.backend, clock, args.seed, iters, repeats) for case in cases]
+        result["write"] = rows
+        print_write(rows)
 
     result["elapsed_s"] = time.perf_counter() - t0
     Path(args.out).write_text(json.dumps(result, indent=1))
