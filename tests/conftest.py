@@ -1,6 +1,14 @@
 """Shared fixtures: a tiny random Llama for mechanics, SmolLM2 (real weights) for behaviour."""
 
+import os
+
 import pytest
+import torch
+
+# Without a GPU triton runs kernels only interpreted, and a kernel is interpreted only if
+# TRITON_INTERPRET=1 was set before triton was first imported (tests/test_kernels_triton.py).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -28,9 +28,10 @@ def register(sub) -> None:
     g.add_argument("--n-sink", type=int, help="streamingllm: sink positions")
     g.add_argument("--beta", type=int, help="pyramidkv: pyramid steepness")
     g.add_argument("--policy-seed", type=int, help="random: eviction seed")
-    q = p.add_argument_group("quantization (quanto/hqq/fp8, or an eviction method: evict then quantize)")
+    q = p.add_argument_group("quantization (a quantized method, or an eviction method: evict then quantize)")
     q.add_argument("--bits", type=int, help="bits per stored element")
-    q.add_argument("--backend", help="quanto, hqq or fp8 (with an eviction method; default quanto)")
+    q.add_argument("--backend", help="quantization backend with an eviction method (default quanto; "
+                                      "`kvlab policies` lists them)")
     q.add_argument("--group-size", type=int, help="elements per scale/zero point (default 64)")
     q.add_argument("--residual", type=int, help="recent tokens kept at full precision (default 128)")
     q.add_argument("--axis-key", type=int)
@@ -53,22 +54,23 @@ def _given(args, flags: dict[str, str]) -> dict:
 
 def policy_from_args(args):
     """Map CLI flags to ``make_policy`` parameters; every check happens in ``make_policy``."""
-    from kvlab.policies import POLICIES, PolicyError, make_policy
+    from kvlab.policies import POLICIES, PolicyError, QuantizedPolicy, make_policy
     from kvlab.policies.eviction import EvictionPolicy
+    from kvlab.policies.quantized import BACKENDS, DEFAULT_BACKEND
 
     params = _given(args, EVICTION_FLAGS)
     quant = _given(args, QUANT_FLAGS)
     cls = POLICIES.get(args.method)
     if cls is not None and issubclass(cls, EvictionPolicy):
         if quant or args.backend:
-            params["quant"] = {"backend": args.backend or "quanto", **quant}
-    elif args.method in ("quanto", "hqq", "fp8"):
+            params["quant"] = {"backend": args.backend or DEFAULT_BACKEND, **quant}
+    elif cls is not None and issubclass(cls, QuantizedPolicy):
         if args.backend and args.backend != args.method:
             raise PolicyError(f"--backend {args.backend} contradicts --method {args.method}: drop --backend")
         params.update(quant)
     elif args.method == "full" and (quant or args.backend):
-        raise PolicyError("--method full stores the model dtype: for a quantized cache use --method quanto, "
-                          "hqq or fp8 (or an eviction method with --bits to evict then quantize)")
+        raise PolicyError(f"--method full stores the model dtype: for a quantized cache use --method "
+                          f"{' / '.join(BACKENDS)} (or an eviction method with --bits to evict then quantize)")
     return make_policy(args.method, **params)
 
 

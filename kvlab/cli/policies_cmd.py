@@ -28,6 +28,9 @@ def run(args) -> int:
         for row in info["params"]:
             default = json.dumps(row["default"])
             print(f"    {row['name']:<16} {row['type']:<18} = {default:<6} {row['help']}")
-    print("\nEviction methods take quant={'backend': 'quanto'|'hqq'|'fp8', 'nbits': ...} to evict then "
+    from kvlab.policies.quantized import BACKENDS
+
+    backends = "|".join(repr(name) for name in BACKENDS)
+    print(f"\nEviction methods take quant={{'backend': {backends}, 'nbits': ...}} to evict then "
           "quantize\n(CLI: kvlab generate --method snapkv --keep 0.25 --bits 4 --backend quanto).")
     return 0

@@ -3,6 +3,10 @@
 The cache is built by kvlab for every generation (never through ``generate(cache_config=...)``:
 transformers 5.17 pops ``backend`` out of a shared dict and silently falls back to quanto on the
 next call). Backend, bit width and package presence are checked when the policy is made.
+
+Each backend is an object in :data:`BACKENDS` (:class:`QuantBackend`: its checks, label, record
+params, layer class and cache); :class:`QuantSpec` holds the knobs and asks its backend. A new
+backend is one class and one registry entry; the CLI reads the names from the registry.
 """
 
 from __future__ import annotations
@@ -10,30 +14,13 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import Any
+from typing import Any, ClassVar
 
 from packaging.version import Version
 
 from kvlab.policies.base import ModelShape, Policy, PolicyError, check_int, hf_model, model_shape
 
 FP8_MIN_TRANSFORMERS = "5.21"
-
-
-@dataclass(frozen=True)
-class Backend:
-    name: str
-    nbits: tuple[int, ...]
-    axes: tuple[int, ...]
-    package: str | None  # distribution that must be installed
-    min_version: str | None
-    install: str
-
-
-BACKENDS: dict[str, Backend] = {
-    "quanto": Backend("quanto", (2, 4), (0, -1), "optimum-quanto", "0.2.5", "pip install 'optimum-quanto>=0.2.5'"),
-    "hqq": Backend("hqq", (1, 2, 3, 4, 8), (0, 1), "hqq", "0.2.1", "pip install 'hqq>=0.2.8'"),
-    "fp8": Backend("fp8", (8,), (), None, None, f"pip install 'transformers>={FP8_MIN_TRANSFORMERS},<5.25'"),
-}
 
 
 def _version(dist: str) -> str | None:
@@ -43,20 +30,156 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def check_backend_installed(backend: Backend) -> None:
-    if backend.name == "fp8":
+class QuantBackend:
+    """One way of storing K/V in transformers' ``QuantizedCache``: its checks, label, records and layers.
+
+    A :class:`QuantSpec` holds the knobs; the backend named by ``spec.backend`` gives them meaning.
+    """
+
+    name: ClassVar[str]
+    nbits: ClassVar[tuple[int, ...]]  # supported bit widths
+    default_nbits: ClassVar[int]
+    axes: ClassVar[tuple[int, ...]] = ()  # grouping axes it accepts for keys/values
+    install: ClassVar[str]
+
+    def check_installed(self) -> None:
+        """Raise :class:`PolicyError` naming the install command when the backend cannot run here."""
+        raise NotImplementedError
+
+    def check_knobs(self, spec: QuantSpec) -> None:
+        """Validate the knobs besides ``nbits`` (checked by :class:`QuantSpec`)."""
+        raise NotImplementedError
+
+    def label(self, spec: QuantSpec) -> str:
+        raise NotImplementedError
+
+    def params(self, spec: QuantSpec) -> dict[str, Any]:
+        """What records keep about the storage."""
+        raise NotImplementedError
+
+    def check(self, spec: QuantSpec, shape: ModelShape) -> None:
+        """Model-dependent checks (after the full-attention check every backend shares)."""
+
+    def layer_class(self) -> type | None:
+        raise NotImplementedError
+
+    def layer_kwargs(self, spec: QuantSpec) -> dict[str, int]:
+        """Fresh keyword arguments for one quantized layer (a new dict on every call)."""
+        raise NotImplementedError
+
+    def make_cache(self, spec: QuantSpec, model):
+        from transformers import QuantizedCache
+
+        return QuantizedCache(self.name, hf_model(model).config, **self.layer_kwargs(spec))
+
+
+class GroupwiseBackend(QuantBackend):
+    """Integer codes with a scale and zero point per ``q_group_size`` elements, KIVI-style residual."""
+
+    package: ClassVar[str]  # distribution that must be installed
+    min_version: ClassVar[str]
+
+    def check_installed(self) -> None:
+        have = _version(self.package)
+        if have is None or Version(have) < Version(self.min_version):
+            found = f"version {have} is installed" if have else "it is not installed"
+            raise PolicyError(f"the {self.name} backend needs {self.package} >= {self.min_version}, "
+                              f"but {found}: {self.install}")
+
+    def check_knobs(self, spec: QuantSpec) -> None:
+        check_int("q_group_size", spec.q_group_size, minimum=1)
+        check_int("residual_length", spec.residual_length, minimum=1)
+        check_int("axis_key", spec.axis_key, choices=self.axes)
+        check_int("axis_value", spec.axis_value, choices=self.axes)
+
+    def label(self, spec: QuantSpec) -> str:
+        return f"{self.name} int{spec.nbits}"
+
+    def params(self, spec: QuantSpec) -> dict[str, Any]:
+        return {"backend": self.name, "nbits": spec.nbits, "q_group_size": spec.q_group_size,
+                "residual_length": spec.residual_length, "axis_key": spec.axis_key, "axis_value": spec.axis_value}
+
+    def check(self, spec: QuantSpec, shape: ModelShape) -> None:
+        if shape.head_dim % spec.q_group_size:
+            raise PolicyError(f"q_group_size={spec.q_group_size} does not divide {shape.name}'s head_dim "
+                              f"{shape.head_dim}: use a divisor such as {shape.head_dim}")
+
+    def layer_kwargs(self, spec: QuantSpec) -> dict[str, int]:
+        return {"nbits": spec.nbits, "axis_key": spec.axis_key, "axis_value": spec.axis_value,
+                "q_group_size": spec.q_group_size, "residual_length": spec.residual_length}
+
+
+class QuantoBackend(GroupwiseBackend):
+    name = "quanto"
+    nbits = (2, 4)
+    default_nbits = 4
+    axes = (0, -1)
+    package = "optimum-quanto"
+    min_version = "0.2.5"
+    install = "pip install 'optimum-quanto>=0.2.5'"
+
+    def layer_class(self) -> type:
+        from transformers import cache_utils
+
+        return cache_utils.QuantoQuantizedLayer
+
+
+class HQQBackend(GroupwiseBackend):
+    name = "hqq"
+    nbits = (1, 2, 3, 4, 8)
+    default_nbits = 4
+    axes = (0, 1)
+    package = "hqq"
+    min_version = "0.2.1"
+    install = "pip install 'hqq>=0.2.8'"
+
+    def layer_class(self) -> type:
+        from transformers import cache_utils
+
+        return cache_utils.HQQQuantizedLayer
+
+
+class FP8Backend(QuantBackend):
+    """transformers' per-tensor float8_e4m3 layers, made saturating (:func:`saturating_fp8_layer_class`)."""
+
+    name = "fp8"
+    nbits = (8,)
+    default_nbits = 8
+    install = f"pip install 'transformers>={FP8_MIN_TRANSFORMERS},<5.25'"
+
+    def check_installed(self) -> None:
         have = _version("transformers") or "0"
         if Version(have) < Version(FP8_MIN_TRANSFORMERS):
             raise PolicyError(
                 f"the fp8 KV cache needs transformers >= {FP8_MIN_TRANSFORMERS} (installed: {have}): "
-                f"{backend.install}, or use --backend quanto / hqq"
+                f"{self.install}, or use --backend quanto / hqq"
             )
-        return
-    have = _version(backend.package)
-    if have is None or Version(have) < Version(backend.min_version):
-        found = f"version {have} is installed" if have else "it is not installed"
-        raise PolicyError(f"the {backend.name} backend needs {backend.package} >= {backend.min_version}, "
-                          f"but {found}: {backend.install}")
+
+    def check_knobs(self, spec: QuantSpec) -> None:
+        if (spec.q_group_size, spec.residual_length, spec.axis_key, spec.axis_value) != (64, 128, 0, 0):
+            raise PolicyError("the fp8 backend quantizes per tensor: q_group_size, residual_length and "
+                              "axis_key/axis_value do not apply (leave them at their defaults)")
+
+    def label(self, spec: QuantSpec) -> str:
+        return self.name
+
+    def params(self, spec: QuantSpec) -> dict[str, Any]:
+        return {"backend": self.name, "nbits": 8}
+
+    def layer_class(self) -> type | None:
+        return saturating_fp8_layer_class()
+
+    def layer_kwargs(self, spec: QuantSpec) -> dict[str, int]:
+        return {}
+
+    def make_cache(self, spec: QuantSpec, model):
+        cache = super().make_cache(spec, model)
+        cache.layers = [self.layer_class()() for _ in cache.layers]  # the same cache with saturating layers
+        return cache
+
+
+BACKENDS: dict[str, QuantBackend] = {b.name: b for b in (QuantoBackend(), HQQBackend(), FP8Backend())}
+DEFAULT_BACKEND = "quanto"
 
 
 @dataclass(frozen=True)
@@ -65,10 +188,11 @@ class QuantSpec:
 
     ``residual_length`` recent tokens stay at full precision until they are flushed;
     ``q_group_size`` elements share one scale and zero point; axis 0 groups along head_dim
-    (per token), quanto's -1 / hqq's 0 along tokens (per channel).
+    (per token), quanto's -1 / hqq's 0 along tokens (per channel). What each knob means, and
+    whether it applies, is the backend's business (:data:`BACKENDS`).
     """
 
-    backend: str = "quanto"
+    backend: str = DEFAULT_BACKEND
     nbits: int | None = None
     q_group_size: int = 64
     residual_length: int = 128
@@ -80,21 +204,13 @@ class QuantSpec:
             raise PolicyError(f"unknown quantization backend {self.backend!r}: use one of {', '.join(BACKENDS)}")
         backend = BACKENDS[self.backend]
         if self.nbits is None:
-            object.__setattr__(self, "nbits", 8 if self.backend == "fp8" else 4)
+            object.__setattr__(self, "nbits", backend.default_nbits)
         check_int("nbits", self.nbits)
         if self.nbits not in backend.nbits:
             raise PolicyError(f"nbits={self.nbits} is not supported by the {self.backend} backend: "
                               f"use one of {', '.join(map(str, backend.nbits))}")
-        if self.backend == "fp8":
-            if (self.q_group_size, self.residual_length, self.axis_key, self.axis_value) != (64, 128, 0, 0):
-                raise PolicyError("the fp8 backend quantizes per tensor: q_group_size, residual_length and "
-                                  "axis_key/axis_value do not apply (leave them at their defaults)")
-        else:
-            check_int("q_group_size", self.q_group_size, minimum=1)
-            check_int("residual_length", self.residual_length, minimum=1)
-            check_int("axis_key", self.axis_key, choices=backend.axes)
-            check_int("axis_value", self.axis_value, choices=backend.axes)
-        check_backend_installed(backend)
+        backend.check_knobs(self)
+        backend.check_installed()
 
     @classmethod
     def coerce(cls, value: QuantSpec | dict | None) -> QuantSpec | None:
@@ -109,14 +225,15 @@ class QuantSpec:
             raise PolicyError(f"bad quant keys {sorted(value)}; allowed: {allowed}") from None
 
     @property
+    def impl(self) -> QuantBackend:
+        return BACKENDS[self.backend]
+
+    @property
     def label(self) -> str:
-        return "fp8" if self.backend == "fp8" else f"{self.backend} int{self.nbits}"
+        return self.impl.label(self)
 
     def params(self) -> dict[str, Any]:
-        if self.backend == "fp8":
-            return {"backend": "fp8", "nbits": 8}
-        return {"backend": self.backend, "nbits": self.nbits, "q_group_size": self.q_group_size,
-                "residual_length": self.residual_length, "axis_key": self.axis_key, "axis_value": self.axis_value}
+        return self.impl.params(self)
 
     def check(self, shape: ModelShape) -> None:
         if shape.non_full_layers:
@@ -124,23 +241,14 @@ class QuantSpec:
                 f"{shape.name} has {', '.join(sorted(shape.non_full_layers))} layers, and transformers' "
                 f"QuantizedCache only supports full-attention models: use an eviction method or 'full' for this model"
             )
-        if self.backend != "fp8" and shape.head_dim % self.q_group_size:
-            raise PolicyError(f"q_group_size={self.q_group_size} does not divide {shape.name}'s head_dim "
-                              f"{shape.head_dim}: use a divisor such as {shape.head_dim}")
+        self.impl.check(self, shape)
 
     def layer_class(self) -> type | None:
-        from transformers import cache_utils
-
-        if self.backend == "fp8":
-            return saturating_fp8_layer_class()
-        return {"quanto": cache_utils.QuantoQuantizedLayer, "hqq": cache_utils.HQQQuantizedLayer}[self.backend]
+        return self.impl.layer_class()
 
     def layer_kwargs(self) -> dict[str, int]:
         """Fresh keyword arguments for one quantized layer (a new dict on every call)."""
-        if self.backend == "fp8":
-            return {}
-        return {"nbits": self.nbits, "axis_key": self.axis_key, "axis_value": self.axis_value,
-                "q_group_size": self.q_group_size, "residual_length": self.residual_length}
+        return self.impl.layer_kwargs(self)
 
     def fast_format(self) -> str:
         """This storage in the fast engine's terms: ``fp8`` or ``int<bits>-g<group>`` (per token)."""
@@ -155,13 +263,7 @@ class QuantSpec:
         return f"int{self.nbits}-g{self.q_group_size}"
 
     def make_cache(self, model):
-        from transformers import QuantizedCache
-
-        config = hf_model(model).config
-        cache = QuantizedCache(self.backend, config, **self.layer_kwargs())
-        if self.backend == "fp8":  # the same cache with saturating layers (see saturating_fp8_layer_class)
-            cache.layers = [self.layer_class()() for _ in cache.layers]
-        return cache
+        return self.impl.make_cache(self, model)
 
     def warmup(self, model) -> None:
         """Quantize and dequantize a tiny tensor on the model's device.

@@ -1,0 +1,393 @@
+"""Quantized-KV decode attention on the GPU: kernel vs reference error, then time and bandwidth.
+
+Not a test: a script to run on the H200 (issue 13). Needs only torch, triton and numpy (kvlab is
+imported from this checkout). From the repository root:
+
+    python benchmarks/quant_attention.py --out quant_attention.json          # about 2-3 minutes
+
+(a) Correctness: the Triton kernels (kvlab.kernels.decode_attention) against the float32 reference
+    on a sampled grid: batch 1-32, lengths {1, 7, 1000, 4097, 16384, 32769} (the other rows of a
+    batch get random shorter lengths), GQA 1-8, head dim 64 and 128, formats bf16/fp8/int4/int2.
+    Reports the max abs error, ||out - ref|| / ||ref||, and whether every output element was
+    written (the output is poisoned with NaN first).
+(b) Performance at the Llama-3.1-8B attention shape (Hq 32, Hkv 8, D 128), 16k tokens, batch
+    1/16/32: median kernel time by CUDA events (eager launches, and replays of a captured CUDA
+    graph), GB/s on the KV bytes read (codes + scales + zeros of K and V), the ratio to a 4 GiB
+    device-to-device copy measured here (read + write counted), and against bf16 SDPA
+    (``F.scaled_dot_product_attention(..., enable_gqa=True)``) and dequantize-then-SDPA (what
+    transformers' quantized caches do). Inputs rotate over enough copies to exceed the L2 cache.
+
+(c) Quantize-on-write of the token a decode step appends (same shape, batch 1/16/32): the Triton
+    kernel vs the torch ops of ``KVFormat.write`` (mismatching elements, time eager and in a graph).
+
+Every case runs in its own try/except: a failure is reported (and lands in the JSON), never aborts.
+``--device cpu --quick --backend triton`` with TRITON_INTERPRET=1 smoke-tests the script on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kvlab.kernels import (  # noqa: E402
+    decode_attention,
+    decode_attention_reference,
+    make_format,
+    make_workspace,
+    quantize_write,
+)
+
+FORMATS = [("bf16", None), ("fp8", None), ("int4", 64), ("int2", 64)]
+EXTRA_GROUPS = [("int4", 32), ("int4", 128), ("int2", 128)]
+LENGTHS = [1, 7, 1000, 4097, 16384, 32769]
+BATCHES = [1, 3, 8, 32]
+GQAS = [1, 2, 4, 8]
+
+
+class Clock:
+    """Median milliseconds of a callable: CUDA events on a GPU, perf_counter on CPU."""
+
+    def __init__(self, device: str):
+        self.cuda = device.startswith("cuda")
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def median_ms(self, fn, iters: int, repeats: int) -> float:
+        samples = []
+        for _ in range(repeats):
+            self.sync()
+            if self.cuda:
+                start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(iters):
+                    fn()
+                stop.record()
+                stop.synchronize()
+                samples.append(start.elapsed_time(stop) / iters)
+            else:
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    fn()
+                samples.append((time.perf_counter() - t0) * 1e3 / iters)
+        return statistics.median(samples)
+
+
+def fill_stores(name, group, batch, kv_heads, capacity, dim, device, seed):
+    """K and V stores of ``capacity`` random tokens (K with a few large channels, as real keys have)."""
+    fmt = make_format(name, group=group)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    stores = []
+    for which in ("k", "v"):
+        store = fmt.alloc(batch, kv_heads, capacity, dim, device=device)
+        chunk = max(1, 2**28 // (batch * kv_heads * dim))  # bound the float32 temporaries (~1 GiB)
+        channel = torch.ones(dim, device=device)
+        if which == "k":
+            channel[:: max(1, dim // 8)] = 6.0
+        for start in range(0, capacity, chunk):
+            n = min(chunk, capacity - start)
+            x = torch.randn(batch, kv_heads, n, dim, device=device, generator=gen) * channel
+            fmt.write(store, x, torch.arange(start, start + n, device=device))
+        stores.append(store)
+    return fmt, stores[0], stores[1]
+
+
+def correctness_cases(quick: bool):
+    """A sampled grid: every format x head dim x length, batch and GQA rotating through their lists."""
+    lengths = [1, 7, 100, 333] if quick else LENGTHS
+    batches = [1, 3] if quick else BATCHES
+    i = 0
+    for dim in (64, 128):
+        for length in lengths:
+            for name, group in FORMATS + (EXTRA_GROUPS if dim == 128 and length in (4097, 333) else []):
+                batch, gqa = batches[i % len(batches)], GQAS[(i // len(batches)) % len(GQAS)]
+                if batch * length > 32 * 16384 and not quick:
+                    batch = max(1, (32 * 16384) // length)  # bound memory: 32 rows of 32k are ~17 GB in float32
+                slack = 0 if i % 2 == 0 else 61  # half the cases have a capacity past the longest row
+                yield {"format": name, "group": group, "batch": batch, "gqa": gqa, "head_dim": dim,
+                       "length": length, "capacity": length + slack}
+                i += 1
+
+
+def run_correctness(case, device, backend, seed):
+    row = dict(case)
+    try:
+        kv_heads = 4 if case["head_dim"] == 64 else 8
+        if device == "cpu":
+            kv_heads = 2
+        batch, dim = case["batch"], case["head_dim"]
+        fmt, k, v = fill_stores(case["format"], case["group"], batch, kv_heads, case["capacity"], dim, device, seed)
+        gen = torch.Generator(device=device).manual_seed(seed + 1)
+        lengths = torch.randint(1, case["length"] + 1, (batch,), device=device, generator=gen)
+        lengths[0] = case["length"]
+        lengths = lengths.to(torch.int32)
+        q = torch.randn(batch, kv_heads * case["gqa"], dim, device=device, generator=gen).to(torch.bfloat16)
+        scale = dim**-0.5
+        out = torch.full_like(q, float("nan"))
+        decode_attention(q, k, v, lengths, scale, out=out, backend=backend)
+        ref = decode_attention_reference(q, k, v, lengths, scale)
+        diff = out.float() - ref
+        row.update(label=fmt.label, kv_heads=kv_heads, status="ok",
+                   unwritten=int(torch.isnan(out).sum()),
+                   max_abs_err=float(diff.nan_to_num(float("inf")).abs().max()),
+                   rel_err=float(diff.norm() / ref.norm().clamp_min(1e-30)),
+                   ref_max_abs=float(ref.abs().max()))
+    except Exception as err:  # noqa: BLE001 - one case failing must not hide the others
+        row.update(status="failed", error=f"{type(err).__name__}: {err}", traceback=traceback.format_exc(limit=6))
+    finally:
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return row
+
+
+def copy_bandwidth(device, clock, gib):
+    """GB/s of a ``gib`` GiB device-to-device copy, counting the bytes read and written."""
+    n = int(gib * 2**30)
+    src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    ms = clock.median_ms(lambda: dst.copy_(src), iters=5, repeats=5)
+    return 2 * n / (ms * 1e-3) / 1e9
+
+
+def graph_of(fn, device):
+    """``fn`` captured in a CUDA graph (warmed up on a side stream first, as torch asks)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return graph
+
+
+def time_both(fn, device, clock, iters, repeats, row, prefix, copies):
+    """Eager and graph-replay ms per call of ``fn`` (which runs ``copies`` calls) into ``row``."""
+    fn()
+    clock.sync()
+    row[f"{prefix}_ms"] = clock.median_ms(fn, iters, repeats) / copies
+    if device.startswith("cuda"):
+        try:
+            graph = graph_of(fn, device)
+            row[f"{prefix}_graph_ms"] = clock.median_ms(graph.replay, iters, repeats) / copies
+        except Exception as err:  # noqa: BLE001
+            row[f"{prefix}_graph_error"] = f"{type(err).__name__}: {err}"
+
+
+def run_performance(case, device, backend, clock, copy_gbps, seed, l2_bytes, iters, repeats):
+    """One format at one batch: kernel time (eager, graph), GB/s, and the SDPA baselines."""
+    row = dict(case)
+    try:
+        name, group, batch = case["format"], case["group"], case["batch"]
+        kv_heads, q_heads, dim, length, capacity = case["kv_heads"], case["q_heads"], 128, case["length"], case["capacity"]
+        fmt = make_format(name, group=group)
+        kv_bytes = 2 * fmt.bytes_per_token(kv_heads, dim) * length * batch  # K and V, up to the length
+        copies = max(1, min(16, math.ceil(4 * l2_bytes / kv_bytes)))  # rotate sets: the L2 cache must not serve them
+        sets = [fill_stores(name, group, batch, kv_heads, capacity, dim, device, seed + i)[1:] for i in range(copies)]
+        gen = torch.Generator(device=device).manual_seed(seed)
+        q = torch.randn(batch, q_heads, dim, device=device, generator=gen).to(torch.bfloat16)
+        lengths = torch.full((batch,), length, dtype=torch.int32, device=device)
+        scale = dim**-0.5
+        out = torch.empty_like(q)
+        spaces = [make_workspace(q_heads, k) for k, _ in sets]
+
+        def kernel():
+            for (k, v), ws in zip(sets, spaces, strict=True):
+                decode_attention(q, k, v, lengths, scale, out=out, workspace=ws, backend=backend)
+
+        row.update(label=fmt.label, kv_bytes=kv_bytes, copies=copies, num_splits=spaces[0].num_splits,
+                   split_len=spaces[0].split_len, status="ok")
+        time_both(kernel, device, clock, iters, repeats, row, "kernel", copies)
+        best = min(row["kernel_ms"], row.get("kernel_graph_ms", math.inf))
+        row["kernel_GBps"] = kv_bytes / (best * 1e-3) / 1e9
+        if copy_gbps:
+            row["of_copy_bw"] = row["kernel_GBps"] / copy_gbps
+
+        q4 = q.unsqueeze(2)
+        if name == "bf16":  # SDPA reads the same bf16 buffers
+            kv = [(k.codes[:, :, :length], v.codes[:, :, :length]) for k, v in sets]
+
+            def sdpa():
+                for k, v in kv:
+                    F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True)
+
+            time_both(sdpa, device, clock, iters, repeats, row, "sdpa", copies)
+        else:  # what a dequantizing cache does each step: the whole stored prefix back to bf16, then SDPA
+            def dequant_sdpa():
+                for k, v in sets:
+                    F.scaled_dot_product_attention(q4, k.dequantize(length).to(torch.bfloat16),
+                                                   v.dequantize(length).to(torch.bfloat16),
+                                                   scale=scale, enable_gqa=True)
+
+            dequant_sdpa()
+            clock.sync()
+            row["dequant_sdpa_ms"] = clock.median_ms(dequant_sdpa, max(1, iters // 10), repeats) / copies
+    except Exception as err:  # noqa: BLE001
+        row.update(status="failed", error=f"{type(err).__name__}: {err}", traceback=traceback.format_exc(limit=6))
+    finally:
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return row
+
+
+def run_write(case, device, backend, clock, seed, iters, repeats):
+    """One appended token per row: the write kernel against the torch write, agreement and time."""
+    row = dict(case)
+    try:
+        fmt = make_format(case["format"], group=case["group"])
+        batch, kv_heads, capacity = case["batch"], case["kv_heads"], case["capacity"]
+        gen = torch.Generator(device=device).manual_seed(seed)
+        x = torch.randn(batch, kv_heads, 1, 128, device=device, generator=gen).to(torch.bfloat16) * 3
+        positions = torch.randint(0, capacity, (batch, 1), device=device, generator=gen)
+        want, got = (fmt.alloc(batch, kv_heads, capacity, 128, device=device) for _ in range(2))
+        fmt.write(want, x, positions)
+        quantize_write(got, x, positions, backend=backend)
+        row.update(label=fmt.label, status="ok", mismatched=sum(
+            int((a.view(torch.uint8) != b.view(torch.uint8)).sum()) if a.dtype == torch.float8_e4m3fn
+            else int((a != b).sum()) for a, b in zip(got.tensors(), want.tensors(), strict=True)))
+        time_both(lambda: fmt.write(want, x, positions), device, clock, iters, repeats, row, "torch", 1)
+        time_both(lambda: quantize_write(got, x, positions, backend=backend), device, clock, iters, repeats, row,
+                  "kernel", 1)
+    except Exception as err:  # noqa: BLE001
+        row.update(status="failed", error=f"{type(err).__name__}: {err}", traceback=traceback.format_exc(limit=6))
+    return row
+
+
+def print_write(rows):
+    print("\n(c) quantize-on-write of one token per row into a 16k store (ms per call)")
+    print(f"{'format':<10} {'B':>3} {'mismatch':>8} {'torch':>8} {'torch gr':>8} {'kernel':>8} {'kern gr':>8}")
+    for r in rows:
+        if r["status"] != "ok":
+            print(f"{r['format']:<10} {r['batch']:>3} FAILED {r['error'][:120]}")
+            continue
+        print(f"{r['label']:<10} {r['batch']:>3} {r['mismatched']:>8} {fmt_ms(r.get('torch_ms'))} "
+              f"{fmt_ms(r.get('torch_graph_ms'))} {fmt_ms(r.get('kernel_ms'))} {fmt_ms(r.get('kernel_graph_ms'))}")
+
+
+def performance_cases(quick: bool):
+    length = 300 if quick else 16384
+    heads = (4, 2) if quick else (32, 8)
+    for batch in ((1, 2) if quick else (1, 16, 32)):
+        for name, group in FORMATS + [("int4", 32), ("int4", 128)]:
+            yield {"format": name, "group": group, "batch": batch, "q_heads": heads[0], "kv_heads": heads[1],
+                   "length": length, "capacity": length}
+    # The price of a grid fixed by the capacity: a 32k buffer holding 16k tokens.
+    for name in ("bf16", "int4"):
+        yield {"format": name, "group": 64 if name == "int4" else None, "batch": 1, "q_heads": heads[0],
+               "kv_heads": heads[1], "length": length, "capacity": 2 * length}
+
+
+def fmt_ms(x):
+    return f"{x:8.4f}" if isinstance(x, float) else f"{'-':>8}"
+
+
+def print_correctness(rows):
+    print("\n(a) kernel vs float32 reference")
+    print("(the kernel writes q's dtype, bf16 here: its rounding alone is ~2e-3 relative)")
+    print(f"{'format':<10} {'D':>4} {'B':>3} {'GQA':>3} {'length':>6} {'cap':>6} {'max|err|':>10} {'rel err':>10} "
+          f"{'unwritten':>9}")
+    for r in rows:
+        if r["status"] != "ok":
+            print(f"{r['format']:<10} {r['head_dim']:>4} {r['batch']:>3} {r['gqa']:>3} {r['length']:>6} "
+                  f"{r['capacity']:>6} FAILED {r['error'][:120]}")
+            continue
+        print(f"{r['label']:<10} {r['head_dim']:>4} {r['batch']:>3} {r['gqa']:>3} {r['length']:>6} {r['capacity']:>6} "
+              f"{r['max_abs_err']:10.2e} {r['rel_err']:10.2e} {r['unwritten']:>9}")
+    ok = [r for r in rows if r["status"] == "ok"]
+    if ok:
+        print(f"worst: max|err| {max(r['max_abs_err'] for r in ok):.2e}, rel {max(r['rel_err'] for r in ok):.2e}, "
+              f"unwritten {sum(r['unwritten'] for r in ok)}; failed cases: {len(rows) - len(ok)}")
+
+
+def print_performance(rows, copy_gbps):
+    print(f"\n(b) decode attention, Hq/Hkv/D = 32/8/128 (copy bandwidth {copy_gbps or 0:.0f} GB/s, read + write)")
+    print(f"{'format':<10} {'B':>3} {'len/cap':>11} {'MB read':>8} {'kernel':>8} {'graph':>8} {'GB/s':>6} "
+          f"{'of copy':>7} {'sdpa':>8} {'sdpa gr':>8} {'deq+sdpa':>8} {'splits':>6}")
+    for r in rows:
+        if r["status"] != "ok":
+            print(f"{r['format']:<10} {r['batch']:>3} FAILED {r['error'][:120]}")
+            continue
+        print(f"{r['label']:<10} {r['batch']:>3} {r['length']:>5}/{r['capacity']:<5} {r['kv_bytes'] / 1e6:8.1f} "
+              f"{fmt_ms(r.get('kernel_ms'))} {fmt_ms(r.get('kernel_graph_ms'))} {r['kernel_GBps']:6.0f} "
+              f"{r.get('of_copy_bw', 0):7.2f} {fmt_ms(r.get('sdpa_ms'))} {fmt_ms(r.get('sdpa_graph_ms'))} "
+              f"{fmt_ms(r.get('dequant_sdpa_ms'))} {r['num_splits']:>6}")
+    print("times in ms per call; GB/s from the faster of eager and graph; sdpa = bf16 SDPA on the bf16 row's "
+          "buffers; deq+sdpa = dequantize the prefix to bf16, then SDPA")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="write the JSON results here")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--backend", default="auto", choices=["auto", "triton", "reference"])
+    ap.add_argument("--quick", action="store_true", help="tiny shapes (a smoke test of the script)")
+    ap.add_argument("--skip", nargs="*", default=[], choices=["correctness", "performance", "write"])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--copy-gib", type=float, default=4.0)
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    clock = Clock(args.device)
+    result = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+              "torch": torch.__version__, "args": vars(args)}
+    try:
+        import triton
+
+        result["triton"] = triton.__version__
+    except ImportError:
+        result["triton"] = None
+    print(f"{result['device']}: torch {result['torch']}, triton {result['triton']}")
+
+    if "correctness" not in args.skip:
+        rows = []
+        for i, case in enumerate(correctness_cases(args.quick)):
+            rows.append(run_correctness(case, args.device, args.backend, args.seed + i))
+        result["correctness"] = rows
+        print_correctness(rows)
+        print(f"[{time.perf_counter() - t0:.0f} s]")
+
+    if "performance" not in args.skip:
+        copy_gbps = None
+        try:
+            copy_gbps = copy_bandwidth(args.device, clock, 0.0625 if args.quick else args.copy_gib)
+        except Exception as err:  # noqa: BLE001
+            result["copy_error"] = f"{type(err).__name__}: {err}"
+        result["copy_GBps"] = copy_gbps
+        l2 = torch.cuda.get_device_properties(args.device).L2_cache_size if args.device.startswith("cuda") else 0
+        result["l2_bytes"] = l2
+        iters, repeats = (2, 2) if args.quick else (50, 5)
+        rows = [run_performance(case, args.device, args.backend, clock, copy_gbps, args.seed, l2, iters, repeats)
+                for case in performance_cases(args.quick)]
+        result["performance"] = rows
+        print_performance(rows, copy_gbps)
+
+    if "write" not in args.skip:
+        iters, repeats = (2, 2) if args.quick else (50, 5)
+        cases = [{"format": name, "group": group, "batch": batch, "kv_heads": 2 if args.quick else 8,
+                  "capacity": 300 if args.quick else 16384}
+                 for batch in ((1, 2) if args.quick else (1, 16, 32)) for name, group in FORMATS]
+        rows = [run_write(case, args.device, args.backend, clock, args.seed, iters, repeats) for case in cases]
+        result["write"] = rows
+        print_write(rows)
+
+    result["elapsed_s"] = time.perf_counter() - t0
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"\nwrote {args.out} in {result['elapsed_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

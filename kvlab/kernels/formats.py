@@ -1,0 +1,305 @@
+"""KV storage formats: how one K or V tensor of one layer is stored, with a pure-torch reference.
+
+Each format is an object that owns its layout and its arithmetic:
+
+- ``alloc(batch, kv_heads, capacity, head_dim, device)`` -> a :class:`KVStore` of static buffers;
+- ``write(store, x, positions)`` quantizes ``x [B, Hkv, n, D]`` into slots ``positions``;
+- ``quantize(x)`` -> a :class:`KVStore` holding exactly ``x``'s tokens (the pure function tests use);
+- ``dequantize(store, length)`` -> ``[B, Hkv, length, D]`` float32, the ground truth of the kernels;
+- ``bytes_per_token(kv_heads, head_dim)``: bytes one token takes in one store (codes + scales).
+
+``write`` is made of fixed-shape torch ops only (no ``.item()``, no host sync, no allocation whose
+size depends on data), so the fast engine can capture it in a CUDA graph: ``positions`` is a device
+tensor, ``[n]`` (the same slots in every batch row) or ``[B, n]`` (a slot per row).
+
+Formats (names in :data:`FORMATS`):
+
+- ``bf16``: plain, for comparison.
+- ``fp8``: float8_e4m3fn codes, one float32 scale per token and KV head (``amax / 448``), saturating.
+- ``int4`` / ``int2``: asymmetric, a scale and a zero per ``group`` elements along the head dim
+  (group 32, 64 or 128), ``x ~ code * scale + zero``; codes packed along the head dim
+  (:mod:`kvlab.kernels.packing`). Scales and zeros are float16 by default (a quarter of the int4
+  bytes at group 32 in float32 would be a third); the zero is rounded down and the scale up, so
+  every element still lies within ``scale / 2`` of its dequantized value. float16 assumes
+  ``|x| < 6.5e4``, true of K and V activations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvlab.kernels import packing
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+GROUPS = (32, 64, 128)
+
+
+class FormatError(ValueError):
+    """A KV format got shapes or parameters it cannot store; the message names the fix."""
+
+
+@dataclass
+class KVStore:
+    """Static buffers of one K or V tensor: ``codes [B, Hkv, T, D * bits / 8]`` plus scales/zeros.
+
+    ``scale``/``zero`` are ``None`` (bf16), ``[B, Hkv, T]`` (fp8) or ``[B, Hkv, T, D / group]`` (int).
+    """
+
+    format: KVFormat
+    codes: torch.Tensor
+    scale: torch.Tensor | None
+    zero: torch.Tensor | None
+    head_dim: int
+
+    @property
+    def batch(self) -> int:
+        return self.codes.shape[0]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.codes.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        return self.codes.shape[2]
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(t for t in (self.codes, self.scale, self.zero) if t is not None)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def dequantize(self, length: int | None = None) -> torch.Tensor:
+        return self.format.dequantize(self, length)
+
+
+class KVFormat:
+    """Base class: subclasses set ``name``/``bits`` and implement the four hooks below."""
+
+    name: ClassVar[str]
+    bits: ClassVar[int]
+
+    # -- hooks ------------------------------------------------------------------------------------
+    def check_head_dim(self, head_dim: int) -> None:
+        if head_dim <= 0 or head_dim % 16:
+            raise FormatError(f"head_dim {head_dim} must be a positive multiple of 16")
+
+    def empty(self, batch: int, kv_heads: int, capacity: int, head_dim: int,
+              device: torch.device | str) -> KVStore:
+        raise NotImplementedError
+
+    def quantize(self, x: torch.Tensor) -> KVStore:
+        raise NotImplementedError
+
+    def _dequantize(self, store: KVStore, length: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def token_bytes(self, head_dim: int) -> int:
+        """Bytes of one token of one KV head."""
+        raise NotImplementedError
+
+    # -- shared behaviour -------------------------------------------------------------------------
+    @property
+    def label(self) -> str:
+        return self.name
+
+    def alloc(self, batch: int, kv_heads: int, capacity: int, head_dim: int,
+              device: torch.device | str = "cpu") -> KVStore:
+        """Zeroed static buffers for ``capacity`` tokens (zero codes dequantize to zeros)."""
+        for what, value in (("batch", batch), ("kv_heads", kv_heads), ("capacity", capacity)):
+            if value < 1:
+                raise FormatError(f"{what} must be >= 1, not {value}")
+        self.check_head_dim(head_dim)
+        return self.empty(batch, kv_heads, capacity, head_dim, device)
+
+    def bytes_per_token(self, kv_heads: int, head_dim: int) -> int:
+        """Bytes one token takes in one store (K or V of one layer), codes and scales."""
+        self.check_head_dim(head_dim)
+        return kv_heads * self.token_bytes(head_dim)
+
+    def dequantize(self, store: KVStore, length: int | None = None) -> torch.Tensor:
+        """The first ``length`` slots (default: all) as float32 ``[B, Hkv, length, D]``."""
+        length = store.capacity if length is None else length
+        if not 0 <= length <= store.capacity:
+            raise FormatError(f"length {length} outside the store's capacity {store.capacity}")
+        return self._dequantize(store, length)
+
+    def write(self, store: KVStore, x: torch.Tensor, positions: torch.Tensor) -> None:
+        """Quantize ``x [B, Hkv, n, D]`` into slots ``positions`` (``[n]`` or ``[B, n]``, on device).
+
+        Shape checks only (host-side metadata); slot values are not checked, which would need a sync.
+        """
+        if x.dim() != 4 or x.shape[:2] != store.codes.shape[:2] or x.shape[3] != store.head_dim:
+            raise FormatError(f"write expects [B={store.batch}, Hkv={store.kv_heads}, n, D={store.head_dim}], "
+                              f"got {list(x.shape)}")
+        n = x.shape[2]
+        if positions.shape not in ((n,), (store.batch, n)):
+            raise FormatError(f"positions must be [n={n}] or [B={store.batch}, n={n}], got {list(positions.shape)}")
+        if positions.device != store.device or x.device != store.device:
+            raise FormatError(f"x, positions and the store must share a device ({store.device}); "
+                              f"got x on {x.device}, positions on {positions.device}")
+        if positions.dtype != torch.int64:
+            positions = positions.to(torch.int64)
+        new = self.quantize(x)
+        for dst, src in zip(store.tensors(), new.tensors(), strict=True):
+            _put_slots(dst, src, positions)
+
+
+def _put_slots(dst: torch.Tensor, src: torch.Tensor, positions: torch.Tensor) -> None:
+    """``dst[:, :, positions] = src`` along dim 2, with one slot list or one per batch row."""
+    if dst.dtype == torch.float8_e4m3fn:  # index_copy_/scatter_ have no fp8 kernels: move the bytes
+        dst, src = dst.view(torch.uint8), src.view(torch.uint8)
+    if positions.dim() == 1:
+        dst.index_copy_(2, positions, src)
+        return
+    batch, n = positions.shape
+    index = positions.view(batch, 1, n, *([1] * (src.dim() - 3))).expand_as(src)
+    dst.scatter_(2, index, src)
+
+
+class BF16Format(KVFormat):
+    """Plain bfloat16: the baseline the quantized formats are compared with."""
+
+    name = "bf16"
+    bits = 16
+
+    def empty(self, batch, kv_heads, capacity, head_dim, device):
+        codes = torch.zeros(batch, kv_heads, capacity, head_dim, dtype=torch.bfloat16, device=device)
+        return KVStore(self, codes, None, None, head_dim)
+
+    def quantize(self, x):
+        return KVStore(self, x.to(torch.bfloat16), None, None, x.shape[-1])
+
+    def _dequantize(self, store, length):
+        return store.codes[:, :, :length].float()
+
+    def token_bytes(self, head_dim):
+        return 2 * head_dim
+
+
+class FP8Format(KVFormat):
+    """float8_e4m3fn codes with one float32 scale per token and KV head, saturating at +-448."""
+
+    name = "fp8"
+    bits = 8
+
+    def empty(self, batch, kv_heads, capacity, head_dim, device):
+        codes = torch.zeros(batch, kv_heads, capacity, head_dim, dtype=torch.float8_e4m3fn, device=device)
+        scale = torch.zeros(batch, kv_heads, capacity, dtype=torch.float32, device=device)
+        return KVStore(self, codes, scale, None, head_dim)
+
+    def quantize(self, x):
+        xf = x.float()
+        scale = xf.abs().amax(-1).clamp_min(1e-30) / FP8_MAX
+        codes = (xf / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return KVStore(self, codes, scale, None, x.shape[-1])
+
+    def _dequantize(self, store, length):
+        return store.codes[:, :, :length].float() * store.scale[:, :, :length].unsqueeze(-1)
+
+    def token_bytes(self, head_dim):
+        return head_dim + 4
+
+
+class IntFormat(KVFormat):
+    """Asymmetric ``bits``-bit integers, a scale and a zero per ``group`` elements of the head dim."""
+
+    def __init__(self, group: int = 64, scale_dtype: torch.dtype = torch.float16):
+        if group not in GROUPS:
+            raise FormatError(f"group must be one of {GROUPS}, not {group!r}")
+        if scale_dtype not in (torch.float16, torch.float32):
+            raise FormatError(f"scale_dtype must be torch.float16 or torch.float32, not {scale_dtype}")
+        self.group = group
+        self.scale_dtype = scale_dtype
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}-g{self.group}"
+
+    @property
+    def levels(self) -> int:
+        return (1 << self.bits) - 1
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(group={self.group}, scale_dtype={self.scale_dtype})"
+
+    def check_head_dim(self, head_dim):
+        super().check_head_dim(head_dim)
+        if head_dim % self.group:
+            raise FormatError(f"head_dim {head_dim} is not a multiple of group {self.group}; "
+                              f"pick a group from {[g for g in GROUPS if head_dim % g == 0]}")
+
+    def empty(self, batch, kv_heads, capacity, head_dim, device):
+        codes = torch.zeros(batch, kv_heads, capacity, head_dim * self.bits // 8, dtype=torch.uint8, device=device)
+        groups = (batch, kv_heads, capacity, head_dim // self.group)
+        scale = torch.zeros(groups, dtype=self.scale_dtype, device=device)
+        zero = torch.zeros(groups, dtype=self.scale_dtype, device=device)
+        return KVStore(self, codes, scale, zero, head_dim)
+
+    def quantize(self, x):
+        self.check_head_dim(x.shape[-1])
+        xg = x.float().unflatten(-1, (x.shape[-1] // self.group, self.group))
+        low, high = xg.amin(-1), xg.amax(-1)
+        zero = _round_toward(low, self.scale_dtype, down=True)
+        scale = _round_toward((high - zero.float()) / self.levels, self.scale_dtype, down=False)
+        inv = torch.where(scale > 0, 1.0 / scale.float(), torch.zeros_like(scale, dtype=torch.float32))
+        # floor(v + 0.5), not round-half-even: the same steps as the Triton write kernel
+        codes = ((xg - zero.float().unsqueeze(-1)) * inv.unsqueeze(-1) + 0.5).floor().clamp(0, self.levels)
+        return KVStore(self, packing.pack(codes.flatten(-2), self.bits), scale, zero, x.shape[-1])
+
+    def _dequantize(self, store, length):
+        codes = packing.unpack(store.codes[:, :, :length], self.bits).float()
+        codes = codes.unflatten(-1, (store.head_dim // self.group, self.group))
+        scale = store.scale[:, :, :length].float().unsqueeze(-1)
+        zero = store.zero[:, :, :length].float().unsqueeze(-1)
+        return (codes * scale + zero).flatten(-2)
+
+    def token_bytes(self, head_dim):
+        groups = head_dim // self.group
+        return head_dim * self.bits // 8 + 2 * groups * torch.finfo(self.scale_dtype).bits // 8
+
+
+class Int4Format(IntFormat):
+    name = "int4"
+    bits = 4
+
+
+class Int2Format(IntFormat):
+    name = "int2"
+    bits = 2
+
+
+def _round_toward(x: torch.Tensor, dtype: torch.dtype, down: bool) -> torch.Tensor:
+    """``x`` (float32) cast to ``dtype`` rounding down (or up) instead of to nearest."""
+    y = x.to(dtype)
+    if dtype == torch.float32:
+        return y
+    bound = torch.full_like(y, float("-inf") if down else float("inf"))
+    wrong = y.float() > x if down else y.float() < x
+    return torch.where(wrong, torch.nextafter(y, bound), y)
+
+
+FORMATS: dict[str, type[KVFormat]] = {cls.name: cls for cls in (BF16Format, FP8Format, Int4Format, Int2Format)}
+
+
+def make_format(name: str, group: int | None = None, **kwargs) -> KVFormat:
+    """The format called ``name``; ``group`` (int formats only) defaults to 64."""
+    if name not in FORMATS:
+        raise FormatError(f"unknown KV format {name!r}; formats: {', '.join(FORMATS)}")
+    cls = FORMATS[name]
+    if issubclass(cls, IntFormat):
+        return cls(group=64 if group is None else group, **kwargs)
+    if group is not None or kwargs:
+        raise FormatError(f"format {name} takes no group or other parameters (only {', '.join(_int_names())} do)")
+    return cls()
+
+
+def _int_names() -> list[str]:
+    return [n for n, c in FORMATS.items() if issubclass(c, IntFormat)]

@@ -1,0 +1,173 @@
+"""Single-query decode attention that reads the stored codes: Triton on CUDA, the reference elsewhere.
+
+    ws = make_workspace(q_heads, k_store)            # once, before capturing a graph (optional)
+    out = decode_attention(q, k_store, v_store, lengths, scale, workspace=ws)
+
+CUDA-graph capturable: ``lengths`` (int32 ``[B]``) stays on the device, the grid and the number of
+splits depend only on B, Hkv and the stores' capacity (:func:`plan_splits`), and the partial
+buffers have shapes fixed by them. Triton compiles on the first call of a configuration, so call
+once before capturing. The cost of fixing the grid: while a row is much shorter than the capacity,
+only ``cdiv(length, split_len)`` splits work; an engine that decodes long runs at short lengths can
+capture one graph per capacity bucket.
+
+triton is imported only when a kernel runs, so kvlab imports without it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+from kvlab.kernels.formats import BF16Format, FormatError, FP8Format, IntFormat, KVStore
+from kvlab.kernels.reference import check_decode_inputs, decode_attention_reference
+
+BLOCK_N = 64  # slots per inner iteration
+MAX_SPLITS = 128
+PROGRAMS_PER_SM = 4  # split so that a full-length step has about this many programs per SM
+BACKENDS = ("auto", "triton", "reference")
+
+
+def plan_splits(batch: int, kv_heads: int, capacity: int, sm_count: int, block_n: int = BLOCK_N,
+                max_splits: int = MAX_SPLITS) -> tuple[int, int]:
+    """``(num_splits, split_len)`` for a static capacity: enough programs to fill ``sm_count`` SMs.
+
+    Pure: depends on shapes only, never on the current lengths. ``split_len`` is a multiple of
+    ``block_n`` and ``num_splits * split_len >= capacity``; no split is empty at full capacity.
+    """
+    blocks = math.ceil(capacity / block_n)
+    wanted = math.ceil(PROGRAMS_PER_SM * sm_count / (batch * kv_heads))
+    splits = max(1, min(wanted, blocks, max_splits))
+    split_len = math.ceil(blocks / splits) * block_n
+    return math.ceil(capacity / split_len), split_len
+
+
+@dataclass
+class DecodeWorkspace:
+    """Preallocated partial results of the split kernel, shaped by the static capacity."""
+
+    num_splits: int
+    split_len: int
+    part_out: torch.Tensor  # [B, Hq, num_splits, D] float32
+    part_lse: torch.Tensor  # [B, Hq, num_splits] float32
+
+    def fits(self, batch: int, q_heads: int, head_dim: int) -> bool:
+        return tuple(self.part_out.shape) == (batch, q_heads, self.num_splits, head_dim)
+
+
+@cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def make_workspace(q_heads: int, k_store: KVStore, num_splits: int | None = None) -> DecodeWorkspace:
+    """Buffers for :func:`decode_attention` on ``k_store``'s device; ``num_splits`` overrides the plan."""
+    device = k_store.device
+    if num_splits is None:
+        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+            if device.type == "cuda" else 8
+        num_splits, split_len = plan_splits(k_store.batch, k_store.kv_heads, k_store.capacity, sms)
+    else:
+        if not 1 <= num_splits <= MAX_SPLITS:
+            raise FormatError(f"num_splits must be in 1..{MAX_SPLITS}, not {num_splits}")
+        split_len = math.ceil(math.ceil(k_store.capacity / num_splits) / BLOCK_N) * BLOCK_N
+        num_splits = math.ceil(k_store.capacity / split_len)
+    shape = (k_store.batch, q_heads, num_splits)
+    return DecodeWorkspace(num_splits, split_len,
+                           torch.empty(*shape, k_store.head_dim, dtype=torch.float32, device=device),
+                           torch.empty(shape, dtype=torch.float32, device=device))
+
+
+def kernel_supports(k_store: KVStore) -> str | None:
+    """Why the Triton kernel cannot read this store, or None when it can."""
+    fmt, d = k_store.format, k_store.head_dim
+    if not isinstance(fmt, BF16Format | FP8Format | IntFormat):
+        return f"no kernel for format {fmt.name}"
+    pack = 8 // fmt.bits if isinstance(fmt, IntFormat) else 1
+    if d & (d - 1) or d // pack < 16:
+        return f"head_dim {d} must be a power of two with head_dim / {pack} >= 16 for {fmt.label}"
+    return None
+
+
+def decode_attention(q: torch.Tensor, k_store: KVStore, v_store: KVStore, lengths: torch.Tensor, scale: float,
+                     *, out: torch.Tensor | None = None, workspace: DecodeWorkspace | None = None,
+                     backend: str = "auto") -> torch.Tensor:
+    """``softmax(q k^T * scale) v`` over each row's first ``lengths[b]`` slots -> ``[B, Hq, D]``.
+
+    ``backend="auto"`` runs the Triton kernel on CUDA tensors and the float32 reference elsewhere;
+    ``"triton"`` forces the kernel (on CPU tensors it needs ``TRITON_INTERPRET=1`` set before
+    triton is first imported); ``"reference"`` forces the reference. The kernel writes ``q.dtype``
+    (or into ``out``); the reference returns float32 (copied into ``out`` when given).
+    """
+    if backend not in BACKENDS:
+        raise FormatError(f"backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
+    group = check_decode_inputs(q, k_store, v_store, lengths)
+    use_kernel = backend == "triton" or (backend == "auto" and q.is_cuda)
+    if not use_kernel:
+        result = decode_attention_reference(q, k_store, v_store, lengths, scale)
+        return result if out is None else out.copy_(result)
+    if type(k_store.format) is not type(v_store.format) or k_store.format.label != v_store.format.label:
+        raise FormatError(f"the kernel needs K and V in one format, got {k_store.format.label} "
+                          f"and {v_store.format.label}")
+    why = kernel_supports(k_store)
+    if why:
+        raise FormatError(why + "; use backend='reference'")
+    return _launch(q, k_store, v_store, lengths, scale, group, out, workspace)
+
+
+def _launch(q, k_store, v_store, lengths, scale, group, out, workspace):
+    try:
+        from kvlab.kernels import _decode_kernels as kern  # imports triton
+    except ImportError as err:
+        raise RuntimeError(f"the decode kernels need triton ({err}); install it (CUDA builds of torch ship it) "
+                           "or pass backend='reference'") from err
+
+    batch, q_heads, head_dim = q.shape
+    fmt = k_store.format
+    if workspace is None:
+        workspace = make_workspace(q_heads, k_store)
+    elif not workspace.fits(batch, q_heads, head_dim):
+        raise FormatError(f"workspace is for {list(workspace.part_out.shape)}, not B={batch}, Hq={q_heads}, "
+                          f"D={head_dim}: build it with make_workspace(q_heads, k_store)")
+    if out is None:
+        out = torch.empty_like(q)
+    for t in (q, out, lengths, *k_store.tensors(), *v_store.tensors()):
+        if not t.is_contiguous():
+            raise FormatError("decode_attention needs contiguous q, out, lengths and stores; call .contiguous()")
+
+    if isinstance(fmt, IntFormat):
+        kind, bits, pack, qgroup = kern.FMT_INT, fmt.bits, 8 // fmt.bits, fmt.group
+    elif isinstance(fmt, FP8Format):
+        kind, bits, pack, qgroup = kern.FMT_FP8, 8, 1, head_dim
+    else:
+        kind, bits, pack, qgroup = kern.FMT_BF16, 16, 1, head_dim
+
+    def codes(store: KVStore) -> torch.Tensor:
+        return store.codes.view(torch.uint8) if store.codes.dtype == torch.float8_e4m3fn else store.codes
+
+    def extra(t: torch.Tensor | None) -> torch.Tensor:
+        return t if t is not None else lengths  # an unused pointer for formats without scales/zeros
+
+    splits = workspace.num_splits
+    kern._decode_split_kernel[(batch * k_store.kv_heads, splits)](
+        q, codes(k_store), extra(k_store.scale), extra(k_store.zero),
+        codes(v_store), extra(v_store.scale), extra(v_store.zero), lengths,
+        workspace.part_out, workspace.part_lse,
+        float(scale) * math.log2(math.e), q_heads, k_store.kv_heads, k_store.capacity, workspace.split_len,
+        splits, group,
+        D=head_dim, BLOCK_H=max(16, triton_next_pow2(group)), BLOCK_N=BLOCK_N,
+        FMT=kind, BITS=bits, PACK=pack, QGROUP=qgroup,
+        num_warps=4, num_stages=2,
+    )
+    kern._decode_reduce_kernel[(batch * q_heads,)](
+        workspace.part_out, workspace.part_lse, lengths, out, q_heads, k_store.capacity, workspace.split_len,
+        splits, D=head_dim, SPLITS_P2=max(2, triton_next_pow2(splits)),
+        num_warps=4 if splits * head_dim <= 4096 else 8,
+    )
+    return out
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()

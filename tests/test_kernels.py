@@ -1,0 +1,253 @@
+"""KV storage formats and the reference decode attention (CPU, pure torch)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvlab.kernels import FORMATS, FormatError, decode_attention, decode_attention_reference, make_format
+from kvlab.kernels.packing import pack, unpack
+from kvlab.kernels.triton_decode import plan_splits
+
+INT_FORMATS = [(name, group) for name in ("int4", "int2") for group in (32, 64, 128)]
+
+
+def kv(shape, seed=0, offset=0.0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=gen) * 2 + offset
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_pack_round_trip_keeps_every_code(bits):
+    codes = torch.randint(0, 1 << bits, (3, 5, 64), generator=torch.Generator().manual_seed(bits)).to(torch.uint8)
+    packed = pack(codes, bits)
+    assert packed.shape == (3, 5, 64 * bits // 8) and packed.dtype == torch.uint8
+    assert torch.equal(unpack(packed, bits), codes)
+
+
+def test_pack_puts_neighbours_in_one_byte_lowest_bits_first():
+    codes = torch.tensor([1, 2, 3, 0, 3, 3, 3, 3], dtype=torch.uint8)
+    assert pack(codes, 2).tolist() == [1 | 2 << 2 | 3 << 4, 255]
+    assert pack(codes, 4).tolist() == [1 | 2 << 4, 3, 3 | 3 << 4, 3 | 3 << 4]
+
+
+def test_bf16_round_trip_is_a_bf16_cast():
+    x = kv((2, 3, 5, 64))
+    fmt = make_format("bf16")
+    assert torch.equal(fmt.dequantize(fmt.quantize(x)), x.bfloat16().float())
+
+
+@pytest.mark.parametrize("offset", [0.0, 40.0])
+def test_fp8_error_is_within_half_an_e4m3_step(offset):
+    x = kv((2, 3, 17, 128), offset=offset)
+    fmt = make_format("fp8")
+    q = fmt.quantize(x)
+    assert q.codes.dtype == torch.float8_e4m3fn and q.scale.shape == (2, 3, 17) and q.scale.dtype == torch.float32
+    err = (fmt.dequantize(q) - x).abs()
+    # 3 mantissa bits: relative step 2^-3 (half: 2^-4); subnormal step 2^-9 code units.
+    bound = x.abs() * 2**-4 + q.scale.unsqueeze(-1) * 2**-10 + 1e-6
+    assert (err <= bound).all()
+    # The largest element of each token maps to the saturation point 448 and comes back (nearly) exact.
+    amax = x.abs().amax(-1)
+    assert torch.allclose(q.codes.float().abs().amax(-1), torch.full_like(amax, 448.0))
+
+
+def test_fp8_saturates_instead_of_overflowing():
+    fmt = make_format("fp8")
+    store = fmt.alloc(1, 1, 2, 16)
+    x = torch.zeros(1, 1, 1, 16)
+    x[..., 0] = 1e6
+    fmt.write(store, x, torch.tensor([0]))
+    assert torch.isfinite(store.dequantize()).all()
+    assert store.dequantize()[0, 0, 0, 0].item() == pytest.approx(1e6, rel=1e-6)
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("name,group", INT_FORMATS)
+@pytest.mark.parametrize("offset", [0.0, 50.0])
+def test_int_error_is_at_most_half_a_scale(name, group, scale_dtype, offset):
+    x = kv((2, 3, 9, 128), seed=group, offset=offset)
+    fmt = make_format(name, group=group, scale_dtype=scale_dtype)
+    q = fmt.quantize(x)
+    assert q.codes.shape == (2, 3, 9, 128 * fmt.bits // 8)
+    assert q.scale.shape == q.zero.shape == (2, 3, 9, 128 // group) and q.scale.dtype == scale_dtype
+    err = (fmt.dequantize(q) - x).abs().unflatten(-1, (128 // group, group))
+    half_step = q.scale.float().unsqueeze(-1) / 2
+    assert (err <= half_step * (1 + 1e-5) + 1e-5).all()
+    # The codes use the whole range: every group has a 0 and a top code.
+    codes = unpack(q.codes, fmt.bits).unflatten(-1, (128 // group, group))
+    assert (codes.amin(-1) == 0).all() and (codes.amax(-1) >= fmt.levels - 1).all()
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+@pytest.mark.parametrize("per_row", [False, True])
+def test_write_into_slots_equals_quantize_of_the_same_tokens(name, per_row):
+    fmt = make_format(name)
+    batch, heads, cap, dim, n = 3, 2, 11, 64, 4
+    store = fmt.alloc(batch, heads, cap, dim)
+    x = kv((batch, heads, n, dim), seed=3)
+    if per_row:
+        positions = torch.tensor([[0, 1, 2, 3], [7, 8, 9, 10], [5, 2, 9, 0]], dtype=torch.int32)
+    else:
+        positions = torch.tensor([6, 1, 10, 3], dtype=torch.int32)
+    fmt.write(store, x, positions)
+    expected = fmt.quantize(x)
+    rows = positions if per_row else positions.expand(batch, n)
+    written = torch.zeros(batch, cap, dtype=torch.bool)
+    for b in range(batch):
+        for i, slot in enumerate(rows[b].tolist()):
+            written[b, slot] = True
+            for got, want in zip(store.tensors(), expected.tensors(), strict=True):
+                assert torch.equal(got[b, :, slot].float(), want[b, :, i].float())
+    untouched = store.dequantize().permute(0, 2, 1, 3)[~written]
+    assert (untouched == 0).all()
+
+
+def test_write_appends_one_token_per_step_like_decode():
+    fmt = make_format("int4", group=32)
+    store = fmt.alloc(2, 2, 8, 64)
+    x = kv((2, 2, 8, 64), seed=5)
+    for step in range(8):
+        fmt.write(store, x[:, :, step:step + 1], torch.tensor([step]))
+    assert torch.equal(store.dequantize(), fmt.dequantize(fmt.quantize(x)))
+    assert store.dequantize(3).shape == (2, 2, 3, 64)
+
+
+@pytest.mark.parametrize("name,group,expected", [
+    ("bf16", None, 8 * 128 * 2),
+    ("fp8", None, 8 * (128 + 4)),
+    ("int4", 64, 8 * (64 + 2 * 2 * 2)),
+    ("int4", 32, 8 * (64 + 2 * 4 * 2)),
+    ("int2", 128, 8 * (32 + 2 * 1 * 2)),
+])
+def test_bytes_per_token_counts_codes_and_scales(name, group, expected):
+    fmt = make_format(name, group=group)
+    assert fmt.bytes_per_token(8, 128) == expected
+    store = fmt.alloc(2, 8, 5, 128)
+    assert store.nbytes() == expected * 2 * 5
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: make_format("int3"), "formats: bf16, fp8, int4, int2"),
+    (lambda: make_format("int4", group=48), "group must be one of"),
+    (lambda: make_format("fp8", group=64), "takes no group"),
+    (lambda: make_format("int4", group=128).alloc(1, 1, 4, 64), "pick a group from"),
+    (lambda: make_format("bf16").alloc(1, 1, 0, 64), "capacity must be >= 1"),
+    (lambda: make_format("bf16").alloc(1, 1, 4, 60), "multiple of 16"),
+])
+def test_bad_format_parameters_name_the_fix(call, match):
+    with pytest.raises(FormatError, match=match):
+        call()
+
+
+def test_write_rejects_wrong_shapes():
+    fmt = make_format("fp8")
+    store = fmt.alloc(2, 2, 4, 64)
+    with pytest.raises(FormatError, match=r"write expects \[B=2, Hkv=2, n, D=64\]"):
+        fmt.write(store, torch.zeros(2, 3, 1, 64), torch.tensor([0]))
+    with pytest.raises(FormatError, match="positions must be"):
+        fmt.write(store, torch.zeros(2, 2, 1, 64), torch.tensor([0, 1]))
+
+
+def filled_stores(name, batch, kv_heads, capacity, dim, seed=0, group=None):
+    fmt = make_format(name, group=group)
+    k, v = fmt.alloc(batch, kv_heads, capacity, dim), fmt.alloc(batch, kv_heads, capacity, dim)
+    slots = torch.arange(capacity)
+    fmt.write(k, kv((batch, kv_heads, capacity, dim), seed=seed), slots)
+    fmt.write(v, kv((batch, kv_heads, capacity, dim), seed=seed + 1), slots)
+    return k, v
+
+
+def sdpa_per_row(q, k_store, v_store, lengths, scale):
+    """float32 SDPA (enable_gqa) on each row's dequantized prefix: an independent check of the reference."""
+    rows = []
+    for b, length in enumerate(lengths.tolist()):
+        if length == 0:
+            rows.append(torch.zeros_like(q[b], dtype=torch.float32))
+            continue
+        k = k_store.dequantize(length)[b:b + 1]
+        v = v_store.dequantize(length)[b:b + 1]
+        out = F.scaled_dot_product_attention(q[b:b + 1, :, None].float(), k, v, scale=scale, enable_gqa=True)
+        rows.append(out[0, :, 0])
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+@pytest.mark.parametrize("batch,kv_heads,group,dim,capacity,lengths", [
+    (1, 1, 1, 64, 1, [1]),
+    (2, 2, 4, 128, 37, [37, 5]),
+    (3, 4, 2, 64, 100, [0, 99, 64]),
+    (2, 1, 8, 128, 70, [7, 70]),
+])
+def test_reference_matches_sdpa_on_dequantized_tensors(name, batch, kv_heads, group, dim, capacity, lengths):
+    k, v = filled_stores(name, batch, kv_heads, capacity, dim)
+    q = kv((batch, kv_heads * group, dim), seed=9).bfloat16()
+    lengths = torch.tensor(lengths, dtype=torch.int32)
+    scale = dim ** -0.5
+    got = decode_attention_reference(q, k, v, lengths, scale)
+    assert got.dtype == torch.float32 and got.shape == q.shape
+    torch.testing.assert_close(got, sdpa_per_row(q, k, v, lengths, scale), atol=1e-5, rtol=1e-5)
+
+
+def test_reference_ignores_slots_past_the_length():
+    k, v = filled_stores("int4", 1, 2, 20, 64)
+    q = kv((1, 4, 64), seed=2)
+    lengths = torch.tensor([9], dtype=torch.int32)
+    before = decode_attention_reference(q, k, v, lengths, 0.125)
+    k.codes[:, :, 9:] = 255
+    v.scale[:, :, 9:] = 1e3
+    assert torch.equal(decode_attention_reference(q, k, v, lengths, 0.125), before)
+
+
+def test_dispatcher_falls_back_to_the_reference_on_cpu():
+    k, v = filled_stores("fp8", 2, 2, 30, 64)
+    q = kv((2, 6, 64), seed=4)
+    lengths = torch.tensor([30, 11], dtype=torch.int32)
+    want = decode_attention_reference(q, k, v, lengths, 0.1)
+    assert torch.equal(decode_attention(q, k, v, lengths, 0.1), want)
+    out = torch.empty(2, 6, 64)
+    assert decode_attention(q, k, v, lengths, 0.1, out=out) is out and torch.equal(out, want)
+    with pytest.raises(FormatError, match="backend must be one of"):
+        decode_attention(q, k, v, lengths, 0.1, backend="cuda")
+    with pytest.raises(FormatError, match="lengths must be an int32 tensor"):
+        decode_attention(q, k, v, torch.tensor([1.0, 2.0]), 0.1)
+    with pytest.raises(FormatError, match="not a multiple of Hkv"):
+        decode_attention(q[:, :5], k, v, lengths, 0.1)
+
+
+@pytest.mark.parametrize("batch,kv_heads,capacity", [(1, 8, 16384), (16, 8, 16384), (32, 8, 16384),
+                                                      (1, 1, 32769), (4, 2, 7), (1, 8, 100)])
+def test_split_plan_fills_the_gpu_and_covers_the_capacity(batch, kv_heads, capacity):
+    splits, split_len = plan_splits(batch, kv_heads, capacity, sm_count=132)
+    assert split_len % 64 == 0
+    assert (splits - 1) * split_len < capacity <= splits * split_len  # covers, and no split is empty
+    assert 1 <= splits <= 128
+    if capacity >= 64 * 132:  # one long sequence still fills every SM (MQA: up to the 128-split cap)
+        assert batch * kv_heads * splits >= min(132, 100 * batch * kv_heads)
+
+
+def test_split_plan_for_one_llama_sequence_at_16k():
+    assert plan_splits(1, 8, 16384, sm_count=132) == (64, 256)
+
+
+@pytest.mark.slow  # a fresh interpreter importing torch: several seconds on a loaded machine
+def test_kernels_import_and_run_on_cpu_without_triton():
+    code = ("import sys; sys.modules['triton'] = None\n"
+            "import torch\n"
+            "from kvlab.kernels import decode_attention, make_format\n"
+            "f = make_format('int4'); k, v = f.alloc(1, 1, 4, 64), f.alloc(1, 1, 4, 64)\n"
+            "out = decode_attention(torch.ones(1, 2, 64), k, v, torch.tensor([4], dtype=torch.int32), 1.0)\n"
+            "assert out.shape == (1, 2, 64)\n"
+            "try:\n"
+            "    decode_attention(torch.ones(1, 2, 64), k, v, torch.tensor([4], dtype=torch.int32), 1.0,"
+            " backend='triton')\n"
+            "except RuntimeError as err:\n"
+            "    assert 'need triton' in str(err), err\n"
+            "else:\n"
+            "    raise AssertionError('no error without triton')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

@@ -1,0 +1,169 @@
+"""The Triton decode kernels against the float32 reference: compiled on a GPU, interpreted on CPU.
+
+Without a GPU, tests/conftest.py sets ``TRITON_INTERPRET=1`` before anything imports triton (triton
+reads it then); the numerics are then the interpreter's (numpy), not the GPU's, and
+benchmarks/quant_attention.py checks the compiled kernels on the device across larger shapes.
+Skipped where triton is not installed.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kvlab.kernels import (
+    FormatError,
+    decode_attention,
+    decode_attention_reference,
+    make_format,
+    make_workspace,
+)
+from kvlab.kernels.triton_write import quantize_write
+
+pytest.importorskip("triton")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("no GPU and TRITON_INTERPRET is not 1 (set it before triton is imported)", allow_module_level=True)
+
+TOL = {"atol": 3e-3, "rtol": 1e-2}  # float16 products, float32 accumulation
+
+
+def stores(name, batch, kv_heads, capacity, dim, group=None, seed=0):
+    fmt = make_format(name, group=group)
+    gen = torch.Generator().manual_seed(seed)
+    k, v = (fmt.alloc(batch, kv_heads, capacity, dim, device=DEVICE) for _ in range(2))
+    slots = torch.arange(capacity, device=DEVICE)
+    fmt.write(k, torch.randn(batch, kv_heads, capacity, dim, generator=gen).to(DEVICE) * 2, slots)
+    fmt.write(v, torch.randn(batch, kv_heads, capacity, dim, generator=gen).to(DEVICE), slots)
+    return k, v
+
+
+def check(name, batch, kv_heads, gqa, dim, capacity, lengths, group=None, q_dtype=torch.float32, workspace=None):
+    k, v = stores(name, batch, kv_heads, capacity, dim, group=group, seed=len(lengths) + dim)
+    q = torch.randn(batch, kv_heads * gqa, dim, generator=torch.Generator().manual_seed(7)).to(DEVICE, q_dtype)
+    lengths = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    scale = dim ** -0.5
+    got = decode_attention(q, k, v, lengths, scale, backend="triton", workspace=workspace)
+    assert got.dtype == q_dtype and got.shape == q.shape
+    want = decode_attention_reference(q, k, v, lengths, scale)
+    torch.testing.assert_close(got.float(), want, **TOL)
+    return got
+
+
+@pytest.mark.parametrize("name,group", [("bf16", None), ("fp8", None), ("int4", 64), ("int2", 32)])
+def test_kernel_matches_reference(name, group):
+    # Odd lengths, a row of length 0, GQA 4 (padded to 16 rows), several splits (CPU plans for 8 SMs).
+    check(name, batch=3, kv_heads=2, gqa=4, dim=64, capacity=203, lengths=[203, 0, 77], group=group)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,group", [("bf16", None), ("fp8", None), ("int4", 32), ("int4", 64),
+                                        ("int4", 128), ("int2", 64), ("int2", 128)])
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("batch,kv_heads,gqa,capacity,lengths", [
+    (1, 1, 1, 1, [1]),
+    (1, 2, 8, 130, [129]),
+    (2, 1, 3, 64, [64, 63]),
+    (4, 2, 2, 300, [1, 7, 300, 65]),
+])
+def test_kernel_matches_reference_across_shapes(name, group, dim, batch, kv_heads, gqa, capacity,
+                                                lengths):
+    if group is not None and dim % group:
+        pytest.skip("group larger than head_dim")
+    check(name, batch, kv_heads, gqa, dim, capacity, lengths, group=group)
+
+
+def test_kernel_writes_q_dtype_and_into_out():
+    got = check("int4", batch=2, kv_heads=1, gqa=2, dim=128, capacity=90, lengths=[90, 33], q_dtype=torch.bfloat16)
+    k, v = stores("int4", 2, 1, 90, 128, seed=2 + 128)
+    q = torch.randn(2, 2, 128, generator=torch.Generator().manual_seed(7)).to(DEVICE, torch.bfloat16)
+    out = torch.empty_like(q)
+    lengths = torch.tensor([90, 33], dtype=torch.int32, device=DEVICE)
+    assert decode_attention(q, k, v, lengths, 128 ** -0.5, out=out, backend="triton") is out
+    assert torch.equal(out, got)
+
+
+def test_one_workspace_serves_every_length():
+    """The graph-capture contract: fixed grid and buffers, lengths read on the device, stale partials ignored."""
+    k, v = stores("fp8", 2, 2, 400, 64, seed=11)
+    ws = make_workspace(4, k, num_splits=7)
+    assert (ws.num_splits, ws.split_len) == (7, 64)
+    q = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    for lengths in ([400, 400], [130, 1], [0, 257], [399, 128]):
+        lengths = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+        got = decode_attention(q, k, v, lengths, 0.125, backend="triton", workspace=ws)
+        torch.testing.assert_close(got, decode_attention_reference(q, k, v, lengths, 0.125), **TOL)
+
+
+def test_kernel_refuses_what_it_cannot_read():
+    fmt = make_format("int2", group=32)
+    k, v = fmt.alloc(1, 1, 8, 32, device=DEVICE), fmt.alloc(1, 1, 8, 32, device=DEVICE)
+    q = torch.zeros(1, 1, 32, device=DEVICE)
+    lengths = torch.tensor([8], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(FormatError, match="head_dim / 4 >= 16"):
+        decode_attention(q, k, v, lengths, 1.0, backend="triton")
+    k8 = make_format("fp8").alloc(1, 1, 8, 32, device=DEVICE)
+    with pytest.raises(FormatError, match="K and V in one format"):
+        decode_attention(q, k8, v, lengths, 1.0, backend="triton")
+
+
+def mismatches(got, want):
+    """Elements (codes, scales, zeros) that differ bit-wise between two stores."""
+    return sum(int((a.view(torch.uint8) != b.view(torch.uint8)).sum()) if a.dtype == torch.float8_e4m3fn
+               else int((a != b).sum()) for a, b in zip(got.tensors(), want.tensors(), strict=True))
+
+
+# The interpreter runs the kernel's float32 steps exactly as torch does: bit for bit. On a GPU a fused
+# multiply-add may move a code that sits exactly on a rounding tie by one.
+ALLOWED = 0 if DEVICE == "cpu" else 4
+
+
+@pytest.mark.parametrize("name,group,scale_dtype,per_row", [
+    ("bf16", None, None, False), ("fp8", None, None, True), ("int4", 64, torch.float16, False),
+    ("int4", 32, torch.float32, True), ("int2", 128, torch.float16, True), ("int2", 32, torch.float16, False)])
+def test_write_kernel_matches_the_torch_write(name, group, scale_dtype, per_row):
+    fmt = make_format(name, group=group, **({"scale_dtype": scale_dtype} if scale_dtype else {}))
+    want, got = (fmt.alloc(2, 3, 10, 128, device=DEVICE) for _ in range(2))
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(2, 3, 4, 128, generator=gen) * 3 + torch.randn(2, 3, 4, 1, generator=gen) * 20).to(DEVICE)
+    x[0, 0, 0, :64] = 0.0  # a flat group
+    x[1, 2, 3] = 0.0  # an all-zero token
+    positions = torch.tensor([[1, 5, 9, 0], [2, 3, 4, 7]] if per_row else [6, 1, 9, 3], device=DEVICE)
+    fmt.write(want, x, positions)
+    quantize_write(got, x.transpose(1, 2).contiguous().transpose(1, 2), positions, backend="triton")  # strided x
+    assert mismatches(got, want) <= ALLOWED
+    assert got.dequantize().abs().sum() > 0
+
+
+def test_write_kernel_rounds_to_fp8_and_bf16_like_torch():
+    """Every e4m3 value, the midpoints between neighbours (ties to even), subnormals, signs and -0."""
+    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = grid[torch.isfinite(grid) & (grid.abs() <= 448)].unique()
+    mids = (grid[1:] + grid[:-1]) / 2
+    values = torch.cat([grid, mids, mids.nextafter(torch.tensor(-1e9)), mids.nextafter(torch.tensor(1e9)),
+                        torch.tensor([-0.0, 2**-12, -(2**-11), 447.9, 1.5e-3, -3.3e-2])])
+    rows = -(-values.numel() // 127)
+    x = torch.zeros(rows * 127)
+    x[:values.numel()] = values
+    x = torch.cat([torch.full((rows, 1), 448.0), x.view(rows, 127)], 1)  # amax 448: the scale is exactly 1
+    x = x.view(1, 1, rows, 128).to(DEVICE)
+    for name in ("fp8", "bf16"):
+        fmt = make_format(name)
+        want, got = (fmt.alloc(1, 1, rows, 128, device=DEVICE) for _ in range(2))
+        slots = torch.arange(rows, device=DEVICE)
+        fmt.write(want, x, slots)
+        quantize_write(got, x, slots, backend="triton")
+        assert mismatches(got, want) == 0, name
+
+
+def test_write_kernel_rejects_what_it_cannot_write():
+    fmt = make_format("int4")
+    store = fmt.alloc(1, 1, 4, 64, device=DEVICE)
+    with pytest.raises(FormatError, match="positions must be"):
+        quantize_write(store, torch.zeros(1, 1, 2, 64, device=DEVICE), torch.zeros(3, dtype=torch.int64, device=DEVICE),
+                       backend="triton")
+    with pytest.raises(FormatError, match="unit stride along D"):
+        quantize_write(store, torch.zeros(1, 1, 64, 2, device=DEVICE).transpose(2, 3),
+                       torch.zeros(2, dtype=torch.int64, device=DEVICE), backend="triton")
