@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from kvlab.engine import EngineError
-from kvlab.engine.kvstore import DenseStore, Layout
+from kvlab.engine.kvstore import DenseStore, Layout, QuantizedStore
 from kvlab.engine.llama import LlamaFamilyStep, check_model
 
 CAPTURE_WARMUP_STEPS = 3
@@ -120,13 +120,16 @@ class FastDecoder:
 class FastEngine:
     """Builds and keeps :class:`FastDecoder` s for one loaded model (captured graphs are reused).
 
-    ``capture``: ``None`` = on CUDA only. ``max_decoders`` bounds how many layouts keep their
+    ``capture``: ``None`` = on CUDA only. ``attention``: the dense store's kernel (``auto``, ``flash``,
+    ``sdpa``); ``quant_attention``: a quantized store's (``fused`` Triton kernel or ``dequantize``
+    then attend). ``max_decoders`` bounds how many layouts keep their
     buffers and graphs alive at once (a sweep interleaves a shape's methods; each has its layout).
     """
 
     name = "fast"
 
-    def __init__(self, model, attention: str = "auto", capture: bool | None = None, max_decoders: int = 4):
+    def __init__(self, model, attention: str = "auto", capture: bool | None = None, max_decoders: int = 4,
+                 quant_attention: str = "auto"):
         from kvlab.policies.base import hf_model
 
         self.model = hf_model(model)
@@ -135,6 +138,7 @@ class FastEngine:
         param = next(self.model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.attention = attention
+        self.quant_attention = quant_attention
         self.capture = self.device.type == "cuda" if capture is None else capture
         self.max_decoders = max_decoders
         self._decoders: OrderedDict[tuple, FastDecoder] = OrderedDict()
@@ -175,7 +179,8 @@ class FastEngine:
     def _store(self, layout: Layout, kv_format: str):
         if kv_format == "model":
             return DenseStore(layout, self.dtype, self.device, self.step.scaling, self.attention)
-        raise EngineError(f"the fast engine has no {kv_format!r} KV store yet: use --engine hf")
+        return QuantizedStore(layout, kv_format, self.step.num_heads, self.dtype, self.device, self.step.scaling,
+                              self.quant_attention)
 
     def clear(self) -> None:
         self._decoders.clear()

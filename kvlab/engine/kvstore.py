@@ -123,3 +123,80 @@ class DenseStore:
 
     def advance(self) -> None:
         self.step.add_(1)
+
+
+QUANT_ATTENTION = ("auto", "fused", "dequantize")
+
+
+def parse_kv_format(kv_format: str):
+    """``fp8`` / ``int4-g64`` (a policy's ``fast_storage`` name) -> a :mod:`kvlab.kernels` format."""
+    from kvlab.kernels import make_format
+
+    name, _, group = kv_format.partition("-g")
+    return make_format(name, int(group)) if group else make_format(name)
+
+
+class QuantizedStore:
+    """Per-layer K/V in a :mod:`kvlab.kernels` format (``[B, Hkv, C_l, ...]`` codes and scales).
+
+    The new token is quantized on write (one Triton launch per tensor on CUDA). Attention is
+    ``fused`` (the split-K Triton kernel reads the codes; the float32 reference on CPU) or
+    ``dequantize``: the whole store converted to the model dtype, then masked SDPA, i.e. what an
+    implementation without a fused kernel does, kept as the explicit baseline.
+    """
+
+    def __init__(self, layout: Layout, kv_format: str, num_heads: int, dtype, device, scale: float,
+                 attention: str = "auto"):
+        from kvlab.kernels import make_workspace
+
+        if attention not in QUANT_ATTENTION:
+            raise ValueError(f"attention={attention!r} for a quantized store: use one of {', '.join(QUANT_ATTENTION)}")
+        self.fmt = parse_kv_format(kv_format)
+        self.kv_format = self.fmt.label
+        self.attention = "fused" if attention == "auto" else attention
+        self.layout, self.scale, self.dtype = layout, scale, dtype
+        b, h, d = layout.batch, layout.kv_heads, layout.head_dim
+        self.keys = [self.fmt.alloc(b, h, c, d, device) for c in layout.capacity]
+        self.values = [self.fmt.alloc(b, h, c, d, device) for c in layout.capacity]
+        cuda = torch.device(device).type == "cuda"
+        self.workspaces = [make_workspace(num_heads, k) if cuda else None for k in self.keys]
+        self.step = torch.zeros(1, dtype=torch.long, device=device)
+        self._base = [torch.tensor([k], dtype=torch.long, device=device) for k in layout.kept]
+
+    def bytes_allocated(self) -> int:
+        return sum(s.nbytes() for s in self.keys + self.values)
+
+    def bytes_per_slot(self) -> int:
+        return 2 * self.fmt.bytes_per_token(self.layout.kv_heads, self.layout.head_dim)
+
+    def load(self, layer_kv) -> None:
+        from kvlab.kernels import quantize_write
+
+        for i, (k, v) in enumerate(layer_kv):
+            n = k.shape[-2]
+            if n != self.layout.kept[i]:
+                raise ValueError(f"layer {i} kept {n} tokens, the store was sized for {self.layout.kept[i]}")
+            slots = torch.arange(n, device=k.device)
+            quantize_write(self.keys[i], k.contiguous(), slots)
+            quantize_write(self.values[i], v.contiguous(), slots)
+        self.step.zero_()
+
+    def attend(self, layer: int, q, k, v) -> torch.Tensor:
+        from kvlab.kernels import decode_attention, quantize_write
+
+        slot = self._base[layer] + self.step
+        quantize_write(self.keys[layer], k, slot)
+        quantize_write(self.values[layer], v, slot)
+        length = slot + 1
+        bsz, n_heads, _, dim = q.shape
+        if self.attention == "fused":
+            used = length.to(torch.int32).expand(bsz).contiguous()
+            out = decode_attention(q.reshape(bsz, n_heads, dim).contiguous(), self.keys[layer], self.values[layer],
+                                   used, self.scale, workspace=self.workspaces[layer])
+            return out.to(q.dtype)
+        keys = self.keys[layer].dequantize().to(self.dtype).transpose(1, 2)
+        values = self.values[layer].dequantize().to(self.dtype).transpose(1, 2)
+        return sdpa_decode(q, keys, values, length, self.scale)
+
+    def advance(self) -> None:
+        self.step.add_(1)

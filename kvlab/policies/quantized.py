@@ -72,6 +72,10 @@ class QuantBackend:
 
         return QuantizedCache(self.name, hf_model(model).config, **self.layer_kwargs(spec))
 
+    def fast_format(self, spec: QuantSpec) -> str:
+        """The :mod:`kvlab.kernels` format that stores the same thing on the fast engine."""
+        raise PolicyError(f"the {self.name} backend has no store on the fast engine: use engine hf")
+
 
 class GroupwiseBackend(QuantBackend):
     """Integer codes with a scale and zero point per ``q_group_size`` elements, KIVI-style residual."""
@@ -108,6 +112,14 @@ class GroupwiseBackend(QuantBackend):
         return {"nbits": spec.nbits, "axis_key": spec.axis_key, "axis_value": spec.axis_value,
                 "q_group_size": spec.q_group_size, "residual_length": spec.residual_length}
 
+    def fast_format(self, spec: QuantSpec) -> str:
+        """Per-token groups along head_dim, round to nearest: the same arithmetic as quanto's axis 0
+        (without its bf16 residual window of recent tokens)."""
+        if (spec.axis_key, spec.axis_value) != (0, 0):
+            raise PolicyError("the fast engine stores per-token groups along head_dim (axis 0): use "
+                              "axis_key=0 and axis_value=0, or engine hf")
+        return f"int{spec.nbits}-g{spec.q_group_size}"
+
 
 class QuantoBackend(GroupwiseBackend):
     name = "quanto"
@@ -137,6 +149,10 @@ class HQQBackend(GroupwiseBackend):
         from transformers import cache_utils
 
         return cache_utils.HQQQuantizedLayer
+
+    def fast_format(self, spec: QuantSpec) -> str:
+        raise PolicyError("hqq's optimized scales have no kernel on the fast engine: use engine hf for hqq, "
+                          "or quanto (round to nearest, same storage) on fast")
 
 
 class FP8Backend(QuantBackend):
@@ -168,6 +184,10 @@ class FP8Backend(QuantBackend):
 
     def layer_class(self) -> type | None:
         return saturating_fp8_layer_class()
+
+    def fast_format(self, spec: QuantSpec) -> str:
+        """float8_e4m3 codes, but a scale per token and KV head (transformers: one per tensor)."""
+        return "fp8"
 
     def layer_kwargs(self, spec: QuantSpec) -> dict[str, int]:
         return {}
@@ -251,16 +271,8 @@ class QuantSpec:
         return self.impl.layer_kwargs(self)
 
     def fast_format(self) -> str:
-        """This storage in the fast engine's terms: ``fp8`` or ``int<bits>-g<group>`` (per token)."""
-        if self.backend == "fp8":
-            return "fp8"
-        if self.backend == "hqq":
-            raise PolicyError("hqq's optimized scales have no kernel on the fast engine: use engine hf for hqq, "
-                              "or quanto / kvq-int4 (round-to-nearest, same storage) on fast")
-        if (self.axis_key, self.axis_value) != (0, 0):
-            raise PolicyError("the fast engine stores per-token groups along head_dim (axis 0): use "
-                              "axis_key=0 and axis_value=0, or engine hf")
-        return f"int{self.nbits}-g{self.q_group_size}"
+        """This storage in the fast engine's terms (a :mod:`kvlab.kernels` format name)."""
+        return self.impl.fast_format(self)
 
     def make_cache(self, model):
         return self.impl.make_cache(self, model)
