@@ -80,8 +80,10 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    ap.add_argument("--engines", nargs="+", default=["hf", "fast"], choices=["hf", "fast"])
+    ap.add_argument("--engines", nargs="+", default=["hf", "fast"], choices=["hf", "fast", "fast-deq"],
+                    help="fast-deq: the fast engine with quantized stores dequantized before attention")
     ap.add_argument("--attention", default="auto", help="fast engine attention: auto, flash, sdpa")
+    ap.add_argument("--max-decoders", type=int, default=8, help="fast-engine layouts kept alive (1 at large batch)")
     ap.add_argument("--compare-steps", type=int, default=32, help="teacher-forced steps for the logit check")
     ap.add_argument("--out", default="engines.json")
     args = ap.parse_args()
@@ -105,7 +107,10 @@ def main() -> int:
     for batch in args.batch:
         loaded = load_model(args.model, weights=args.weights, device=args.device)
         weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
-        fast = FastEngine(loaded, attention=args.attention, max_decoders=len(args.methods) + 1)
+        engines = {"hf": None,
+                   "fast": FastEngine(loaded, attention=args.attention, max_decoders=args.max_decoders),
+                   "fast-deq": FastEngine(loaded, attention=args.attention, max_decoders=args.max_decoders,
+                                          quant_attention="dequantize")}
         policies = {}
         for name in args.methods:
             method, kw = METHODS[name]
@@ -113,12 +118,14 @@ def main() -> int:
                 p = make_policy(method, **kw)
                 p.check(loaded)
                 p.prepare(loaded.model)
-                p.warmup(loaded.model)
+                if "hf" in args.engines:  # transformers-side kernels (quanto's build); fast needs none
+                    p.warmup(loaded.model)
                 policies[name] = p
             except Exception as err:
                 result["rows"].append({"method": name, "batch": batch, "status": "failed", "error": repr(err)})
                 print(f"{name}: setup failed: {err!r}", flush=True)
-        pairs = [(m, e) for m in policies for e in args.engines]
+        pairs = [(m, e) for m in policies for e in args.engines
+                 if not (e == "fast-deq" and policies[m].fast_storage()[1] == "model")]
         ids = make_prompt(loaded, args.ctx, batch, 0, 0)
         for rep in range(-1, args.repeats):  # -1: the warm-up pass, never recorded
             order = list(pairs)
@@ -128,7 +135,7 @@ def main() -> int:
                 try:
                     m = measure_generation(loaded, policies[name], ctx=args.ctx, batch=batch,
                                            new_tokens=args.new_tokens, sampler=sampler, input_ids=ids,
-                                           engine=fast if engine == "fast" else None)
+                                           engine=engines[engine])
                     r = m.record
                     kv_bytes = r.get("cache_bytes") or 0
                     floor_ms = (weight_bytes + kv_bytes) / bw * 1000 if bw else None
@@ -146,6 +153,8 @@ def main() -> int:
                     torch.cuda.empty_cache() if cuda else None
                 if rep >= 0:
                     result["rows"].append(row)
+                    with open(args.out, "w") as f:  # every measured row is kept, even if the call is cut
+                        json.dump(result, f, indent=1)
                 label = "warm-up" if rep < 0 else f"rep {rep}"
                 if row["status"] == "ok":
                     j = row["decode_j_per_token"]
@@ -163,7 +172,7 @@ def main() -> int:
                     c = {"method": name, "error": f"{type(err).__name__}: {err}"}
                 result["compare"].append(c)
                 print(f"compare {name}: {c}", flush=True)
-        del loaded, fast, policies
+        del loaded, engines, policies
         torch.cuda.empty_cache() if cuda else None
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
