@@ -97,6 +97,20 @@ def test_one_workspace_serves_every_length():
         torch.testing.assert_close(got, decode_attention_reference(q, k, v, lengths, 0.125), **TOL)
 
 
+def test_launch_config_changes_the_plan_not_the_result():
+    from kvlab.kernels import LaunchConfig
+
+    k, v = stores("int4", 2, 2, 200, 64, seed=13)
+    q = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    lengths = torch.tensor([200, 97], dtype=torch.int32, device=DEVICE)
+    ws = make_workspace(4, k, config=LaunchConfig(block_n=32, num_warps=2, num_stages=3))
+    assert (ws.num_splits, ws.split_len) == (7, 32)  # 8 "SMs" on CPU want 8 splits; 200 slots hold 7 blocks
+    got = decode_attention(q, k, v, lengths, 0.125, backend="triton", workspace=ws)
+    torch.testing.assert_close(got, decode_attention_reference(q, k, v, lengths, 0.125), **TOL)
+    with pytest.raises(FormatError, match="block_n must be"):
+        LaunchConfig(block_n=48)
+
+
 def test_kernel_refuses_what_it_cannot_read():
     fmt = make_format("int2", group=32)
     k, v = fmt.alloc(1, 1, 8, 32, device=DEVICE), fmt.alloc(1, 1, 8, 32, device=DEVICE)
