@@ -109,6 +109,9 @@ def test_launch_config_changes_the_plan_not_the_result():
     torch.testing.assert_close(got, decode_attention_reference(q, k, v, lengths, 0.125), **TOL)
     with pytest.raises(FormatError, match="block_n must be"):
         LaunchConfig(block_n=48)
+    small = stores("int4", 2, 2, 100, 64)[0]
+    with pytest.raises(FormatError, match="build it with make_workspace"):
+        decode_attention(q, k, v, lengths, 0.125, backend="triton", workspace=make_workspace(4, small))
 
 
 def test_kernel_refuses_what_it_cannot_read():

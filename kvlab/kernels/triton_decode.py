@@ -154,9 +154,10 @@ def _launch(q, k_store, v_store, lengths, scale, group, out, workspace):
     fmt = k_store.format
     if workspace is None:
         workspace = make_workspace(q_heads, k_store)
-    elif not workspace.fits(batch, q_heads, head_dim):
-        raise FormatError(f"workspace is for {list(workspace.part_out.shape)}, not B={batch}, Hq={q_heads}, "
-                          f"D={head_dim}: build it with make_workspace(q_heads, k_store)")
+    elif not workspace.fits(batch, q_heads, head_dim) or workspace.num_splits * workspace.split_len < k_store.capacity:
+        raise FormatError(f"workspace is for {list(workspace.part_out.shape)} and {workspace.num_splits} x "
+                          f"{workspace.split_len} slots, not B={batch}, Hq={q_heads}, D={head_dim}, capacity "
+                          f"{k_store.capacity}: build it with make_workspace(q_heads, k_store)")
     if out is None:
         out = torch.empty_like(q)
     for t in (q, out, lengths, *k_store.tensors(), *v_store.tensors()):
