@@ -29,6 +29,13 @@ if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
 
 TOL = {"atol": 3e-3, "rtol": 1e-2}  # float16 products, float32 accumulation
 
+# The split kernel loops over slots with bounds read from memory; triton 3.6's interpreter cannot
+# (TypeError: only 0-dimensional arrays can be converted to Python scalars), 3.9's can, and compiled
+# triton always could. The write kernel runs interpreted on both.
+_TRITON = tuple(int(x) for x in __import__("triton").__version__.split(".")[:2])
+decode_kernel = pytest.mark.skipif(DEVICE == "cpu" and _TRITON < (3, 9),
+                                   reason="the split kernel needs triton >= 3.9 to run interpreted")
+
 
 def stores(name, batch, kv_heads, capacity, dim, group=None, seed=0):
     fmt = make_format(name, group=group)
@@ -52,6 +59,7 @@ def check(name, batch, kv_heads, gqa, dim, capacity, lengths, group=None, q_dtyp
     return got
 
 
+@decode_kernel
 @pytest.mark.parametrize("name,group", [("bf16", None), ("fp8", None), ("int4", 64), ("int2", 32)])
 def test_kernel_matches_reference(name, group):
     # Odd lengths, a row of length 0, GQA 4 (padded to 16 rows), several splits (CPU plans for 8 SMs).
@@ -59,6 +67,7 @@ def test_kernel_matches_reference(name, group):
 
 
 @pytest.mark.slow
+@decode_kernel
 @pytest.mark.parametrize("name,group", [("bf16", None), ("fp8", None), ("int4", 32), ("int4", 64),
                                         ("int4", 128), ("int2", 64), ("int2", 128)])
 @pytest.mark.parametrize("dim", [64, 128])
@@ -75,6 +84,7 @@ def test_kernel_matches_reference_across_shapes(name, group, dim, batch, kv_head
     check(name, batch, kv_heads, gqa, dim, capacity, lengths, group=group)
 
 
+@decode_kernel
 def test_kernel_writes_q_dtype_and_into_out():
     got = check("int4", batch=2, kv_heads=1, gqa=2, dim=128, capacity=90, lengths=[90, 33], q_dtype=torch.bfloat16)
     k, v = stores("int4", 2, 1, 90, 128, seed=2 + 128)
@@ -85,6 +95,7 @@ def test_kernel_writes_q_dtype_and_into_out():
     assert torch.equal(out, got)
 
 
+@decode_kernel
 def test_one_workspace_serves_every_length():
     """The graph-capture contract: fixed grid and buffers, lengths read on the device, stale partials ignored."""
     k, v = stores("fp8", 2, 2, 400, 64, seed=11)
@@ -97,6 +108,7 @@ def test_one_workspace_serves_every_length():
         torch.testing.assert_close(got, decode_attention_reference(q, k, v, lengths, 0.125), **TOL)
 
 
+@decode_kernel
 def test_launch_config_changes_the_plan_not_the_result():
     from kvlab.kernels import LaunchConfig
 
