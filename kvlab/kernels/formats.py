@@ -19,9 +19,9 @@ Formats (names in :data:`FORMATS`):
 - ``int4`` / ``int2``: asymmetric, a scale and a zero per ``group`` elements along the head dim
   (group 32, 64 or 128), ``x ~ code * scale + zero``; codes packed along the head dim
   (:mod:`kvlab.kernels.packing`). Scales and zeros are float16 by default (at group 32 they are a
-  fifth of an int4 store's bytes; in float32 they would be a third); the zero is rounded down and the scale up, so
-  every element still lies within ``scale / 2`` of its dequantized value. float16 assumes
-  ``|x| < 6.5e4``, true of K and V activations.
+  fifth of an int4 store's bytes; in float32 they would be a third); the zero is rounded down and
+  the scale up, so every element still lies within ``scale / 2`` of its dequantized value.
+  float16 assumes ``|x| < 6.5e4``, true of K and V activations.
 """
 
 from __future__ import annotations
