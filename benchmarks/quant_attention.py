@@ -162,6 +162,13 @@ def copy_bandwidth(device, clock, gib):
     return 2 * n / (ms * 1e-3) / 1e9
 
 
+def l2_bytes(device):
+    """The L2 cache size (50 MiB when torch does not say; 0 on CPU, where nothing rotates)."""
+    if not device.startswith("cuda"):
+        return 0
+    return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 * 2**20)
+
+
 def graph_of(fn, device):
     """``fn`` captured in a CUDA graph (warmed up on a side stream first, as torch asks)."""
     stream = torch.cuda.Stream()
@@ -393,7 +400,7 @@ def main() -> None:
         except Exception as err:  # noqa: BLE001
             result["copy_error"] = f"{type(err).__name__}: {err}"
         result["copy_GBps"] = copy_gbps
-        l2 = torch.cuda.get_device_properties(args.device).L2_cache_size if args.device.startswith("cuda") else 0
+        l2 = l2_bytes(args.device)
         result["l2_bytes"] = l2
         iters, repeats = (2, 2) if args.quick else (50, 5)
         rows = [run_performance(case, args.device, args.backend, clock, copy_gbps, args.seed, l2, iters, repeats)
@@ -402,7 +409,7 @@ def main() -> None:
         print_performance(rows, copy_gbps)
 
     if args.tune:
-        l2 = torch.cuda.get_device_properties(args.device).L2_cache_size if args.device.startswith("cuda") else 0
+        l2 = l2_bytes(args.device)
         iters, repeats = (2, 1) if args.quick else (20, 3)
         rows = []
         for case in performance_cases(args.quick):
