@@ -1,4 +1,5 @@
-"""The Triton decode kernels against the float32 reference: compiled on a GPU, interpreted on CPU.
+"""The Triton kernels (decode attention, quantize-on-write) against the torch reference: compiled on a GPU,
+interpreted on CPU.
 
 Without a GPU, tests/conftest.py sets ``TRITON_INTERPRET=1`` before anything imports triton (triton
 reads it then); the numerics are then the interpreter's (numpy), not the GPU's, and
