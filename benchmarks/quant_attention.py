@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvlab.kernels import (  # noqa: E402
+    LaunchConfig,
     decode_attention,
     decode_attention_reference,
     make_format,
@@ -161,6 +162,13 @@ def copy_bandwidth(device, clock, gib):
     return 2 * n / (ms * 1e-3) / 1e9
 
 
+def l2_bytes(device):
+    """The L2 cache size (50 MiB when torch does not say; 0 on CPU, where nothing rotates)."""
+    if not device.startswith("cuda"):
+        return 0
+    return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 * 2**20)
+
+
 def graph_of(fn, device):
     """``fn`` captured in a CUDA graph (warmed up on a side stream first, as torch asks)."""
     stream = torch.cuda.Stream()
@@ -189,8 +197,9 @@ def time_both(fn, device, clock, iters, repeats, row, prefix, copies):
             row[f"{prefix}_graph_error"] = f"{type(err).__name__}: {err}"
 
 
-def run_performance(case, device, backend, clock, copy_gbps, seed, l2_bytes, iters, repeats):
-    """One format at one batch: kernel time (eager, graph), GB/s, and the SDPA baselines."""
+def run_performance(case, device, backend, clock, copy_gbps, seed, l2_bytes, iters, repeats, config=None,
+                    baselines=True):
+    """One format at one batch: kernel time (eager, graph), GB/s, and (``baselines``) the SDPA ones."""
     row = dict(case)
     try:
         name, group, batch = case["format"], case["group"], case["batch"]
@@ -204,7 +213,7 @@ def run_performance(case, device, backend, clock, copy_gbps, seed, l2_bytes, ite
         lengths = torch.full((batch,), length, dtype=torch.int32, device=device)
         scale = dim**-0.5
         out = torch.empty_like(q)
-        spaces = [make_workspace(q_heads, k) for k, _ in sets]
+        spaces = [make_workspace(q_heads, k, config=config) for k, _ in sets]
 
         def kernel():
             for (k, v), ws in zip(sets, spaces, strict=True):
@@ -219,7 +228,7 @@ def run_performance(case, device, backend, clock, copy_gbps, seed, l2_bytes, ite
             row["of_copy_bw"] = row["kernel_GBps"] / copy_gbps
 
         q4 = q.unsqueeze(2)
-        if name == "bf16":  # SDPA reads the same bf16 buffers
+        if baselines and name == "bf16":  # SDPA reads the same bf16 buffers
             kv = [(k.codes[:, :, :length], v.codes[:, :, :length]) for k, v in sets]
 
             def sdpa():
@@ -227,7 +236,7 @@ def run_performance(case, device, backend, clock, copy_gbps, seed, l2_bytes, ite
                     F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True)
 
             time_both(sdpa, device, clock, iters, repeats, row, "sdpa", copies)
-        else:  # what a dequantizing cache does each step: the whole stored prefix back to bf16, then SDPA
+        elif baselines:  # what a dequantizing cache does each step: the whole stored prefix back to bf16, then SDPA
             def dequant_sdpa():
                 for k, v in sets:
                     F.scaled_dot_product_attention(q4, k.dequantize(length).to(torch.bfloat16),
@@ -292,6 +301,28 @@ def performance_cases(quick: bool):
                "kv_heads": heads[1], "length": length, "capacity": 2 * length}
 
 
+def tune_configs():
+    """Launch configs to compare: block/warps/stages around the default, and the split density."""
+    configs = [LaunchConfig(block_n=b, num_warps=w, num_stages=st)
+               for b in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
+    return configs + [LaunchConfig(programs_per_sm=p) for p in (2, 8)]
+
+
+def print_tune(rows):
+    print("\n(tune) split-kernel launch configs at 16k (ms per call, eager / graph)")
+    print(f"{'format':<10} {'B':>3} {'block':>5} {'warps':>5} {'stages':>6} {'per SM':>6} {'splits':>6} "
+          f"{'eager':>8} {'graph':>8} {'GB/s':>6}")
+    for r in rows:
+        c = r["config"]
+        if r["status"] != "ok":
+            print(f"{r['format']:<10} {r['batch']:>3} {c['block_n']:>5} {c['num_warps']:>5} {c['num_stages']:>6} "
+                  f"{c['programs_per_sm']:>6} FAILED {r['error'][:100]}")
+            continue
+        print(f"{r['label']:<10} {r['batch']:>3} {c['block_n']:>5} {c['num_warps']:>5} {c['num_stages']:>6} "
+              f"{c['programs_per_sm']:>6} {r['num_splits']:>6} {fmt_ms(r.get('kernel_ms'))} "
+              f"{fmt_ms(r.get('kernel_graph_ms'))} {r['kernel_GBps']:6.0f}")
+
+
 def fmt_ms(x):
     return f"{x:8.4f}" if isinstance(x, float) else f"{'-':>8}"
 
@@ -339,6 +370,8 @@ def main() -> None:
     ap.add_argument("--skip", nargs="*", default=[], choices=["correctness", "performance", "write"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--copy-gib", type=float, default=4.0)
+    ap.add_argument("--tune", action="store_true",
+                    help="also time the split kernel's launch configs (bf16, fp8, int4; batch 1 and 16; ~1-2 min)")
     args = ap.parse_args()
     t0 = time.perf_counter()
     clock = Clock(args.device)
@@ -367,13 +400,29 @@ def main() -> None:
         except Exception as err:  # noqa: BLE001
             result["copy_error"] = f"{type(err).__name__}: {err}"
         result["copy_GBps"] = copy_gbps
-        l2 = torch.cuda.get_device_properties(args.device).L2_cache_size if args.device.startswith("cuda") else 0
+        l2 = l2_bytes(args.device)
         result["l2_bytes"] = l2
         iters, repeats = (2, 2) if args.quick else (50, 5)
         rows = [run_performance(case, args.device, args.backend, clock, copy_gbps, args.seed, l2, iters, repeats)
                 for case in performance_cases(args.quick)]
         result["performance"] = rows
         print_performance(rows, copy_gbps)
+
+    if args.tune:
+        l2 = l2_bytes(args.device)
+        iters, repeats = (2, 1) if args.quick else (20, 3)
+        rows = []
+        for case in performance_cases(args.quick):
+            if case["format"] not in ("bf16", "fp8", "int4") or case["group"] not in (None, 64) \
+                    or case["batch"] not in (1, 16, 2) or case["capacity"] != case["length"]:
+                continue
+            for config in tune_configs():
+                row = run_performance(case, args.device, args.backend, clock, None, args.seed, l2, iters, repeats,
+                                      config=config, baselines=False)
+                row["config"] = vars(config)
+                rows.append(row)
+        result["tune"] = rows
+        print_tune(rows)
 
     if "write" not in args.skip:
         iters, repeats = (2, 2) if args.quick else (50, 5)

@@ -12,10 +12,16 @@ Nothing here imports triton until a kernel runs.
 
 from kvlab.kernels.formats import FORMATS, FormatError, KVFormat, KVStore, make_format
 from kvlab.kernels.reference import decode_attention_reference
-from kvlab.kernels.triton_decode import DecodeWorkspace, decode_attention, make_workspace, plan_splits
+from kvlab.kernels.triton_decode import (
+    DecodeWorkspace,
+    LaunchConfig,
+    decode_attention,
+    make_workspace,
+    plan_splits,
+)
 from kvlab.kernels.triton_write import quantize_write
 
 __all__ = [
     "FORMATS", "FormatError", "KVFormat", "KVStore", "make_format", "decode_attention_reference",
-    "DecodeWorkspace", "decode_attention", "make_workspace", "plan_splits", "quantize_write",
+    "DecodeWorkspace", "LaunchConfig", "decode_attention", "make_workspace", "plan_splits", "quantize_write",
 ]

@@ -18,10 +18,10 @@ Formats (names in :data:`FORMATS`):
 - ``fp8``: float8_e4m3fn codes, one float32 scale per token and KV head (``amax / 448``), saturating.
 - ``int4`` / ``int2``: asymmetric, a scale and a zero per ``group`` elements along the head dim
   (group 32, 64 or 128), ``x ~ code * scale + zero``; codes packed along the head dim
-  (:mod:`kvlab.kernels.packing`). Scales and zeros are float16 by default (a quarter of the int4
-  bytes at group 32 in float32 would be a third); the zero is rounded down and the scale up, so
-  every element still lies within ``scale / 2`` of its dequantized value. float16 assumes
-  ``|x| < 6.5e4``, true of K and V activations.
+  (:mod:`kvlab.kernels.packing`). Scales and zeros are float16 by default (at group 32 they are a
+  fifth of an int4 store's bytes; in float32 they would be a third); the zero is rounded down and
+  the scale up, so every element still lies within ``scale / 2`` of its dequantized value.
+  float16 assumes ``|x| < 6.5e4``, true of K and V activations.
 """
 
 from __future__ import annotations

@@ -24,6 +24,9 @@ def check_decode_inputs(q: torch.Tensor, k_store: KVStore, v_store: KVStore, len
         raise FormatError("k_store and v_store must have the same kv_heads and capacity")
     if q_heads % k_store.kv_heads:
         raise FormatError(f"Hq={q_heads} is not a multiple of Hkv={k_store.kv_heads}")
+    devices = {t.device for t in (q, lengths, *k_store.tensors(), *v_store.tensors())}
+    if len(devices) > 1:
+        raise FormatError(f"q, lengths and the stores must share a device, got {sorted(map(str, devices))}")
     if lengths.shape != (batch,) or lengths.dtype not in (torch.int32, torch.int64):
         raise FormatError(f"lengths must be an int32 tensor [B={batch}], got {lengths.dtype} {list(lengths.shape)}")
     return q_heads // k_store.kv_heads

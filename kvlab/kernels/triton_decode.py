@@ -1,6 +1,7 @@
 """Single-query decode attention that reads the stored codes: Triton on CUDA, the reference elsewhere.
 
-    ws = make_workspace(q_heads, k_store)            # once, before capturing a graph (optional)
+    ws = make_workspace(q_heads, k_store)            # once, before capturing a graph (optional;
+                                                     # also carries the LaunchConfig)
     out = decode_attention(q, k_store, v_store, lengths, scale, workspace=ws)
 
 CUDA-graph capturable: ``lengths`` (int32 ``[B]``) stays on the device, the grid and the number of
@@ -30,15 +31,35 @@ PROGRAMS_PER_SM = 4  # split so that a full-length step has about this many prog
 BACKENDS = ("auto", "triton", "reference")
 
 
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tuning knobs of the split kernel (none changes the result beyond float rounding).
+
+    Defaults are a known-good flash-decoding shape, not yet tuned on the H200:
+    ``benchmarks/quant_attention.py --tune`` times the alternatives.
+    """
+
+    block_n: int = BLOCK_N
+    num_warps: int = 4
+    num_stages: int = 2
+    programs_per_sm: int = PROGRAMS_PER_SM
+
+    def __post_init__(self):
+        if self.block_n not in (16, 32, 64, 128, 256):
+            raise FormatError(f"block_n must be a power of two in 16..256, not {self.block_n}")
+        if self.num_warps not in (1, 2, 4, 8, 16) or not 1 <= self.num_stages <= 6 or self.programs_per_sm < 1:
+            raise FormatError(f"bad launch config {self}: num_warps in 1..16 (power of two), num_stages in 1..6")
+
+
 def plan_splits(batch: int, kv_heads: int, capacity: int, sm_count: int, block_n: int = BLOCK_N,
-                max_splits: int = MAX_SPLITS) -> tuple[int, int]:
+                max_splits: int = MAX_SPLITS, programs_per_sm: int = PROGRAMS_PER_SM) -> tuple[int, int]:
     """``(num_splits, split_len)`` for a static capacity: enough programs to fill ``sm_count`` SMs.
 
     Pure: depends on shapes only, never on the current lengths. ``split_len`` is a multiple of
     ``block_n`` and ``num_splits * split_len >= capacity``; no split is empty at full capacity.
     """
     blocks = math.ceil(capacity / block_n)
-    wanted = math.ceil(PROGRAMS_PER_SM * sm_count / (batch * kv_heads))
+    wanted = math.ceil(programs_per_sm * sm_count / (batch * kv_heads))
     splits = max(1, min(wanted, blocks, max_splits))
     split_len = math.ceil(blocks / splits) * block_n
     return math.ceil(capacity / split_len), split_len
@@ -52,6 +73,7 @@ class DecodeWorkspace:
     split_len: int
     part_out: torch.Tensor  # [B, Hq, num_splits, D] float32
     part_lse: torch.Tensor  # [B, Hq, num_splits] float32
+    config: LaunchConfig = LaunchConfig()
 
     def fits(self, batch: int, q_heads: int, head_dim: int) -> bool:
         return tuple(self.part_out.shape) == (batch, q_heads, self.num_splits, head_dim)
@@ -62,22 +84,26 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def make_workspace(q_heads: int, k_store: KVStore, num_splits: int | None = None) -> DecodeWorkspace:
+def make_workspace(q_heads: int, k_store: KVStore, num_splits: int | None = None,
+                   config: LaunchConfig | None = None) -> DecodeWorkspace:
     """Buffers for :func:`decode_attention` on ``k_store``'s device; ``num_splits`` overrides the plan."""
     device = k_store.device
+    config = config or LaunchConfig()
+    block = config.block_n
     if num_splits is None:
         sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
             if device.type == "cuda" else 8
-        num_splits, split_len = plan_splits(k_store.batch, k_store.kv_heads, k_store.capacity, sms)
+        num_splits, split_len = plan_splits(k_store.batch, k_store.kv_heads, k_store.capacity, sms, block,
+                                            programs_per_sm=config.programs_per_sm)
     else:
         if not 1 <= num_splits <= MAX_SPLITS:
             raise FormatError(f"num_splits must be in 1..{MAX_SPLITS}, not {num_splits}")
-        split_len = math.ceil(math.ceil(k_store.capacity / num_splits) / BLOCK_N) * BLOCK_N
+        split_len = math.ceil(math.ceil(k_store.capacity / num_splits) / block) * block
         num_splits = math.ceil(k_store.capacity / split_len)
     shape = (k_store.batch, q_heads, num_splits)
     return DecodeWorkspace(num_splits, split_len,
                            torch.empty(*shape, k_store.head_dim, dtype=torch.float32, device=device),
-                           torch.empty(shape, dtype=torch.float32, device=device))
+                           torch.empty(shape, dtype=torch.float32, device=device), config)
 
 
 def kernel_supports(k_store: KVStore) -> str | None:
@@ -128,9 +154,10 @@ def _launch(q, k_store, v_store, lengths, scale, group, out, workspace):
     fmt = k_store.format
     if workspace is None:
         workspace = make_workspace(q_heads, k_store)
-    elif not workspace.fits(batch, q_heads, head_dim):
-        raise FormatError(f"workspace is for {list(workspace.part_out.shape)}, not B={batch}, Hq={q_heads}, "
-                          f"D={head_dim}: build it with make_workspace(q_heads, k_store)")
+    elif not workspace.fits(batch, q_heads, head_dim) or workspace.num_splits * workspace.split_len < k_store.capacity:
+        raise FormatError(f"workspace is for {list(workspace.part_out.shape)} and {workspace.num_splits} x "
+                          f"{workspace.split_len} slots, not B={batch}, Hq={q_heads}, D={head_dim}, capacity "
+                          f"{k_store.capacity}: build it with make_workspace(q_heads, k_store)")
     if out is None:
         out = torch.empty_like(q)
     for t in (q, out, lengths, *k_store.tensors(), *v_store.tensors()):
@@ -150,16 +177,16 @@ def _launch(q, k_store, v_store, lengths, scale, group, out, workspace):
     def extra(t: torch.Tensor | None) -> torch.Tensor:
         return t if t is not None else lengths  # an unused pointer for formats without scales/zeros
 
-    splits = workspace.num_splits
+    splits, config = workspace.num_splits, workspace.config
     kern._decode_split_kernel[(batch * k_store.kv_heads, splits)](
         q, codes(k_store), extra(k_store.scale), extra(k_store.zero),
         codes(v_store), extra(v_store.scale), extra(v_store.zero), lengths,
         workspace.part_out, workspace.part_lse,
         float(scale) * math.log2(math.e), q_heads, k_store.kv_heads, k_store.capacity, workspace.split_len,
         splits, group,
-        D=head_dim, BLOCK_H=max(16, triton_next_pow2(group)), BLOCK_N=BLOCK_N,
+        D=head_dim, BLOCK_H=max(16, triton_next_pow2(group)), BLOCK_N=config.block_n,
         FMT=kind, BITS=bits, PACK=pack, QGROUP=qgroup,
-        num_warps=4, num_stages=2,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     kern._decode_reduce_kernel[(batch * q_heads,)](
         workspace.part_out, workspace.part_lse, lengths, out, q_heads, k_store.capacity, workspace.split_len,

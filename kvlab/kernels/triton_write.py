@@ -29,6 +29,9 @@ def quantize_write(store: KVStore, x: torch.Tensor, positions: torch.Tensor, bac
     batch, kv_heads, n, dim = x.shape
     if positions.shape not in ((n,), (batch, n)):
         raise FormatError(f"positions must be [n={n}] or [B={batch}, n={n}], got {list(positions.shape)}")
+    if x.device != store.device or positions.device != store.device:
+        raise FormatError(f"x, positions and the store must share a device ({store.device}); "
+                          f"got x on {x.device}, positions on {positions.device}")
     if x.stride(3) != 1 or not positions.is_contiguous() or not all(t.is_contiguous() for t in store.tensors()):
         raise FormatError("quantize_write needs x with a unit stride along D, contiguous positions and store")
     if dim & (dim - 1):
