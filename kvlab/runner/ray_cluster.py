@@ -1,26 +1,28 @@
 """The ``ray`` executor: each group of runs as a Ray task holding one GPU (or CPUs on CPU).
 
 Ray sets ``CUDA_VISIBLE_DEVICES`` for each task, so the worker's ``cuda`` is the GPU it was given
-and its energy sampler binds that GPU by UUID. A task streams its messages back as a Ray
-streaming generator; the driver writes them (one writer). Tasks are never retried by Ray: a
-worker that dies is charged for its run in flight by the driver, which sends the rest of the
-group to a fresh task. At most one task per GPU (or per ``threads`` CPUs) is in flight, so each
-task starts with the budget the sweep has left.
+and its energy sampler binds that GPU by UUID. A task puts each message into a mailbox actor and
+waits for the put to land, so whatever a worker measured before it died is safe (a streaming
+generator's in-flight items are not); the driver empties the mailbox and writes (one writer).
+Tasks are never retried by Ray: a worker that dies is charged for its run in flight by the
+driver, which sends the rest of the group to a fresh task. At most one task per GPU (or per
+``threads`` CPUs) is in flight, so each task starts with the budget the sweep has left.
 
 ``ray`` is an optional extra (``pip install 'kvlab[ray]'``), imported only here.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
 import traceback
+import uuid
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 
 from kvlab.runner.drive import WorkerDied, drive, shape_groups
 from kvlab.runner.worker import GroupJob, run_job
 
 INSTALL_HINT = "executor: ray needs the ray package; install it with pip install 'kvlab[ray]'"
+POLL_S = 0.2
 
 
 def import_ray():
@@ -32,25 +34,30 @@ def import_ray():
     return ray
 
 
-def group_stream(job: GroupJob) -> Iterator[tuple]:
-    """The task body: measure in a thread and yield its messages as they come (a Ray streaming
-    generator sends each to the driver at once, so a crash loses nothing already measured)."""
-    inbox: queue.Queue = queue.Queue()
-    done = object()
+class Mailbox:
+    """A driver-side actor holding each group's messages until the driver takes them."""
 
-    def body():
-        try:
-            run_job(job, inbox.put, executor="ray")
-        except BaseException as err:
-            inbox.put(("fatal", f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
-        finally:
-            inbox.put(done)
+    def __init__(self):
+        self.boxes: dict[str, list[tuple]] = defaultdict(list)
 
-    thread = threading.Thread(target=body, name="kvlab-ray-group", daemon=True)
-    thread.start()
-    while (msg := inbox.get()) is not done:
-        yield msg
-    thread.join()
+    def put(self, gid: str, msg: tuple) -> None:
+        self.boxes[gid].append(msg)
+
+    def take(self, gid: str) -> list[tuple]:
+        return self.boxes.pop(gid, [])
+
+
+def group_task(job: GroupJob, mailbox, gid: str) -> None:
+    """The task body: measure the group, each message acknowledged by the mailbox before going on."""
+    import ray
+
+    def send(msg: tuple) -> None:
+        ray.get(mailbox.put.remote(gid, msg))
+
+    try:
+        run_job(job, send, executor="ray")
+    except BaseException as err:
+        send(("fatal", f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
 
 
 def task_resources(params) -> dict[str, float]:
@@ -84,21 +91,29 @@ class RayExecutor:
         ray.init(address=self.address, include_dashboard=False, log_to_driver=True)
         return True
 
-    def transport(self, params) -> Callable[[GroupJob], Iterator[tuple]]:
+    def transport(self, params, mailbox) -> Callable[[GroupJob], Iterator[tuple]]:
         ray = self.ray
-        remote = ray.remote(num_returns="streaming", max_retries=0)(group_stream)
-        task = remote.options(**task_resources(params))
+        task = ray.remote(max_retries=0)(group_task).options(**task_resources(params))
 
         def run(job: GroupJob) -> Iterator[tuple]:
+            gid = uuid.uuid4().hex
+            ref = task.remote(job, mailbox, gid)
             try:
-                for ref in task.remote(job):
-                    msg = ray.get(ref)
-                    if msg[0] == "fatal":
-                        raise WorkerDied(msg[1])
-                    yield msg
+                while True:
+                    finished = bool(ray.wait([ref], timeout=POLL_S)[0])
+                    for msg in ray.get(mailbox.take.remote(gid)):  # every put before `finished`
+                        if msg[0] == "fatal":
+                            raise WorkerDied(msg[1])
+                        yield msg
+                    if finished:
+                        break
+                ray.get(ref)
             except ray.exceptions.RayError as err:
-                first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                first = str(err).strip().splitlines()[0] if str(err).strip() else ""
                 raise WorkerDied(f"{type(err).__name__}: {first}") from None
+            finally:
+                if not ray.wait([ref], timeout=0)[0]:  # the driver stopped listening: stop the task
+                    ray.cancel(ref, force=True)
 
         return run
 
@@ -112,7 +127,8 @@ class RayExecutor:
                                  f"(resources: {cluster}); start its nodes with GPUs, or --set device=cpu")
             slots = slots_for(resources, cluster)
             sink.log(f"kvlab sweep: ray executor, {slots} task(s) at a time with {resources} each")
-            drive(shape_groups(pending), self.transport(params), slots=slots, params=params, sink=sink,
+            mailbox = self.ray.remote(num_cpus=0, max_restarts=0)(Mailbox).remote()
+            drive(shape_groups(pending), self.transport(params, mailbox), slots=slots, params=params, sink=sink,
                   budget=budget, sweep_name=sweep_name, loader=loader, sampler_factory=sampler_factory)
         finally:
             if started:
