@@ -18,20 +18,25 @@ def cpu_loader(name, **kw):
 
 def crashing_loader(name, *, method, prompt_id, signum=signal.SIGKILL, **kw):
     """Loads normally, then makes this worker process die by ``signum`` in the measured run of
-    ``method`` on ``prompt_id`` (not its warm-up), as a segfault or the OOM killer would."""
+    ``method`` on ``prompt_id`` (not its warm-up), as a segfault or the OOM killer would. Only a
+    model this loader loaded crashes, so a reused worker process stays sane for other loaders."""
     import kvlab.measure as measure
     from kvlab.models import load_model
 
-    real = measure.measure_generation
+    real = getattr(measure.measure_generation, "real", measure.measure_generation)
 
     def measure_or_die(loaded, policy, **m):
-        if policy.name == method and m["prompt_id"] == prompt_id and not m.get("probe"):
+        crash = getattr(loaded, "crash_on", None)
+        if crash == (policy.name, m["prompt_id"]) and not m.get("probe"):
             os.kill(os.getpid(), signum)
             time.sleep(60)  # the signal lands first
         return real(loaded, policy, **m)
 
+    measure_or_die.real = real
     measure.measure_generation = measure_or_die
-    return load_model(name, **kw)
+    loaded = load_model(name, **kw)
+    loaded.crash_on = (method, prompt_id)
+    return loaded
 
 
 def fake_gpu_sampler(device, interval_s=0.015, **kw):

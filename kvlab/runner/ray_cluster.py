@@ -4,9 +4,10 @@ Ray sets ``CUDA_VISIBLE_DEVICES`` for each task, so the worker's ``cuda`` is the
 and its energy sampler binds that GPU by UUID. A task puts each message into a mailbox actor and
 waits for the put to land, so whatever a worker measured before it died is safe (a streaming
 generator's in-flight items are not); the driver empties the mailbox and writes (one writer).
-Tasks are never retried by Ray: a worker that dies is charged for its run in flight by the
-driver, which sends the rest of the group to a fresh task. At most one task per GPU (or per
-``threads`` CPUs) is in flight, so each task starts with the budget the sweep has left.
+Each task gets a fresh worker process and is never retried by Ray: a worker that dies is charged
+for its run in flight by the driver, which sends the rest of the group to a fresh task. At most
+one task per GPU (or per ``threads`` CPUs) is in flight, so each task starts with the budget the
+sweep has left.
 
 ``ray`` is an optional extra (``pip install 'kvlab[ray]'``), imported only here.
 """
@@ -93,7 +94,9 @@ class RayExecutor:
 
     def transport(self, params, mailbox) -> Callable[[GroupJob], Iterator[tuple]]:
         ray = self.ray
-        task = ray.remote(max_retries=0)(group_task).options(**task_resources(params))
+        # a fresh worker process per group (max_calls=1), as with `process`: nothing (a poisoned CUDA
+        # context, leaked memory) carries over from one group to the next
+        task = ray.remote(max_retries=0, max_calls=1)(group_task).options(**task_resources(params))
 
         def run(job: GroupJob) -> Iterator[tuple]:
             gid = uuid.uuid4().hex
