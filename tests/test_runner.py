@@ -118,6 +118,7 @@ def test_executor_keys_are_validated_and_the_ray_extra_is_named(monkeypatch, cap
 # --- the process executor ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_process_executor_matches_local_and_resumes_a_local_sweep(tmp_path):
     local, mixed = tmp_path / "local", tmp_path / "mixed"
     assert run_sweep(small(), local, progress=False, log=quiet).complete
