@@ -13,9 +13,11 @@ Why each channel (see shared/reference/energy.md):
   windows of a few seconds.
 
 The NVML device is matched to the torch device by UUID, because NVML ignores
-``CUDA_VISIBLE_DEVICES``: a worker that a scheduler (Ray, SLURM) gave one GPU resolves the entry of
-``CUDA_VISIBLE_DEVICES`` it runs on (an index or a UUID) to that GPU's NVML handle, never GPU 0. Without NVML (CPU, no driver, no counter) :func:`make_sampler` returns a
-:class:`NullSampler` whose windows carry host timings, null energies and the reason in ``source``.
+``CUDA_VISIBLE_DEVICES``: torch's UUID of the device where torch can tell, else the entry of
+``CUDA_VISIBLE_DEVICES`` (an index or a UUID, as Ray or SLURM set it for a worker given one GPU)
+resolved through NVML; never GPU 0 by index. Without NVML (CPU, no driver, no counter)
+:func:`make_sampler` returns a :class:`NullSampler` whose windows carry host timings, null energies
+and the reason in ``source``.
 """
 
 from __future__ import annotations

@@ -11,6 +11,9 @@ killed at any point and rerun finishes with no duplicate and no lost run. A lock
 sweeps from writing one folder; a lock left by a dead process is detected and replaced. A run that
 raises (CUDA OOM or anything else) is recorded as failed with its error, its memory is released,
 and the sweep goes on.
+
+Where runs execute (this process, a child process per group, Ray workers) is the executor's job
+(:mod:`kvlab.runner`); they all call :func:`run_group` and report to the one writer here.
 """
 
 from __future__ import annotations
@@ -384,7 +387,7 @@ def run_sweep(
         bar = tqdm(total=len(pending), disable=not progress or not pending, unit="run", dynamic_ncols=True)
         sink = DriverSink(records=writers[RECORDS_FILE], warmups=writers[WARMUP_FILE],
                           timelines=writers[TIMELINES_FILE], errors_path=out / ERRORS_FILE, summary=summary,
-                          bar=bar, budget=budget, invocation=invocation, log=log)
+                          bar=bar, invocation=invocation, log=log)
         try:
             if pending:
                 executor.run(params, pending, sink, budget, sweep_name=sweep_name, loader=loader,

@@ -14,6 +14,7 @@ sweep has left.
 
 from __future__ import annotations
 
+import os
 import traceback
 import uuid
 from collections import defaultdict
@@ -89,7 +90,10 @@ class RayExecutor:
         ray = self.ray
         if ray.is_initialized():
             return False
-        ray.init(address=self.address, include_dashboard=False, log_to_driver=True)
+        if self.address is None and not os.environ.get("RAY_ADDRESS"):
+            ray.init(include_dashboard=False)  # a running cluster on this machine, else a new local one
+        else:
+            ray.init(address=self.address)
         return True
 
     def transport(self, params, mailbox) -> Callable[[GroupJob], Iterator[tuple]]:

@@ -22,7 +22,7 @@ SINK_METHODS = ("begin", "record", "warmup", "timeline", "error_log", "idle", "w
 class DriverSink:
     """Appends records, updates the summary and progress bar, and notes workers in the invocation."""
 
-    def __init__(self, *, records, warmups, timelines, errors_path: Path, summary, bar, budget,
+    def __init__(self, *, records, warmups, timelines, errors_path: Path, summary, bar,
                  invocation: dict[str, Any], log: Callable[[str], None]):
         self.records = records
         self.warmups = warmups
@@ -30,7 +30,6 @@ class DriverSink:
         self.errors_path = Path(errors_path)
         self.summary = summary
         self.bar = bar
-        self.budget = budget
         self.invocation = invocation
         self._log = log
 
