@@ -354,6 +354,7 @@ def run_sweep(
     out = Path(out_dir)
     sweep_name = params.name or out.name
     executor = make_executor(params.executor, ray_address=params.ray_address, log=log)
+    executor.check(loader=loader, sampler_factory=sampler_factory)
 
     with SweepLock(out) as lock:
         if lock.stale:

@@ -113,6 +113,10 @@ def test_executor_keys_are_validated_and_the_ray_extra_is_named(monkeypatch, cap
     assert "8 runs to do" in capsys.readouterr().out
     assert main(["sweep", str(path), "--ray-address", "ray://head:10001", "--dry-run"]) == 2
     assert "only used with executor: ray" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="needs a module-level function"):
+        run_sweep(small(executor="process"), tmp_path / "p", progress=False, loader=lambda name, **kw: None,
+                  log=quiet)
+    assert not (tmp_path / "p").exists()  # refused before the folder was touched
 
 
 # --- the process executor ----------------------------------------------------------------------

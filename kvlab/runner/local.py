@@ -8,6 +8,9 @@ from kvlab.runner.worker import worker_info
 class LocalExecutor:
     name = "local"
 
+    def check(self, *, loader, sampler_factory) -> None:
+        """Nothing to check before the lock: this executor takes any callables."""
+
     def run(self, params, pending, sink, budget, *, sweep_name, loader, sampler_factory) -> None:
         from kvlab.sweep import run_group
 

@@ -10,6 +10,7 @@ Groups run one at a time, on the params' device.
 from __future__ import annotations
 
 import multiprocessing
+import pickle
 import signal
 import traceback
 from collections.abc import Callable, Iterator
@@ -91,6 +92,15 @@ class ProcessExecutor:
     def __init__(self, log: Callable[[str], None] = print, transport=spawn_transport):
         self.log = log
         self.transport = transport
+
+    def check(self, *, loader, sampler_factory) -> None:
+        """Children get the loader and sampler factory pickled: refuse a lambda before anything runs."""
+        for what, fn in (("loader", loader), ("sampler_factory", sampler_factory)):
+            try:
+                pickle.dumps(fn)
+            except Exception as err:
+                raise ValueError(f"executor: process sends {what} {fn!r} to child processes, which needs a "
+                                 f"module-level function (not a lambda or closure) ({err})") from None
 
     def run(self, params, pending, sink, budget, *, sweep_name, loader, sampler_factory) -> None:
         drive(shape_groups(pending), self.transport, slots=1, params=params, sink=sink, budget=budget,

@@ -124,6 +124,9 @@ class RayExecutor:
 
         return run
 
+    def check(self, *, loader, sampler_factory) -> None:
+        """Nothing to check before the lock: this executor takes any callables."""
+
     def run(self, params, pending, sink, budget, *, sweep_name, loader, sampler_factory) -> None:
         started = self._connect()
         try:
