@@ -8,7 +8,8 @@ queue; only this loop (the sweep's thread) touches the sink, so there is one wri
 A worker that dies is charged for what it was doing (its last ``begin``): the measured run in
 flight, or every run of the variant whose warm-up it was, or the whole group when it died loading
 the model. Those runs are recorded as failed with the cause; the rest of the group goes to a
-fresh worker. Every death records at least one run, so a crash that repeats cannot loop.
+fresh worker. A death either records a run as failed or comes after a run was recorded, so the
+group shrinks every time and a crash that repeats cannot loop.
 """
 
 from __future__ import annotations
