@@ -127,6 +127,14 @@ class RayExecutor:
     def check(self, *, loader, sampler_factory) -> None:
         """Nothing to check before the lock: this executor takes any callables."""
 
+    def _mailbox(self):
+        """The mailbox actor, on the driver's node (where the records are written) when it can be."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        here = self.ray.get_runtime_context().get_node_id()
+        return self.ray.remote(num_cpus=0, max_restarts=0)(Mailbox).options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True)).remote()
+
     def run(self, params, pending, sink, budget, *, sweep_name, loader, sampler_factory) -> None:
         started = self._connect()
         try:
@@ -137,7 +145,7 @@ class RayExecutor:
                                  f"(resources: {cluster}); start its nodes with GPUs, or --set device=cpu")
             slots = slots_for(resources, cluster)
             sink.log(f"kvlab sweep: ray executor, {slots} task(s) at a time with {resources} each")
-            mailbox = self.ray.remote(num_cpus=0, max_restarts=0)(Mailbox).remote()
+            mailbox = self._mailbox()
             drive(shape_groups(pending), self.transport(params, mailbox), slots=slots, params=params, sink=sink,
                   budget=budget, sweep_name=sweep_name, loader=loader, sampler_factory=sampler_factory)
         finally:
