@@ -164,8 +164,9 @@ def test_a_killed_process_worker_costs_its_run_and_the_sweep_goes_on(tmp_path):
 def ray_cluster():
     ray = pytest.importorskip("ray")
     path = f"{REPO}:{REPO / 'tests'}"
-    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": path}})  # two fake GPUs for scheduling
+    # a new local cluster (never one that is running here) with two fake GPUs for scheduling
+    ray.init(address="local", num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": path}})
     yield ray
     ray.shutdown()
 
