@@ -13,13 +13,17 @@ Why each channel (see shared/reference/energy.md):
   windows of a few seconds.
 
 The NVML device is matched to the torch device by UUID, because NVML ignores
-``CUDA_VISIBLE_DEVICES``. Without NVML (CPU, no driver, no counter) :func:`make_sampler` returns a
-:class:`NullSampler` whose windows carry host timings, null energies and the reason in ``source``.
+``CUDA_VISIBLE_DEVICES``: torch's UUID of the device where torch can tell, else the entry of
+``CUDA_VISIBLE_DEVICES`` (an index or a UUID, as Ray or SLURM set it for a worker given one GPU)
+resolved through NVML; never GPU 0 by index. Without NVML (CPU, no driver, no counter)
+:func:`make_sampler` returns a :class:`NullSampler` whose windows carry host timings, null energies
+and the reason in ``source``.
 """
 
 from __future__ import annotations
 
 import bisect
+import os
 import statistics
 import threading
 import time
@@ -459,6 +463,53 @@ def find_handle(nvml, uuid: str):
     return None
 
 
+def _device_index(device: str) -> int:
+    text = str(device)
+    return int(text.split(":", 1)[1]) if ":" in text else 0
+
+
+def visible_device_uuid(nvml, device: str, environ: dict[str, str] | None = None) -> str | None:
+    """UUID (as NVML spells it) of the GPU torch calls ``device``, read from ``CUDA_VISIBLE_DEVICES``.
+
+    Entry N of the variable is ``cuda:N``: an NVML index (CUDA and NVML agree on the order when
+    ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` or the GPUs are alike, as on one node) or a UUID (whole, or a
+    prefix as CUDA accepts it). Unset, ``cuda:N`` is NVML index N. None when no NVML device matches
+    (e.g. a MIG slice), so the caller falls back to torch's own UUID.
+    """
+    environ = os.environ if environ is None else environ
+    index = _device_index(device)
+    raw = environ.get("CUDA_VISIBLE_DEVICES")
+    entries = [e.strip() for e in raw.split(",")] if raw is not None else None
+    try:
+        if entries is None:
+            return str(_decoded(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(index))))
+        if index >= len(entries) or not entries[index]:
+            return None
+        entry = entries[index]
+        if entry.isdigit():
+            return str(_decoded(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(int(entry)))))
+        want = _norm_uuid(entry)
+        found = [_decoded(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(i)))
+                 for i in range(nvml.nvmlDeviceGetCount())]
+        matches = [u for u in found if _norm_uuid(u).startswith(want)]
+        return str(matches[0]) if len(matches) == 1 else None
+    except Exception:
+        return None
+
+
+def _decoded(value: Any) -> Any:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _torch_uuid_or_none(device: str) -> str | None:
+    try:
+        import torch
+
+        return torch_device_uuid(device) if torch.cuda.is_available() else None
+    except Exception:
+        return None
+
+
 def torch_device_pci(device: str) -> str | None:
     """PCI bus id of a torch CUDA device in NVML's spelling (``00000000:19:00.0``), if torch has it."""
     import torch
@@ -536,8 +587,11 @@ def make_sampler(device: str, *, interval_s: float = 0.015, study_interval_s: fl
         return NullSampler(f"none: NVML init failed ({err})", sync)
     try:
         by_torch = uuid is None
-        if by_torch:
-            uuid = torch_device_uuid(dev)
+        if by_torch:  # the GPU this process was given; torch's own UUID wins where it can tell
+            uuid = _torch_uuid_or_none(dev) or visible_device_uuid(nvml, dev)
+            if uuid is None:
+                raise LookupError(f"no NVML device matches {dev} (CUDA_VISIBLE_DEVICES="
+                                  f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
         handle = find_handle(nvml, uuid)
         if handle is None and by_torch:
             handle = find_handle_by_pci(nvml, torch_device_pci(dev))

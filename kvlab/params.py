@@ -85,6 +85,12 @@ class SweepParams(BaseModel):
     time_budget_s: float | None = Field(None, gt=0, description="stop cleanly before this many seconds")
     retry_failed: bool = Field(False, description="rerun runs recorded as failed")
     timelines: bool = Field(True, description="write power timelines to timelines.jsonl")
+    executor: Literal["local", "process", "ray"] = Field(
+        "local", description="where runs execute: local (this process), process (a child process per "
+                             "group of runs), ray (a Ray task per GPU); see kvlab.runner")
+    ray_address: str | None = Field(
+        None, description="Ray cluster to join with executor: ray (e.g. auto, ray://head:10001); "
+                          "default: RAY_ADDRESS, else a local cluster")
     quality: dict[str, Any] | None = Field(
         None, description="a quality pass after the performance runs: kvlab.quality.TaskSpec keys "
                           "(tasks, lengths, depths, samples, ...); needs real weights")
@@ -244,6 +250,16 @@ def check_params(params: SweepParams, check_device: bool = True) -> list[tuple[i
             problems.append(f"device: {dev!r} but torch sees no CUDA device; use --set device=cpu")
     if params.dtype is not None and params.dtype not in DTYPES:
         problems.append(f"dtype: {params.dtype!r} is not one of {', '.join(DTYPES)}")
+    if params.executor == "ray":
+        import importlib.util
+
+        if importlib.util.find_spec("ray") is None:
+            problems.append("executor: ray needs the ray package; install it with pip install 'kvlab[ray]'")
+        if dev.startswith("cuda:") and dev != "cuda:0":
+            problems.append(f"device: {dev!r} with executor: ray; use device: cuda (Ray gives each worker "
+                            f"its GPU as cuda)")
+    elif params.ray_address is not None:
+        problems.append("ray_address: only used with executor: ray; add --executor ray (or drop ray_address)")
     if params.sdpa_backend != "auto" and params.attn_implementation != "sdpa":
         problems.append(f"sdpa_backend: {params.sdpa_backend!r} only applies with attn_implementation: sdpa")
     if not params.methods:

@@ -11,6 +11,9 @@ killed at any point and rerun finishes with no duplicate and no lost run. A lock
 sweeps from writing one folder; a lock left by a dead process is detected and replaced. A run that
 raises (CUDA OOM or anything else) is recorded as failed with its error, its memory is released,
 and the sweep goes on.
+
+Where runs execute (this process, a child process per group, Ray workers) is the executor's job
+(:mod:`kvlab.runner`); they all call :func:`run_group` and report to the one writer here.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ from kvlab.records import (
     utc_now,
     write_manifest,
 )
+from kvlab.runner import make_executor
+from kvlab.runner.sink import DriverSink
 
 LOCK_FILE = "sweep.lock"
 WARMUP_FILE = "warmup.jsonl"
@@ -102,6 +107,15 @@ class RunSpec:
     def unit(self) -> tuple:
         """What is warmed up (and can break) as one: the method variant on its engine."""
         return (self.variant.key(), self.engine)
+
+
+EXECUTION_KEYS = ("executor", "ray_address")
+
+
+def plan_params(params: SweepParams) -> dict[str, Any]:
+    """The params a manifest keeps: all but where the runs executed (each invocation records that),
+    so a folder's manifest is the same whatever executor measured it."""
+    return params.model_dump(mode="json", exclude=set(EXECUTION_KEYS))
 
 
 def is_part_of_plan(run_ids: list[str], planned: list[str] | None) -> bool:
@@ -311,11 +325,13 @@ def _identity_record(run: RunSpec, sweep: str, kind: str = "perf") -> dict[str, 
 class _ModelSession:
     """A loaded model plus its per-variant policies (checked, prepared and warmed once)."""
 
-    def __init__(self, loaded, sampler, idle_w: float | None, gpu_name: str | None):
+    def __init__(self, loaded, sampler, idle_w: float | None, gpu_name: str | None, gpu_uuid: str | None = None):
         self.loaded = loaded
         self.sampler = sampler
         self.idle_w = idle_w
         self.gpu_name = gpu_name
+        self.gpu_uuid = gpu_uuid
+        self.host = socket.gethostname()
         self.policies: dict[tuple, Any] = {}
         self.broken: dict[tuple, str] = {}  # variant key (+ shape) -> error
         self.probes: dict[tuple, dict[str, Any]] = {}
@@ -360,6 +376,8 @@ def run_sweep(
     runs = expand(params, variants)
     out = Path(out_dir)
     sweep_name = params.name or out.name
+    executor = make_executor(params.executor, ray_address=params.ray_address, log=log)
+    executor.check(loader=loader, sampler_factory=sampler_factory)
 
     with SweepLock(out) as lock:
         if lock.stale:
@@ -379,43 +397,25 @@ def run_sweep(
             log(f"kvlab sweep: {out} held a different plan; its records stay, and load_records reads both "
                 f"(use another -o to keep sweeps apart)")
         if not part:
-            manifest.update(params=params.model_dump(mode="json"), n_runs=len(runs), run_ids=plan_ids)
+            manifest.update(params=plan_params(params), n_runs=len(runs), run_ids=plan_ids)
         manifest.update(sweep=sweep_name, schema=1)
-        invocation: dict[str, Any] = {"started_at": utc_now(), "pid": os.getpid(),
+        invocation: dict[str, Any] = {"started_at": utc_now(), "pid": os.getpid(), "executor": params.executor,
                                       "pending_at_start": len(pending), "env_start": env.snapshot(params.device)}
         if part:
-            invocation["part_of_plan"] = {"n_runs": len(runs), "params": params.model_dump(mode="json")}
+            invocation["part_of_plan"] = {"n_runs": len(runs), "params": plan_params(params)}
         manifest["invocations"].append(invocation)
         write_manifest(out, manifest)
 
         budget = Budget(max_runs=params.max_runs, time_budget_s=params.time_budget_s)
         writers = {name: RecordWriter(out / name) for name in (RECORDS_FILE, WARMUP_FILE, TIMELINES_FILE)}
         bar = tqdm(total=len(pending), disable=not progress or not pending, unit="run", dynamic_ncols=True)
-        sampler = None
+        sink = DriverSink(records=writers[RECORDS_FILE], warmups=writers[WARMUP_FILE],
+                          timelines=writers[TIMELINES_FILE], errors_path=out / ERRORS_FILE, summary=summary,
+                          bar=bar, invocation=invocation, log=log)
         try:
             if pending:
-                sampler = sampler_factory(params.device, interval_s=params.energy_interval_ms / 1000.0)
-                invocation["energy_source"] = sampler.source
-            for model_name, model_runs in groupby(pending, key=lambda r: r.model):
-                if not budget.allows():
-                    break
-                model_runs = list(model_runs)
-                session = _open_model(params, model_name, loader, sampler, model_runs, writers, summary, bar,
-                                      sweep_name, invocation, log)
-                if session is None:
-                    continue
-                try:
-                    for _shape, shape_runs in groupby(model_runs, key=lambda r: r.shape):
-                        _run_shape(params, session, list(shape_runs), writers, summary, bar, budget,
-                                   sweep_name, out)
-                        if budget.reason:
-                            break
-                finally:
-                    session.attached.close()
-                    session.loaded = None
-                    session._fast = None
-                    session.policies.clear()
-                    _release_memory(params.device)
+                executor.run(params, pending, sink, budget, sweep_name=sweep_name, loader=loader,
+                             sampler_factory=sampler_factory)
             if params.quality is not None and not budget.reason:
                 _quality_pass(params, variants, loader, writers[RECORDS_FILE], sweep_name, manifest, out, log)
         finally:
@@ -429,8 +429,6 @@ def run_sweep(
             invocation.update(finished_at=utc_now(), ok=summary.ok, failed=summary.failed,
                               pending_at_end=summary.pending, stopped=budget.reason,
                               env_end=env.snapshot(params.device))
-            if sampler is not None:
-                sampler.close()
             manifest["status"] = "complete" if plan_pending == 0 else "incomplete"
             write_manifest(out, manifest)
     return summary
@@ -466,36 +464,59 @@ def _quality_pass(params, variants, loader, writer, sweep_name, manifest, out, l
         write_manifest(out, manifest)
 
 
-def _open_model(params, model_name, loader, sampler, model_runs, writers, summary, bar, sweep_name,
-                invocation, log) -> _ModelSession | None:
+def run_group(params: SweepParams, runs: list[RunSpec], sink, budget: Budget, *, loader: Callable[..., Any],
+              sampler, sweep_name: str) -> None:
+    """Measure ``runs`` (pending, in plan order) in this process: one model load per model, then per
+    (ctx, batch) shape its warm-ups and measured runs. The seam every executor calls (in the driver,
+    a child process or a Ray worker); everything measured goes to ``sink`` (see kvlab.runner.sink)."""
+    for model_name, model_runs in groupby(runs, key=lambda r: r.model):
+        if not budget.allows():
+            break
+        model_runs = list(model_runs)
+        session = _open_model(params, model_name, loader, sampler, model_runs, sink, sweep_name)
+        if session is None:
+            continue
+        try:
+            for _shape, shape_runs in groupby(model_runs, key=lambda r: r.shape):
+                _run_shape(params, session, list(shape_runs), sink, budget, sweep_name)
+                if budget.reason:
+                    break
+        finally:
+            session.attached.close()
+            session.loaded = None
+            session._fast = None
+            session.policies.clear()
+            _release_memory(params.device)
+
+
+def _open_model(params, model_name, loader, sampler, model_runs, sink, sweep_name) -> _ModelSession | None:
     """Load a model and take its idle baseline; on failure record every pending run of it."""
+    sink.begin("load", model_runs[0].run_id)
     try:
         loaded = loader(model_name, weights=params.weights, device=params.device, dtype=params.dtype,
                         seed=params.seed, attn_implementation=params.attn_implementation)
     except Exception as err:
         message = f"model load failed: {_short_error(err)}"
-        log(f"kvlab sweep: {model_name}: {message}")
+        sink.log(f"kvlab sweep: {model_name}: {message}")
         for run in model_runs:
-            _write_failure(writers, run, sweep_name, message, summary, bar, {})
+            _write_failure(sink, run, sweep_name, message, {})
         _release_memory(params.device)
         return None
     idle_w = sampler.measure_idle(params.idle_s) if params.idle_s > 0 else None
-    invocation.setdefault("idle_w", {})[model_name] = idle_w
+    sink.idle(model_name, idle_w)
     gpu_name = getattr(sampler, "gpu", {}).get("gpu_name")
     if gpu_name is None and str(params.device).startswith("cuda"):
         import torch
 
         gpu_name = torch.cuda.get_device_name(torch.device(params.device))
-    return _ModelSession(loaded, sampler, idle_w, gpu_name)
+    return _ModelSession(loaded, sampler, idle_w, gpu_name, getattr(sampler, "gpu", {}).get("gpu_uuid"))
 
 
-def _write_failure(writers, run, sweep_name, message, summary, bar, extra) -> None:
+def _write_failure(sink, run, sweep_name, message, extra) -> None:
     rec = _identity_record(run, sweep_name)
     rec.update(extra)
     rec.update(status="failed", error=message)
-    writers[RECORDS_FILE].append(rec)
-    summary.failed += 1
-    bar.update(1)
+    sink.record(rec)
 
 
 def _policy_for(session: _ModelSession, variant: MethodVariant):
@@ -535,13 +556,14 @@ def _measure(params, session, run: RunSpec, policy, probe: bool):
 def _base_record(session, run, sweep_name, kind, policy) -> dict[str, Any]:
     rec = _identity_record(run, sweep_name, kind)
     prov = session.loaded.provenance()
-    rec.update(weights=prov.get("weights"), dtype=prov.get("dtype"), gpu_name=session.gpu_name)
+    rec.update(weights=prov.get("weights"), dtype=prov.get("dtype"), gpu_name=session.gpu_name,
+               gpu_uuid=session.gpu_uuid, host=session.host)
     if policy is not None:
         rec.update(label=policy.label, policy_params=policy.params(), keep=policy.keep, bits=policy.bits)
     return rec
 
 
-def _run_shape(params, session, runs: list[RunSpec], writers, summary, bar, budget, sweep_name, out) -> None:
+def _run_shape(params, session, runs: list[RunSpec], sink, budget, sweep_name) -> None:
     """Warm up every variant of one (model, ctx, batch) shape, then measure its runs in order."""
     first_of: dict[tuple, RunSpec] = {}
     for run in runs:
@@ -550,7 +572,7 @@ def _run_shape(params, session, runs: list[RunSpec], writers, summary, bar, budg
         for w in range(params.warmup_runs):
             if not budget.allows():
                 return
-            _warm_up(params, session, run, key, w, writers, budget, sweep_name)
+            _warm_up(params, session, run, key, w, sink, budget, sweep_name)
             if (key, run.shape) in session.broken:
                 break
     for run in runs:
@@ -558,10 +580,11 @@ def _run_shape(params, session, runs: list[RunSpec], writers, summary, bar, budg
             return
         if params.jitter_ms > 0:
             time.sleep(random.Random(run.run_id).uniform(0, params.jitter_ms / 1000.0))
-        _measured_run(params, session, run, writers, summary, bar, budget, sweep_name, out)
+        _measured_run(params, session, run, sink, budget, sweep_name)
 
 
-def _warm_up(params, session, run, key, index, writers, budget, sweep_name) -> None:
+def _warm_up(params, session, run, key, index, sink, budget, sweep_name) -> None:
+    sink.begin("warmup", run.run_id)
     started = time.monotonic()
     rec: dict[str, Any] = {}
     error = None
@@ -580,11 +603,12 @@ def _warm_up(params, session, run, key, index, writers, budget, sweep_name) -> N
     if error:
         _release_memory(params.device)
     rec.update(warmup_index=index, status="failed" if error else "ok", error=error)
-    writers[WARMUP_FILE].append(rec)
+    sink.warmup(rec)
     budget.spent(time.monotonic() - started, measured=False)
 
 
-def _measured_run(params, session, run, writers, summary, bar, budget, sweep_name, out) -> None:
+def _measured_run(params, session, run, sink, budget, sweep_name) -> None:
+    sink.begin("run", run.run_id)
     started = time.monotonic()
     key = run.unit()
     rec = _identity_record(run, sweep_name)
@@ -604,21 +628,14 @@ def _measured_run(params, session, run, writers, summary, bar, budget, sweep_nam
         del m
     except Exception as err:
         error = _short_error(err)
-        with open(out / ERRORS_FILE, "a", encoding="utf-8") as f:
-            f.write(f"--- {utc_now()} run {run.run_id} ({run.method} ctx={run.ctx} batch={run.batch})\n")
-            f.write(traceback.format_exc())
+        sink.error_log(f"--- {utc_now()} run {run.run_id} ({run.method} ctx={run.ctx} batch={run.batch})\n"
+                       + traceback.format_exc())
     if error:
         _release_memory(params.device)
     rec.update(status="failed" if error else "ok", error=error, created_at=utc_now())
-    writers[RECORDS_FILE].append(rec)
+    sink.record(rec)
     if timeline is not None:
-        writers[TIMELINES_FILE].append(timeline)
-    if error:
-        summary.failed += 1
-    else:
-        summary.ok += 1
-    bar.set_postfix_str(f"{run.method} ctx={run.ctx} b={run.batch}", refresh=False)
-    bar.update(1)
+        sink.timeline(timeline)
     budget.spent(time.monotonic() - started, measured=True)
 
 

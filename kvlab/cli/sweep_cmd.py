@@ -1,4 +1,4 @@
-"""`kvlab sweep PARAMS.yaml [-o DIR] [--set key=value ...]`: run or resume a measurement sweep.
+"""`kvlab sweep PARAMS.yaml [-o DIR] [--set key=value ...] [--executor {local,process,ray}]`: run or resume a sweep.
 
 Exit status: 0 when every run is recorded, 3 when a run budget stopped it early (rerun the same
 command to continue), 2 for invalid params or a folder locked by another sweep.
@@ -6,6 +6,7 @@ command to continue), 2 for invalid params or a folder locked by another sweep.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -19,6 +20,12 @@ def register(sub) -> None:
     p.add_argument("-o", "--out", default=None, help="sweep folder (default: outputs/<params name>)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="override a params key (value parsed as YAML), e.g. --set ctx=16384; repeatable")
+    p.add_argument("--executor", choices=("local", "process", "ray"), default=None,
+                   help="where runs execute (params key `executor`): local (this process, the default), "
+                        "process (a child process per group: a crash costs one run), ray (a Ray task per GPU)")
+    p.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="Ray cluster to join with --executor ray, e.g. auto or ray://head:10001 "
+                        "(default: RAY_ADDRESS, else a local cluster)")
     p.add_argument("--dry-run", action="store_true", help="validate and print the plan; load nothing")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
@@ -28,11 +35,17 @@ def run(args) -> int:
     from kvlab.params import load_params
     from kvlab.sweep import SweepLocked, count_by, plan, run_sweep
 
-    params = load_params(args.params, args.sets)
+    sets = list(args.sets)
+    if args.executor:
+        sets.append(f"executor={args.executor}")
+    if args.ray_address:
+        sets.append(f"ray_address={json.dumps(args.ray_address)}")  # quoted: an address is a string
+    params = load_params(args.params, sets)
     out = Path(args.out) if args.out else Path("outputs") / (params.name or Path(args.params).stem)
     if args.dry_run:
         todo = plan(params, out if out.exists() else None, check_device=False)
-        print(f"{out}: {len(todo)} runs to do ({params.warmup_runs} warm-up(s) per method and shape)")
+        print(f"{out}: {len(todo)} runs to do ({params.warmup_runs} warm-up(s) per method and shape; "
+              f"executor {params.executor})")
         for attr in ("model", "method", "ctx", "batch"):
             print(f"  by {attr}: {count_by(todo, attr)}")
         return 0

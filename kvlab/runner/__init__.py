@@ -1,0 +1,39 @@
+"""Executors: where a sweep's groups of runs execute, behind one writer.
+
+- ``local``: in the sweep's own process, one model load per model (the runner's historic
+  behaviour, and the default).
+- ``process``: each (model, ctx, batch) group in a fresh child process (multiprocessing spawn), so
+  a segfault, ``os._exit`` or an OOM kill costs one run, recorded as failed with its cause, not the
+  sweep.
+- ``ray``: the same groups as Ray tasks, one per GPU (``num_gpus=1``; ``num_cpus`` on CPU), on a
+  local machine or a cluster (``ray_address``).
+
+Whatever the executor, workers only measure: they stream what they measured back to the driver
+(:mod:`kvlab.runner.sink`), which alone appends to the sweep folder under its lock. So run ids,
+resume and manifests do not depend on the executor; the manifest's invocation lists every worker
+(host, pid, GPU UUID, energy source).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+EXECUTORS = ("local", "process", "ray")
+
+
+def make_executor(name: str, *, ray_address: str | None = None, log: Callable[[str], None] = print):
+    """The executor called ``name``; ``ray`` is imported here, so a missing extra fails before any
+    model loads with the install line."""
+    if name == "local":
+        from kvlab.runner.local import LocalExecutor
+
+        return LocalExecutor()
+    if name == "process":
+        from kvlab.runner.process import ProcessExecutor
+
+        return ProcessExecutor(log=log)
+    if name == "ray":
+        from kvlab.runner.ray_cluster import RayExecutor
+
+        return RayExecutor(address=ray_address, log=log)
+    raise ValueError(f"executor: {name!r} is not one of {', '.join(EXECUTORS)}")
