@@ -120,3 +120,21 @@ def test_fast_equals_hf_for_32_steps_on_smollm2(smollm2, method):
     assert torch.equal(ref, fast), f"{method}: first difference at step {(ref != fast).nonzero()[0].tolist()}"
     if method == "pyramidkv":
         assert len(set(decoder.layout.kept)) > 1  # per-layer budgets really differ here
+
+
+def test_fast_anatomy_puts_the_step_into_categories(tiny):
+    from kvlab.anatomy import GAP
+    from kvlab.engine.anatomy import classify_kernel, fast_anatomy
+
+    a = fast_anatomy(tiny, make_policy("snapkv", keep=0.5, window_size=8), ctx=48, steps=3, warmup=1)
+    assert a.steps == 3 and "fast" in a.label
+    assert a.by_category["weight GEMMs"] > 0
+    assert a.by_category["attention"] > 0
+    assert a.by_category["cache update/concat"] > 0  # the index_copy_ of the new token
+    assert abs(sum(v for k, v in a.by_category.items() if k != GAP) - a.busy_ms) < 1e-9
+    # GPU kernel names (graph replays have no op to classify by)
+    assert classify_kernel("nvjet_tst_128x64_64x8_2x1_v_bz_TNN") == "weight GEMMs"
+    assert classify_kernel("_decode_split_kernel") == "attention"
+    assert classify_kernel("flash_fwd_splitkv_kernel") == "attention"
+    assert classify_kernel("_quantize_write_kernel") == "cache update/concat"
+    assert classify_kernel("triton_red_fused_argmax_0") == "other ops"

@@ -1,0 +1,84 @@
+"""Anatomy of the fast engine's decode step: profiler over graph replays, kernels by category.
+
+Beside :mod:`kvlab.anatomy` (the ``hf`` step, classified by the ops that launched each kernel):
+a replayed CUDA graph launches its kernels from one ``cudaGraphLaunch``, so no op owns them, and
+they are classified by kernel name instead (:func:`classify_kernel`). On CPU the step runs
+eagerly and its ops are classified by op name. The categories are :data:`kvlab.anatomy.CATEGORIES`;
+what the device did not spend in kernels is the launch gap (wall minus busy time), which the graph
+is there to remove.
+"""
+
+from __future__ import annotations
+
+import re
+
+from kvlab.anatomy import CATEGORIES, GAP, Anatomy, StepProfiler
+
+KERNEL_RULES: tuple[tuple[re.Pattern, str], ...] = (
+    (re.compile(r"quantize_write|index_copy|scatter|_put_slots", re.I), "cache update/concat"),
+    (re.compile(r"dequant|unpack", re.I), "dequantize"),
+    (re.compile(r"flash|fmha|attention|_decode_split|_decode_reduce|scaled_dot_product", re.I), "attention"),
+    (re.compile(r"gemm|gemv|cutlass|xmma|nvjet|cublas|^aten::(linear|mm|addmm|bmm|matmul)$", re.I),
+     "weight GEMMs"),
+)
+
+
+def classify_kernel(name: str) -> str:
+    """Category of a kernel (or, on CPU, an op) of the fast step, by its name alone."""
+    for pattern, category in KERNEL_RULES:
+        if pattern.search(name):
+            return category
+    return "other ops"
+
+
+def step_breakdown(kernels: list[tuple[str, float]], wall_s: float, steps: int) -> tuple[dict[str, float], float]:
+    """``(name, us)`` pairs over ``steps`` steps -> (ms per step by category incl. the gap, busy ms)."""
+    by = dict.fromkeys(CATEGORIES, 0.0)
+    for name, us in kernels:
+        by[classify_kernel(name)] += us / 1e3 / steps
+    busy = sum(by.values())
+    by[GAP] = max(0.0, wall_s * 1e3 / steps - busy)
+    return by, busy
+
+
+def _kernels(profiler, on_device: bool) -> list[tuple[str, float]]:
+    from torch.autograd import DeviceType
+
+    out = []
+    for evt in profiler.events():
+        if on_device and evt.device_type == DeviceType.CUDA:
+            out.append((evt.name, float(evt.device_time_total if hasattr(evt, "device_time_total")
+                                        else evt.cuda_time_total)))
+        elif not on_device and evt.device_type == DeviceType.CPU and not evt.is_async \
+                and not evt.name.startswith("ProfilerStep") and evt.self_cpu_time_total > 0:
+            out.append((evt.name, float(evt.self_cpu_time_total)))
+    return out
+
+
+def fast_anatomy(loaded, policy, ctx: int, batch: int = 1, steps: int = 8, warmup: int = 2, engine=None,
+                 seed: int = 0) -> Anatomy:
+    """Prefill ``ctx`` tokens under ``policy``, then profile ``steps`` decode steps of the fast
+    engine (graph replays on CUDA) after ``warmup`` unprofiled ones."""
+    import torch
+
+    from kvlab.anatomy import synthetic_prompt
+    from kvlab.decode import prefill
+    from kvlab.engine.fast import FastEngine
+
+    engine = engine or FastEngine(loaded)
+    profiler = StepProfiler(loaded.device, steps, warmup)
+    n_new = profiler.total_steps + 1
+    with policy.attach(loaded), torch.inference_mode():
+        decoder = engine.decoder(policy, batch, ctx, n_new)
+        cache = decoder.prefill_cache()
+        ids = synthetic_prompt(loaded.spec.vocab_size, ctx, batch, seed, loaded.device)
+        first = prefill(loaded.model, ids, cache)[:, -1].argmax(dim=-1)
+        decoder.load(cache)
+        del cache
+        decoder.decode(first, n_new, ctx, on_step=profiler.on_step)
+    if profiler.t1 is None:
+        raise RuntimeError(f"the profiler saw {profiler.count} of {profiler.total_steps} steps")
+    by, busy = step_breakdown(_kernels(profiler.profiler, profiler.on_device), profiler.t1 - profiler.t0, steps)
+    wall_ms = (profiler.t1 - profiler.t0) * 1e3 / steps
+    label = f"{policy.label} (fast{', graph' if decoder.graph is not None else ''})"
+    return Anatomy(label, policy.name, str(loaded.device), steps, wall_ms, busy, by)
