@@ -10,7 +10,7 @@ import pytest
 import torch
 from toy_tokenizer import ToyTokenizer
 
-from kvlab.policies import POLICIES, make_policy
+from kvlab.policies import POLICIES, QuantizedPolicy, make_policy
 from kvlab.quality import (
     QUALITY_COLUMNS,
     TaskSpec,
@@ -282,7 +282,7 @@ def _every_method():
             out.append(make_policy(name))
         elif name in ("quanto", "hqq"):
             out.append(make_policy(name, nbits=4))
-        elif name == "fp8":
+        elif issubclass(POLICIES[name], QuantizedPolicy):  # fp8, kvq-*: their defaults
             out.append(make_policy(name))
         else:
             out.append(make_policy(name, keep=0.25))

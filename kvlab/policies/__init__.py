@@ -8,8 +8,8 @@
     cache_stats(cache)                        # logical/physical tokens, bytes
     kept_positions(cache)                     # per layer, the prompt positions each KV head kept
 
-transformers' cache internals are touched only in :mod:`kvlab.policies.cache` and
-:mod:`kvlab.policies.quantized`; kvlab supports transformers >= 5.17, < 5.25.
+transformers' cache internals are touched only in :mod:`kvlab.policies.cache`,
+:mod:`kvlab.policies.quantized` and :mod:`kvlab.policies.kvq`; kvlab supports transformers >= 5.17, < 5.25.
 """
 
 from __future__ import annotations
@@ -21,6 +21,9 @@ from kvlab.policies.cache import EvictionError, cache_stats, kept_positions
 from kvlab.policies.eviction import EvictionPolicy
 from kvlab.policies.full import FullPolicy
 from kvlab.policies.knorm import KnormPolicy
+from kvlab.policies.kvq_fp8 import KVQFp8Policy
+from kvlab.policies.kvq_int2 import KVQInt2Policy
+from kvlab.policies.kvq_int4 import KVQInt4Policy
 from kvlab.policies.pyramidkv import PyramidKVPolicy
 from kvlab.policies.quantized import FP8Policy, HQQPolicy, QuantizedPolicy, QuantoPolicy, QuantSpec
 from kvlab.policies.random import RandomPolicy
@@ -31,7 +34,7 @@ from kvlab.policies.tova import TOVAPolicy
 POLICIES: dict[str, type[Policy]] = {
     cls.name: cls
     for cls in (FullPolicy, StreamingLLMPolicy, SnapKVPolicy, PyramidKVPolicy, TOVAPolicy, KnormPolicy,
-                RandomPolicy, QuantoPolicy, HQQPolicy, FP8Policy)
+                RandomPolicy, QuantoPolicy, HQQPolicy, FP8Policy, KVQFp8Policy, KVQInt4Policy, KVQInt2Policy)
 }
 
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
+from kvlab.kernels.formats import KVStore
 from kvlab.policies import attention
 from kvlab.policies.base import PolicyError
 
@@ -230,7 +231,8 @@ def layer_tensors(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     out = []
     for i, layer in enumerate(cache.layers):
         keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
-        if not isinstance(keys, torch.Tensor) or keys.dim() != 4 or hasattr(layer, "_quantized_keys"):
+        if (not isinstance(keys, torch.Tensor) or keys.dim() != 4 or hasattr(layer, "_quantized_keys")
+                or hasattr(layer, "key_store")):
             raise EvictionError(f"layer {i} ({type(layer).__name__}) holds no plain K/V tensors to copy")
         out.append((keys, values))
     return out
@@ -238,8 +240,11 @@ def layer_tensors(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 # -- statistics -----------------------------------------------------------------------------------
 def tensor_bytes(obj: Any, _seen: set | None = None) -> int:
-    """Bytes held by tensors inside ``obj`` (tensors, quanto tensor subclasses, HQQ (W, meta), tuples)."""
+    """Bytes held by tensors inside ``obj`` (tensors, quanto tensor subclasses, HQQ (W, meta), tuples,
+    kvlab ``KVStore`` s)."""
     seen = set() if _seen is None else _seen
+    if isinstance(obj, KVStore):  # kvlab formats: codes, scales, zeros
+        return sum(tensor_bytes(t, seen) for t in obj.tensors())
     if isinstance(obj, torch.Tensor):
         if hasattr(obj, "__tensor_flatten__") and type(obj) is not torch.Tensor:
             names, _ = obj.__tensor_flatten__()
@@ -261,6 +266,8 @@ def _physical_tokens(layer) -> int:
         return layer.physical_length
     if hasattr(layer, "_quantized_keys"):  # quantized: all tokens are stored (packed or residual)
         return layer.get_seq_length()
+    if hasattr(layer, "key_store"):  # kvlab formats (kvlab.policies.kvq)
+        return layer.stored_tokens
     keys = getattr(layer, "keys", None)
     return keys.shape[-2] if isinstance(keys, torch.Tensor) and keys.dim() == 4 else 0
 
@@ -268,7 +275,7 @@ def _physical_tokens(layer) -> int:
 def _layer_bytes(layer) -> int:
     seen: set = set()
     return sum(tensor_bytes(getattr(layer, name, None), seen)
-               for name in ("keys", "values", "_quantized_keys", "_quantized_values"))
+               for name in ("keys", "values", "_quantized_keys", "_quantized_values", "key_store", "value_store"))
 
 
 def cache_stats(cache) -> dict[str, Any]:

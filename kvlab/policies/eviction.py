@@ -90,13 +90,13 @@ class EvictionPolicy(Policy):
             self.quant.warmup(model)
 
     def make_cache(self, model):
-        from kvlab.policies.cache import EvictingLayer, EvictionCache, evicting_quantized_class
+        from kvlab.policies.cache import EvictingLayer, EvictionCache
 
         self.prepare(model)
         num_layers = model_shape(model).num_layers
         if self.quant is None:
             layers = [EvictingLayer(self, i, num_layers) for i in range(num_layers)]
         else:
-            layer_class = evicting_quantized_class(self.quant.layer_class())
+            layer_class = self.quant.evicting_layer_class()
             layers = [layer_class(self, i, num_layers, **self.quant.layer_kwargs()) for i in range(num_layers)]
         return EvictionCache(layers, self)

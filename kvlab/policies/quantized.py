@@ -1,4 +1,4 @@
-"""Quantized KV caches through transformers' ``QuantizedCache``: quanto, HQQ and FP8.
+"""Quantized KV caches: transformers' ``QuantizedCache`` (quanto, HQQ, FP8) and kvlab's own formats (kvq).
 
 The cache is built by kvlab for every generation (never through ``generate(cache_config=...)``:
 transformers 5.17 pops ``backend`` out of a shared dict and silently falls back to quanto on the
@@ -71,6 +71,12 @@ class QuantBackend:
         from transformers import QuantizedCache
 
         return QuantizedCache(self.name, hf_model(model).config, **self.layer_kwargs(spec))
+
+    def evicting_layer_class(self, spec: QuantSpec) -> type:
+        """The layer class of evict-then-quantize: ``(policy, layer_idx, num_layers, **layer_kwargs)``."""
+        from kvlab.policies.cache import evicting_quantized_class
+
+        return evicting_quantized_class(self.layer_class())
 
     def fast_format(self, spec: QuantSpec) -> str:
         """The :mod:`kvlab.kernels` format that stores the same thing on the fast engine."""
@@ -198,7 +204,80 @@ class FP8Backend(QuantBackend):
         return cache
 
 
-BACKENDS: dict[str, QuantBackend] = {b.name: b for b in (QuantoBackend(), HQQBackend(), FP8Backend())}
+class KVQBackend(QuantBackend):
+    """kvlab's own formats (:mod:`kvlab.kernels`): ``nbits`` 8 = float8_e4m3 with a scale per token
+    and KV head; 4 / 2 = asymmetric integers with a scale and zero per ``q_group_size`` elements of
+    the head dim (32, 64, 128). Every token is stored quantized (no residual window). On ``hf`` the
+    layers dequantize the whole store before attention (:mod:`kvlab.policies.kvq`); on ``fast`` the
+    same codes are read by the fused kernels."""
+
+    name = "kvq"
+    nbits = (2, 4, 8)
+    default_nbits = 4
+    install = "nothing to install (pure torch; Triton kernels on CUDA)"
+
+    def check_installed(self) -> None:
+        pass
+
+    def check_knobs(self, spec: QuantSpec) -> None:
+        from kvlab.kernels.formats import GROUPS
+
+        if (spec.residual_length, spec.axis_key, spec.axis_value) != (128, 0, 0):
+            raise PolicyError("the kvq backend stores every token quantized, grouped along head_dim: "
+                              "residual_length and axis_key/axis_value do not apply (leave them at their defaults)")
+        if spec.nbits == 8:
+            if spec.q_group_size != 64:
+                raise PolicyError("kvq fp8 has one scale per token and KV head: q_group_size does not apply "
+                                  "(leave it at its default)")
+            return
+        check_int("q_group_size", spec.q_group_size, choices=GROUPS)
+
+    def _format(self, spec: QuantSpec) -> str:
+        from kvlab.policies.kvq import kvq_format_name
+
+        return kvq_format_name(spec.nbits, spec.q_group_size)
+
+    def label(self, spec: QuantSpec) -> str:
+        return f"kvq {self._format(spec)}"
+
+    def params(self, spec: QuantSpec) -> dict[str, Any]:
+        return {"backend": self.name, "nbits": spec.nbits,
+                "q_group_size": None if spec.nbits == 8 else spec.q_group_size}
+
+    def check(self, spec: QuantSpec, shape: ModelShape) -> None:
+        from kvlab.engine.kvstore import parse_kv_format
+        from kvlab.kernels import FormatError
+
+        try:
+            parse_kv_format(self._format(spec)).check_head_dim(shape.head_dim)
+        except FormatError as err:
+            raise PolicyError(f"kvq {self._format(spec)} cannot store {shape.name}: {err}") from None
+
+    def layer_class(self) -> type:
+        from kvlab.policies.kvq import KVQLayer
+
+        return KVQLayer
+
+    def layer_kwargs(self, spec: QuantSpec) -> dict[str, Any]:
+        return {"kv_format": self._format(spec)}
+
+    def make_cache(self, spec: QuantSpec, model):
+        from transformers.cache_utils import Cache
+
+        layer = self.layer_class()
+        return Cache(layers=[layer(**self.layer_kwargs(spec)) for _ in range(model_shape(model).num_layers)])
+
+    def evicting_layer_class(self, spec: QuantSpec) -> type:
+        from kvlab.policies.kvq import EvictingKVQLayer
+
+        return EvictingKVQLayer
+
+    def fast_format(self, spec: QuantSpec) -> str:
+        """The same format: both engines hold the same codes."""
+        return self._format(spec)
+
+
+BACKENDS: dict[str, QuantBackend] = {b.name: b for b in (QuantoBackend(), HQQBackend(), FP8Backend(), KVQBackend())}
 DEFAULT_BACKEND = "quanto"
 
 
@@ -273,6 +352,10 @@ class QuantSpec:
     def fast_format(self) -> str:
         """This storage in the fast engine's terms (a :mod:`kvlab.kernels` format name)."""
         return self.impl.fast_format(self)
+
+    def evicting_layer_class(self) -> type:
+        """The layer class that evicts at prefill, then stores the kept K/V this way."""
+        return self.impl.evicting_layer_class(self)
 
     def make_cache(self, model):
         return self.impl.make_cache(self, model)

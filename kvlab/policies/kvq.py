@@ -1,0 +1,172 @@
+"""kvlab's own quantized KV storage (:mod:`kvlab.kernels` formats) as transformers cache layers.
+
+On the ``hf`` engine this is the explicit **dequantize-then-attend** path: :class:`KVQLayer` keeps
+each layer's K and V as :class:`kvlab.kernels.KVStore` s (codes plus scales, nothing else), quantizes
+every token it is given (the prefill's and each appended one; the formats quantize per token, so
+appending is concatenating the stores' tensors along the token dim), and returns the whole store
+dequantized to the model dtype for attention. The prefill's own attention reads the exact K/V, as
+transformers' quantized layers and kvlab's fast engine do (its prefill runs unquantized).
+
+On the ``fast`` engine the same formats are stored in static buffers and read by the fused kernels
+(:mod:`kvlab.engine.kvstore`); both engines dequantize the same codes.
+
+:class:`EvictingKVQLayer` evicts at prefill (:class:`kvlab.policies.cache.EvictionMixin`) and
+quantizes the kept K/V. :class:`KVQPolicy` is the base of ``kvq-fp8`` / ``kvq-int4`` / ``kvq-int2``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+from kvlab.kernels import KVStore
+from kvlab.policies.cache import EvictionError, EvictionMixin
+from kvlab.policies.quantized import QuantizedPolicy, QuantSpec
+
+
+def kvq_format_name(nbits: int, group: int) -> str:
+    """The fast engine's format name (``kvlab.engine.kvstore.parse_kv_format``): ``fp8``, ``int4-g64``."""
+    return "fp8" if nbits == 8 else f"int{nbits}-g{group}"
+
+
+def _cat(a: KVStore | None, b: KVStore) -> KVStore:
+    if a is None:
+        return b
+    parts = [torch.cat([x, y], dim=2) if x is not None else None
+             for x, y in ((a.codes, b.codes), (a.scale, b.scale), (a.zero, b.zero))]
+    return KVStore(a.format, *parts, a.head_dim)
+
+
+def _map(store: KVStore | None, fn) -> KVStore | None:
+    if store is None:
+        return None
+    return KVStore(store.format, *(fn(t) if t is not None else None for t in (store.codes, store.scale, store.zero)),
+                   store.head_dim)
+
+
+class KVQLayer(DynamicLayer):
+    """K/V kept as kvlab ``KVStore`` s in ``kv_format`` (``fp8``, ``int4-g64``, ...); attention gets
+    them dequantized to the model dtype. ``keys``/``values`` stay empty tensors: the stores are all
+    the layer holds (``key_store``/``value_store``, counted by ``policies.cache_stats``)."""
+
+    is_croppable = True
+
+    def __init__(self, kv_format: str = "int4-g64", **kwargs):
+        from kvlab.engine.kvstore import parse_kv_format
+
+        super().__init__()
+        self.kv_format = kv_format
+        self.fmt = parse_kv_format(kv_format)
+        self.key_store: KVStore | None = None
+        self.value_store: KVStore | None = None
+        self.dtype: torch.dtype | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.dtype = key_states.dtype
+
+    # -- storage -------------------------------------------------------------------------------
+    def _add(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Quantize ``[B, Hkv, n, D]`` K/V and append them to the stores."""
+        self.key_store = _cat(self.key_store, self.fmt.quantize(keys))
+        self.value_store = _cat(self.value_store, self.fmt.quantize(values))
+
+    def _dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return (self.key_store.dequantize().to(self.dtype), self.value_store.dequantize().to(self.dtype))
+
+    @property
+    def stored_tokens(self) -> int:
+        return 0 if self.key_store is None else self.key_store.capacity
+
+    # -- transformers layer API ------------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        first = not self.is_initialized
+        if first:
+            self.lazy_initialization(key_states, value_states)
+        self._add(key_states, value_states)
+        if first:  # the prefill attends exactly; the stored codes serve every later step
+            return key_states, value_states
+        return self._dequantized()
+
+    def get_seq_length(self) -> int:
+        return self.stored_tokens
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
+        if tokens_to_remove == 0 or self.key_store is None:
+            return
+        keep = max(0, self.stored_tokens + tokens_to_remove)
+        self.key_store = _map(self.key_store, lambda t: t[:, :, :keep])
+        self.value_store = _map(self.value_store, lambda t: t[:, :, :keep])
+
+    def reset(self) -> None:
+        super().reset()
+        self.key_store = self.value_store = None
+
+    def _map_batch(self, fn) -> None:
+        self.key_store = _map(self.key_store, fn)
+        self.value_store = _map(self.value_store, fn)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.key_store is not None:
+            idx = beam_idx.to(self.key_store.device)
+            self._map_batch(lambda t: t.index_select(0, idx))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_batch(lambda t: t[indices])
+
+    def offload(self) -> None:
+        self._map_batch(lambda t: t.to("cpu", non_blocking=True))
+
+    def prefetch(self) -> None:
+        if self.key_store is not None and self.key_store.device != self.device:
+            self._map_batch(lambda t: t.to(self.device, non_blocking=True))
+
+
+class EvictingKVQLayer(EvictionMixin, KVQLayer):
+    """Evict at prefill (``policy.budget(n)`` positions per KV head), store the kept K/V in
+    ``kv_format``; later tokens are quantized and appended as in :class:`KVQLayer`."""
+
+    def __init__(self, policy, layer_idx: int, num_layers: int, kv_format: str = "int4-g64"):
+        KVQLayer.__init__(self, kv_format)
+        self._init_eviction(policy, layer_idx, num_layers)
+
+    def _store(self, keys, values) -> None:
+        self.dtype = keys.dtype
+        self.key_store = self.value_store = None
+        self._add(keys, values)
+
+    def _append(self, keys, values, *args, **kwargs):
+        self._add(keys, values)
+        return self._dequantized()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        appended = self.logical_length - (self.prompt_length or 0)
+        if tokens_to_remove > 0 or -tokens_to_remove > appended:
+            raise EvictionError(f"an evicting cache can only crop tokens added after its prefill "
+                                f"(at most {appended}, passed as a negative number); got {tokens_to_remove}")
+        KVQLayer.crop(self, tokens_to_remove)
+        self.logical_length += tokens_to_remove
+        self.physical_length += tokens_to_remove
+
+
+def _group_field():
+    return field(default=64, metadata={"help": "int formats: elements of head_dim sharing a scale and zero "
+                                                "(32, 64 or 128)"})
+
+
+@dataclass(frozen=True)
+class KVQPolicy(QuantizedPolicy):
+    """A whole cache in one kvlab format (subclasses fix ``nbits``); on ``hf``: dequantize, then attend."""
+
+    nbits: ClassVar[int] = 4  # fixed per subclass, not a parameter
+
+    def _make_spec(self) -> QuantSpec:
+        return QuantSpec("kvq", type(self).nbits, getattr(self, "q_group_size", 64))
