@@ -138,3 +138,31 @@ def test_fast_anatomy_puts_the_step_into_categories(tiny):
     assert classify_kernel("flash_fwd_splitkv_kernel") == "attention"
     assert classify_kernel("_quantize_write_kernel") == "cache update/concat"
     assert classify_kernel("triton_red_fused_argmax_0") == "other ops"
+
+
+def test_a_sweep_over_both_engines_keeps_the_hf_run_ids(tmp_path):
+    """``engine`` is a sweep axis; hf runs keep the ids they had before engines existed."""
+    from kvlab.params import ParamsError, check_params, parse_params
+    from kvlab.records import read_jsonl
+    from kvlab.sweep import expand, run_sweep
+
+    base = {"models": "tiny-llama", "weights": "synthetic", "device": "cpu", "methods": ["full", "snapkv"],
+            "keep": 0.5, "ctx": [48], "new_tokens": 4, "threads": 1}
+    hf_only = parse_params(base)
+    both = parse_params({**base, "engine": ["hf", "fast"]})
+    hf_ids = {r.run_id for r in expand(hf_only, check_params(hf_only, check_device=False))}
+    runs = expand(both, check_params(both, check_device=False))
+    assert {r.run_id for r in runs if r.engine == "hf"} == hf_ids
+    assert len({r.run_id for r in runs}) == 2 * len(hf_ids)
+
+    summary = run_sweep(both, tmp_path, progress=False, log=lambda m: None)
+    assert summary.ok == 4 and summary.failed == 0
+    records = [r for r in read_jsonl(tmp_path / "records.jsonl") if r.get("kind") == "perf"]
+    by = {(r["method"], r["engine"]): r for r in records}
+    assert set(by) == {("full", "hf"), ("full", "fast"), ("snapkv", "hf"), ("snapkv", "fast")}
+    assert by[("snapkv", "fast")]["kv_format"] == "model dtype"
+    assert by[("snapkv", "fast")]["cache_physical_tokens"] == by[("snapkv", "hf")]["cache_physical_tokens"]
+
+    with pytest.raises(ParamsError, match="engine"):
+        check_params(parse_params({**base, "engine": ["fast"], "methods": [{"method": "hqq", "bits": [4]}]}),
+                     check_device=False)
