@@ -153,6 +153,7 @@ def _generate(loaded, model, tokenizer, prompt_ids, policy, max_new_tokens, ques
     else:
         decoder = engine.decoder_for_cache(policy, cache, max_new_tokens)
         decoder.load(cache)
+        after_prefill = decoder.stats()  # in the store's format (the question, if any, included)
         tokens = decoder.decode(first, max_new_tokens, cache.get_seq_length())
         final, cache = decoder.stats(max_new_tokens), None  # the static buffers held the decode
     texts = tokenizer.batch_decode(tokens, skip_special_tokens=True) if tokenizer is not None else None
