@@ -29,6 +29,8 @@ from typing import Any
 
 import pandas as pd
 
+from kvlab.errors import UserError
+
 GAP = "CPU/launch gap"
 CATEGORIES = ("weight GEMMs", "attention", "cache update/concat", "quantize", "dequantize", "other ops", GAP)
 
@@ -47,7 +49,7 @@ RULES: tuple[tuple[re.Pattern, str], ...] = (
 )
 
 
-class AnatomyError(ValueError):
+class AnatomyError(UserError):
     """Bad profiling settings; the message names the fix."""
 
 

@@ -19,11 +19,13 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from kvlab.errors import UserError
+
 SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
 DTYPES = ("bfloat16", "float16", "float32")
 
 
-class ParamsError(ValueError):
+class ParamsError(UserError):
     """Invalid sweep parameters; each line names the key and the fix."""
 
 
@@ -191,6 +193,16 @@ def parse_params(data: dict[str, Any]) -> SweepParams:
         raise ParamsError("invalid sweep params:\n  " + "\n  ".join(_pydantic_lines(err))) from None
 
 
+def _yaml_value(text: str, where: str):
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ParamsError(f"{where} is not valid YAML{at}: {problem}") from None
+
+
 def apply_overrides(data: dict[str, Any], sets: Iterable[str]) -> dict[str, Any]:
     """``key=value`` overrides (value parsed as YAML; dotted keys reach into mappings)."""
     data = dict(data)
@@ -198,7 +210,7 @@ def apply_overrides(data: dict[str, Any], sets: Iterable[str]) -> dict[str, Any]
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise ParamsError(f"--set {item!r}: write key=value, e.g. --set ctx=16384")
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = _yaml_value(raw, f"--set {item!r}: the value") if raw.strip() else None
         parts = key.strip().split(".")
         target = data
         for p in parts[:-1]:
@@ -214,7 +226,13 @@ def load_params(path: str | Path, sets: Iterable[str] = ()) -> SweepParams:
     path = Path(path)
     if not path.is_file():
         raise ParamsError(f"params file {path} not found: pass a YAML file such as params/smoke.yaml")
-    data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ParamsError(f"params file {path} is not UTF-8 text: pass a YAML file") from None
+    except OSError as err:
+        raise ParamsError(f"params file {path} cannot be read ({err.strerror or err})") from None
+    data = _yaml_value(text, f"params file {path}") or {}
     if not isinstance(data, dict):
         raise ParamsError(f"{path}: expected a mapping of keys to values at the top level")
     data = apply_overrides(data, sets)
@@ -223,22 +241,20 @@ def load_params(path: str | Path, sets: Iterable[str] = ()) -> SweepParams:
 
 
 def check_params(params: SweepParams, check_device: bool = True) -> list[tuple[int, MethodVariant]]:
-    """Validate against models and policies without loading weights; returns the method variants.
+    """Validate against models, policies and (with ``check_device``) this machine's device and its
+    memory, without loading weights; returns the method variants.
 
     Raises one :class:`ParamsError` listing every problem.
     """
     from kvlab.models import EMBEDDED_WEIGHTS, PRESETS, ModelError, get_spec
+    from kvlab.preflight import device_problem, shape_problems
 
     problems: list[str] = []
     # device and dtype
-    dev = params.device
-    if not (dev == "cpu" or dev == "cuda" or (dev.startswith("cuda:") and dev[5:].isdigit())):
-        problems.append(f"device: {dev!r} is not a device; use cpu, cuda or cuda:N")
-    elif check_device and dev.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            problems.append(f"device: {dev!r} but torch sees no CUDA device; use --set device=cpu")
+    problem = device_problem(params.device, key="device", check_available=check_device,
+                             fix="use --set device=cpu")
+    if problem:
+        problems.append(problem)
     if params.dtype is not None and params.dtype not in DTYPES:
         problems.append(f"dtype: {params.dtype!r} is not one of {', '.join(DTYPES)}")
     if params.sdpa_backend != "auto" and params.attn_implementation != "sdpa":
@@ -247,21 +263,20 @@ def check_params(params: SweepParams, check_device: bool = True) -> list[tuple[i
         problems.append("methods: empty; list at least one method, e.g. [full]")
 
     # models, weights and context limits
+    specs = []
     for i, name in enumerate(params.models):
         try:
             spec = get_spec(name)
         except ModelError as err:
             problems.append(f"models[{i}]: {err}")
             continue
+        specs.append(spec)
         if name in PRESETS and name not in EMBEDDED_WEIGHTS and params.weights != "synthetic":
             problems.append(f"models[{i}]: kvlab has no real weights for {name!r}; set weights: synthetic "
                             f"(or pass a local folder with weights)")
         for ctx in params.ctx:
-            if ctx + params.new_tokens > spec.max_context:
-                problems.append(
-                    f"ctx: {ctx} + new_tokens {params.new_tokens} is above the maximum context "
-                    f"{spec.max_context} of {name}; lower ctx to at most {spec.max_context - params.new_tokens}"
-                )
+            problems += shape_problems(spec, params.device, params.dtype, ctx, max(params.batch),
+                                       params.new_tokens, check_memory=check_device and not problem)
 
     # the quality pass: its own keys
     if params.quality is not None:
@@ -279,7 +294,9 @@ def check_params(params: SweepParams, check_device: bool = True) -> list[tuple[i
     failures: dict[tuple[str, str], list[str]] = {}
     for where, v in variants:
         try:
-            make_policy(v.method, **v.kwargs)
+            policy = make_policy(v.method, **v.kwargs)
+            for spec in specs:  # e.g. a q_group_size that does not divide the model's head dim
+                policy.check(spec)
         except ValueError as err:
             args = ", ".join(f"{k}={val!r}" for k, val in v.kwargs.items())
             failures.setdefault((where, str(err)), []).append(
