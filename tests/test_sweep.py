@@ -146,10 +146,12 @@ def test_sweep_records_every_run_once_and_a_rerun_does_nothing(tmp_path):
     assert len(read_manifest(tmp_path)["invocations"]) == 2
 
 
-def test_failures_are_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch):
+def test_failures_are_recorded_the_status_says_so_and_a_rerun_retries_them(tmp_path, monkeypatch):
     import torch
 
     import kvlab.measure as measure
+    from kvlab.policies.quantized import QuantizedPolicy
+    from kvlab.sweep import FAILED_ENERGY_SOURCE
 
     real = measure.measure_generation
 
@@ -158,31 +160,58 @@ def test_failures_are_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch):
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         return real(*args, **kw)
 
+    def broken_build(self, model):
+        raise RuntimeError("kernel build failed (simulated)")
+
     monkeypatch.setattr(measure, "measure_generation", flaky)
-    p = tiny_params(methods=["full", {"method": "quanto", "q_group_size": 64}], ctx=[32])
+    monkeypatch.setattr(QuantizedPolicy, "warmup", broken_build)
+    p = tiny_params(methods=["full", {"method": "quanto", "q_group_size": 16}], ctx=[32])
     s = run_sweep(p, tmp_path, progress=False, log=lambda m: None)
-    assert (s.ok, s.failed, s.pending) == (1, 3, 0)
+    assert (s.ok, s.failed, s.pending, s.failed_recorded) == (1, 3, 0, 3)
+    assert s.status == "failed_runs" and not s.complete and "fix the cause and rerun" in s.line()
+    assert read_manifest(tmp_path)["status"] == "failed_runs"
     df = load_records(tmp_path).set_index(["method", "prompt_id"])
     assert df.loc[("full", 0), "status"] == "ok"
     assert df.loc[("full", 1), "error"].startswith("OutOfMemoryError: CUDA out of memory (simulated)")
     for prompt in (0, 1):
         err = df.loc[("quanto", prompt), "error"]
-        assert "q_group_size=64 does not divide" in err and "policy setup failed" in err
+        assert "kernel build failed (simulated)" in err and "policy setup failed" in err
+    failed = df[df.status == "failed"]
+    assert (failed.energy_source == FAILED_ENERGY_SOURCE).all() and df.loc[("full", 0), "energy_source"] != ""
     assert "OutOfMemoryError" in (tmp_path / "errors.log").read_text()
 
     monkeypatch.setattr(measure, "measure_generation", real)
-    assert run_sweep(p, tmp_path, progress=False, log=lambda m: None).ok == 0  # failures are recorded runs
-    retry = run_sweep(tiny_params(methods=p.methods, ctx=[32], retry_failed=True), tmp_path, progress=False,
-                      log=lambda m: None)
-    assert (retry.ok, retry.failed) == (1, 2)  # the simulated OOM is gone; the bad policy still fails
+    kept = run_sweep(tiny_params(methods=p.methods, ctx=[32], retry_failed=False), tmp_path, progress=False,
+                     log=lambda m: None)
+    assert (kept.ok, kept.failed, kept.status) == (0, 0, "failed_runs")  # failures kept as recorded
+    retry = run_sweep(p, tmp_path, progress=False, log=lambda m: None)  # retry_failed is the default
+    assert (retry.already_done, retry.ok, retry.failed, retry.status) == (1, 1, 2, "failed_runs")
+    monkeypatch.undo()
+    fixed = run_sweep(p, tmp_path, progress=False, log=lambda m: None)
+    assert (fixed.ok, fixed.failed, fixed.status) == (2, 0, "complete") and fixed.complete
+    assert read_manifest(tmp_path)["status"] == "complete"
     latest = load_records(tmp_path).set_index(["method", "prompt_id"])
-    assert latest.loc[("full", 1), "status"] == "ok" and len(latest) == 4
+    assert set(latest.status) == {"ok"} and len(latest) == 4
+
+
+def test_a_sweep_whose_every_run_failed_is_not_complete(tmp_path):
+    def no_weights(name, **kw):
+        from kvlab.models import ModelError
+
+        raise ModelError("the embedded SmolLM2 weights are not installed (simulated)")
+
+    p = tiny_params(methods=["full"], ctx=[32])
+    s = run_sweep(p, tmp_path, progress=False, loader=no_weights, log=lambda m: None)
+    assert (s.ok, s.failed, s.status) == (0, 2, "failed_runs") and not s.complete
+    assert read_manifest(tmp_path)["status"] == "failed_runs"
+    fixed = run_sweep(p, tmp_path, progress=False, log=lambda m: None)  # the default rerun measures them
+    assert (fixed.ok, fixed.status) == (2, "complete")
 
 
 def test_run_budget_stops_cleanly_and_the_rerun_finishes(tmp_path):
     s = run_sweep(tiny_params(max_runs=3), tmp_path, progress=False, log=lambda m: None)
     assert s.ok == 3 and s.pending == 13 and "max_runs=3" in s.stopped and not s.complete
-    assert read_manifest(tmp_path)["status"] == "incomplete"
+    assert s.status == read_manifest(tmp_path)["status"] == "incomplete"
     s = run_sweep(tiny_params(time_budget_s=1e-6), tmp_path, progress=False, log=lambda m: None)
     assert s.ok == 0 and "time_budget_s" in s.stopped
     s = run_sweep(tiny_params(), tmp_path, progress=False, log=lambda m: None)
@@ -260,8 +289,9 @@ def test_cli_dry_run_errors_and_lock(tmp_path, capsys):
     with SweepLock(tmp_path / "o"):
         assert main(["sweep", str(path), "-o", str(tmp_path / "o"), "--no-progress"]) == 2
     assert "being written by another sweep" in capsys.readouterr().err
-    assert main(["sweep", str(path), "-o", str(tmp_path / "o"), "--no-progress", "--set", "max_runs=2"]) == 3
+    assert main(["sweep", str(path), "-o", str(tmp_path / "o"), "--no-progress", "--set", "max_runs=2"]) == 4
     assert "rerun the same command to continue" in capsys.readouterr().out
+    assert read_manifest(tmp_path / "o")["status"] == "incomplete"
 
 
 def test_quality_pass_runs_after_perf_once_and_is_keyed_like_perf(tmp_path):
@@ -277,7 +307,8 @@ def test_quality_pass_runs_after_perf_once_and_is_keyed_like_perf(tmp_path):
     quality = {"tasks": ["niah_single"], "lengths": [480], "depths": [0.5], "samples": 1, "max_new_tokens": 4}
     p = tiny_params(ctx=[32], prompts=1, quality=quality)
     logs = []
-    run_sweep(p, tmp_path, progress=False, loader=loader, log=logs.append)
+    s = run_sweep(p, tmp_path, progress=False, loader=loader, log=logs.append)
+    assert s.complete and read_manifest(tmp_path)["status"] == "complete"
     df = load_records(tmp_path)
     q = df[df.kind == "quality"]
     assert set(q.label) == {"full", "streamingllm 50%", "quanto int4", "quanto int2"}
