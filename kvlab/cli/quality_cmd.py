@@ -83,12 +83,12 @@ def check_args(args):
     from kvlab.errors import UserError
     from kvlab.models import get_spec
     from kvlab.params import DTYPES
-    from kvlab.preflight import check_out_dir, device_problem, require, shape_problems
+    from kvlab.preflight import check_out_dir, device_problem, require, shape_problems, weights_problem
 
     spec = task_spec_from_args(args)
     model_spec = get_spec(args.model)
     policies = policies_from_args(args, model_spec)
-    require(device_problem(args.device))
+    require(device_problem(args.device), weights_problem(args.model, args.weights))
     if args.dtype is not None and args.dtype not in DTYPES:
         raise UserError(f"--dtype {args.dtype!r} is not one of {', '.join(DTYPES)}")
     require(*shape_problems(model_spec, args.device, args.dtype, max(spec.lengths), 1, spec.max_new_tokens or 1,
