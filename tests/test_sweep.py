@@ -30,6 +30,11 @@ def tiny_params(**kw):
     return parse_params({**TINY, **kw})
 
 
+def this_checkout():
+    """The environment of a subprocess that imports this checkout's kvlab (not another install)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
+
+
 def ids_in(folder):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -261,7 +266,7 @@ def test_kill_9_midway_then_rerun_has_no_duplicate_and_no_lost_run(tmp_path):
     out = tmp_path / "out"
     total = len(plan(parse_params(params)))
     proc = subprocess.Popen([sys.executable, "-m", "kvlab", "sweep", str(path), "-o", str(out), "--no-progress"],
-                            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=this_checkout())
     deadline = time.monotonic() + 120
     while len(ids_in(out)) < 2 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -319,6 +324,104 @@ def test_quality_pass_runs_after_perf_once_and_is_keyed_like_perf(tmp_path):
     n = len(read_jsonl(tmp_path / "records.jsonl"))
     run_sweep(p, tmp_path, progress=False, loader=loader, log=logs.append)
     assert len(read_jsonl(tmp_path / "records.jsonl")) == n  # nothing reran
+
+
+def toy_loader(name, **kw):
+    import dataclasses
+
+    from toy_tokenizer import ToyTokenizer
+
+    from kvlab.models import load_model
+
+    return dataclasses.replace(load_model(name, **kw), tokenizer=ToyTokenizer())
+
+
+QUALITY = {"tasks": ["niah_single"], "lengths": [480, 520], "depths": [0.5], "samples": 1, "max_new_tokens": 4}
+
+
+def quality_ids(folder):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return [r["run_id"] for r in read_jsonl(Path(folder) / "records.jsonl") if r.get("kind") == "quality"]
+
+
+def test_a_kill_between_the_quality_records_and_the_done_mark_duplicates_nothing(tmp_path):
+    p = tiny_params(ctx=[32], prompts=1, quality=QUALITY)
+    run_sweep(p, tmp_path, progress=False, loader=toy_loader, log=lambda m: None)
+    ids = quality_ids(tmp_path)
+    assert len(ids) == len(set(ids)) == 2 * 4
+    manifest = read_manifest(tmp_path)
+    del manifest["quality_done"]  # what a kill -9 right before the mark leaves
+    manifest["status"] = "incomplete"
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    s = run_sweep(p, tmp_path, progress=False, loader=toy_loader, log=lambda m: None)
+    assert quality_ids(tmp_path) == ids and s.complete
+    assert read_manifest(tmp_path)["quality_done"] == {"tiny-llama": True}
+
+
+def test_failed_quality_items_make_the_sweep_say_so_and_a_rerun_retries_only_them(tmp_path, monkeypatch):
+    import kvlab.quality as quality
+
+    real = quality.run_item
+
+    def flaky(loaded, policy, *args, **kw):
+        if policy.name == "streamingllm":
+            raise RuntimeError("simulated")
+        return real(loaded, policy, *args, **kw)
+
+    monkeypatch.setattr(quality, "run_item", flaky)
+    p = tiny_params(ctx=[32], prompts=1, quality=QUALITY)
+    s = run_sweep(p, tmp_path, progress=False, loader=toy_loader, log=lambda m: None)
+    assert s.status == "failed_runs" and s.quality_failed == 1 and "quality pass" in s.line()
+    manifest = read_manifest(tmp_path)
+    assert manifest["status"] == "failed_runs" and manifest["quality_done"]["tiny-llama"]["failed"] == 2
+    monkeypatch.undo()
+    s = run_sweep(p, tmp_path, progress=False, loader=toy_loader, log=lambda m: None)
+    assert s.complete and read_manifest(tmp_path)["quality_done"] == {"tiny-llama": True}
+    ids = quality_ids(tmp_path)
+    assert len(ids) == 8 + 2  # only the two failed items were run again
+    q = load_records(tmp_path, kind="quality")
+    assert len(q) == 8 and set(q.status) == {"ok"}
+
+
+KILL_QUALITY_SCRIPT = """
+import json, sys, time
+import kvlab.quality as quality
+from kvlab.params import parse_params
+from kvlab.sweep import run_sweep
+from test_sweep import toy_loader
+
+real_emit = quality._emit
+
+def slow_emit(writer, record):  # gives the test time to kill the pass between two records
+    real_emit(writer, record)
+    time.sleep(0.5)
+
+quality._emit = slow_emit
+run_sweep(parse_params(json.loads(sys.argv[1])), sys.argv[2], progress=False, loader=toy_loader)
+"""
+
+
+def test_kill_9_during_the_quality_pass_then_rerun_has_no_duplicate_and_no_lost_record(tmp_path):
+    params = {**TINY, "ctx": [32], "prompts": 1, "quality": QUALITY, "name": "killq"}
+    out = tmp_path / "out"
+    script = tmp_path / "run.py"
+    script.write_text(KILL_QUALITY_SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(script), json.dumps(params), str(out)], cwd=tmp_path,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=this_checkout())
+    deadline = time.monotonic() + 120
+    while len(quality_ids(out)) < 2 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL
+    before = quality_ids(out)
+    assert 2 <= len(before) < 8, "the quality pass finished before it could be killed midway"
+    assert "quality_done" not in (read_manifest(out) or {}) or not read_manifest(out)["quality_done"]
+
+    s = run_sweep(parse_params(params), out, progress=False, loader=toy_loader, log=lambda m: None)
+    assert s.complete and read_manifest(out)["status"] == "complete"
+    ids = quality_ids(out)
+    assert ids[:len(before)] == before and len(ids) == len(set(ids)) == 8
 
 
 def test_quality_keys_are_validated_before_any_model_loads():

@@ -86,6 +86,9 @@ def check_args(args):
     from kvlab.preflight import check_out_dir, device_problem, require, shape_problems, weights_problem
 
     spec = task_spec_from_args(args)
+    if args.weights == "synthetic":
+        raise UserError("--weights synthetic comes without a tokenizer, and the quality pass reads and scores "
+                        "text: use a model with real weights (smollm2-135m, or a local folder with a tokenizer)")
     model_spec = get_spec(args.model)
     policies = policies_from_args(args, model_spec)
     require(device_problem(args.device), weights_problem(args.model, args.weights))
