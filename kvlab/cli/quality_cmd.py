@@ -3,6 +3,9 @@ fidelity) for one model and a set of cache policies; records go to DIR/records.j
 
     kvlab quality --model smollm2-135m --tasks niah_single --lengths 1024 2048 \\
         --methods full streamingllm snapkv quanto --keep 0.25 --bits 4 -o runs/quality
+
+Rerunning into the same folder resumes: items recorded ok are not run again. Exit status: 0 when
+every record is ok, 3 when some failed (their errors are in the records), 2 for bad input.
 """
 
 from __future__ import annotations
