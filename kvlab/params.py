@@ -259,7 +259,7 @@ def check_params(params: SweepParams, check_device: bool = True) -> list[tuple[i
     """
     from kvlab.budget import context_problem
     from kvlab.models import ModelError, get_spec
-    from kvlab.preflight import device_problem, shape_problems, weights_problem
+    from kvlab.preflight import compressions, device_problem, shape_problems, weights_problem
 
     problems: list[str] = []
     # device and dtype
@@ -274,7 +274,15 @@ def check_params(params: SweepParams, check_device: bool = True) -> list[tuple[i
     if not params.methods:
         problems.append("methods: empty; list at least one method, e.g. [full]")
 
-    # models, weights and context limits
+    # models, weights, context limits and memory (for the most compressed method that builds)
+    from kvlab.policies import make_policy
+
+    built = []
+    for _, v in method_variants(params):
+        try:
+            built.append(make_policy(v.method, **v.kwargs))
+        except ValueError:
+            pass  # reported below
     specs = []
     for i, name in enumerate(params.models):
         try:
@@ -289,7 +297,8 @@ def check_params(params: SweepParams, check_device: bool = True) -> list[tuple[i
             problems.append(problem)
         for ctx in params.ctx:
             problems += shape_problems(spec, params.device, params.dtype, ctx, max(params.batch),
-                                       params.new_tokens, check_memory=check_device and not device_bad)
+                                       params.new_tokens, check_memory=check_device and not device_bad,
+                                       compressions=compressions(built))
 
     # the quality pass: its own keys
     if params.quality is not None:
@@ -309,7 +318,6 @@ def check_params(params: SweepParams, check_device: bool = True) -> list[tuple[i
 
     # methods: every variant must build
     variants = method_variants(params)
-    from kvlab.policies import make_policy
 
     failures: dict[tuple[str, str], list[str]] = {}
     for where, v in variants:

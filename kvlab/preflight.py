@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,6 +24,11 @@ if TYPE_CHECKING:
     from kvlab.models import ModelSpec
 
 GiB = 1024**3
+
+
+def compressions(policies: Iterable) -> list[tuple[float | None, int | None]]:
+    """The (keep, bits) of each policy, for :func:`memory_problem`."""
+    return [(getattr(p, "keep", None), getattr(p, "bits", None)) for p in policies] or [(None, None)]
 
 
 def require(*problems: str | None) -> None:
@@ -112,15 +118,25 @@ def resolved_dtype(device: str, dtype: str | None) -> str:
     return "bfloat16" if str(device).startswith("cuda") else "float32"
 
 
-def run_bytes(spec: ModelSpec, ctx: int, batch: int, new_tokens: int) -> tuple[int, float]:
-    """(weight bytes, full-precision KV-cache bytes) of one run: a lower bound on its memory, since
-    activations come on top and every policy holds the full prompt cache during its prefill."""
-    return weight_bytes(spec), cache_bytes(spec, ctx, batch, bits=model_bits(spec), new_tokens=new_tokens)
+def cache_floor_bytes(spec: ModelSpec, ctx: int, batch: int, new_tokens: int, keep: float | None = None,
+                      bits: int | None = None) -> float:
+    """A lower bound on the KV-cache bytes a run holds at its end: the kept prompt plus the new
+    tokens at ``bits`` per element, without group scales or a full-precision residual."""
+    bits = bits if bits is not None and bits < model_bits(spec) else model_bits(spec)
+    return cache_bytes(spec, ctx, batch, bits=bits, group_size=None, residual=0, keep=keep or 1.0,
+                       new_tokens=new_tokens)
 
 
 def memory_problem(spec: ModelSpec, device: str, dtype: str | None, ctx: int, batch: int, new_tokens: int,
+                   compressions: Iterable[tuple[float | None, int | None]] = ((None, None),),
                    available: int | None = None, key: str = "batch") -> str | None:
-    """Why a run cannot fit the device's memory, or None when it may fit (or memory is unknown)."""
+    """Why no run of this shape can fit the device's memory, or None when one may (or memory is unknown).
+
+    ``compressions`` are the (keep, bits) of the methods to run: a shape is refused only when even
+    the most compressed one cannot fit, so a sweep may still record the full cache failing where a
+    compressed one fits (that is a capacity result). The bound (weights + the smallest final cache)
+    leaves out activations, so passing it does not promise a fit.
+    """
     name = resolved_dtype(device, dtype)
     if name not in DTYPE_BITS:
         return None  # the dtype check reports it
@@ -128,23 +144,26 @@ def memory_problem(spec: ModelSpec, device: str, dtype: str | None, ctx: int, ba
     available = available_memory_bytes(device) if available is None else available
     if available is None:
         return None
-    weights, cache = run_bytes(spec, ctx, batch, new_tokens)
+    weights = weight_bytes(spec)
+    cache = min(cache_floor_bytes(spec, ctx, batch, new_tokens, keep, bits) for keep, bits in compressions)
     if weights + cache <= available:
         return None
     return (f"{key}: {spec.name} at ctx {ctx} x batch {batch} (+{new_tokens} new tokens) needs at least "
-            f"{(weights + cache) / GiB:,.1f} GiB ({weights / GiB:,.1f} GiB weights + {cache / GiB:,.1f} GiB "
-            f"KV cache in {name}), but {device} has {available / GiB:,.1f} GiB available; lower batch or ctx")
+            f"{(weights + cache) / GiB:,.1f} GiB ({weights / GiB:,.1f} GiB weights in {name} + {cache / GiB:,.1f} "
+            f"GiB KV cache, most compressed method), but {device} has {available / GiB:,.1f} GiB available; "
+            f"lower batch or ctx")
 
 
 def shape_problems(spec: ModelSpec, device: str, dtype: str | None, ctx: int, batch: int, new_tokens: int,
                    check_memory: bool = True, ctx_key: str = "ctx", batch_key: str = "batch",
-                   new_key: str = "new_tokens") -> list[str]:
+                   new_key: str = "new_tokens",
+                   compressions: Iterable[tuple[float | None, int | None]] = ((None, None),)) -> list[str]:
     """The model-spec and memory checks of one run shape, as problem lines."""
     problems = [p for p in (context_problem(spec, ctx, new_tokens, key=ctx_key, new_key=new_key),) if p]
     if batch < 1:
         problems.append(f"{batch_key}: {batch} must be at least 1")
     if not problems and check_memory:
-        problem = memory_problem(spec, device, dtype, ctx, batch, new_tokens, key=batch_key)
+        problem = memory_problem(spec, device, dtype, ctx, batch, new_tokens, compressions, key=batch_key)
         if problem:
             problems.append(problem)
     return problems

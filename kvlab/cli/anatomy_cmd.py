@@ -27,7 +27,7 @@ def check_args(args) -> dict[str, dict]:
     from kvlab.models import get_spec
     from kvlab.params import SDPA_BACKENDS
     from kvlab.policies import make_policy
-    from kvlab.preflight import device_problem, require, shape_problems, weights_problem
+    from kvlab.preflight import compressions, device_problem, require, shape_problems, weights_problem
 
     try:
         policy_params = json.loads(args.params)
@@ -45,10 +45,12 @@ def check_args(args) -> dict[str, dict]:
     require(device_problem(args.device))
     spec = get_spec(args.model)
     require(weights_problem(args.model, args.weights))
-    for method in args.methods:
-        make_policy(method, **policy_params.get(method, {})).check(spec)
+    policies = [make_policy(method, **policy_params.get(method, {})) for method in args.methods]
+    for policy in policies:
+        policy.check(spec)
     require(*shape_problems(spec, args.device, None, args.ctx, 1, args.warmup + args.steps + 1,
-                            ctx_key="--ctx", new_key="decode steps (--warmup + --steps + 1)"))
+                            ctx_key="--ctx", new_key="decode steps (--warmup + --steps + 1)",
+                            compressions=compressions(policies)))
     return policy_params
 
 

@@ -108,10 +108,10 @@ def _prompt_text(args) -> str | None:
     return text
 
 
-def _check_args(args, spec) -> None:
+def _check_args(args, spec, policy) -> None:
     """Every check that needs no weights: device, dtype, prompt source, lengths, memory."""
     from kvlab.params import DTYPES
-    from kvlab.preflight import device_problem, require, shape_problems, weights_problem
+    from kvlab.preflight import compressions, device_problem, require, shape_problems, weights_problem
 
     require(device_problem(args.device), weights_problem(args.model, args.weights))
     if args.dtype is not None and args.dtype not in DTYPES:
@@ -122,12 +122,13 @@ def _check_args(args, spec) -> None:
         if args.prompt_tokens < 1:
             raise UserError(f"--prompt-tokens must be >= 1, got {args.prompt_tokens}")
         require(*shape_problems(spec, args.device, args.dtype, args.prompt_tokens, 1, args.max_new_tokens,
-                                ctx_key="--prompt-tokens", new_key="--max-new-tokens"))
+                                ctx_key="--prompt-tokens", new_key="--max-new-tokens",
+                                compressions=compressions([policy])))
     elif args.weights == "synthetic":
         raise UserError("synthetic weights come without a tokenizer: pass --prompt-tokens N instead of text")
     else:
         require(*shape_problems(spec, args.device, args.dtype, 1, 1, args.max_new_tokens,
-                                ctx_key="the prompt", new_key="--max-new-tokens"))
+                                ctx_key="the prompt", new_key="--max-new-tokens", compressions=compressions([policy])))
 
 
 def run(args) -> int:
@@ -139,7 +140,7 @@ def run(args) -> int:
     policy = policy_from_args(args)
     spec = get_spec(args.model)
     policy.check(spec)
-    _check_args(args, spec)
+    _check_args(args, spec, policy)
     text = _prompt_text(args)
     loaded = load_model(args.model, weights=args.weights, device=args.device, dtype=args.dtype, seed=args.seed)
     if loaded.tokenizer is None and args.prompt_tokens is None:

@@ -86,7 +86,13 @@ def check_args(args):
     from kvlab.errors import UserError
     from kvlab.models import get_spec
     from kvlab.params import DTYPES
-    from kvlab.preflight import check_out_dir, device_problem, require, shape_problems, weights_problem
+    from kvlab.preflight import (
+        check_out_dir,
+        device_problem,
+        require,
+        shape_problems,
+        weights_problem,
+    )
 
     spec = task_spec_from_args(args)
     if args.weights == "synthetic":
@@ -98,7 +104,7 @@ def check_args(args):
     if args.dtype is not None and args.dtype not in DTYPES:
         raise UserError(f"--dtype {args.dtype!r} is not one of {', '.join(DTYPES)}")
     require(*shape_problems(model_spec, args.device, args.dtype, max(spec.lengths), 1, spec.max_new_tokens or 1,
-                            ctx_key="--lengths", new_key="--max-new-tokens"))
+                            ctx_key="--lengths", new_key="--max-new-tokens"))  # the full-cache reference always runs
     return spec, policies, check_out_dir(args.out)
 
 
