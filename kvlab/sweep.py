@@ -283,7 +283,7 @@ class SweepSummary:
         return self.status == "complete"
 
     def line(self) -> str:
-        text = (f"{self.folder}: {self.total} runs; {self.already_done} already recorded ok, {self.ok} ok and "
+        text = (f"{self.folder}: {self.total} runs; {self.already_done} already recorded, {self.ok} ok and "
                 f"{self.failed} failed now, {self.pending} pending; status {self.status}")
         if self.stopped:
             text += f" (stopped: {self.stopped}; rerun the same command to continue)"

@@ -307,3 +307,15 @@ def test_report_refuses_an_unrelated_folder_without_writing_into_it(tmp_path, ca
     assert main(["report", str(tmp_path)]) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.md"]
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_ctrl_c_is_one_line_and_status_130(monkeypatch, capsys):
+    import kvlab.cli.budget_cmd as budget_cmd
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(budget_cmd, "run", interrupted)
+    assert main(["budget", "--model", "tiny-llama", "--ctx", "8"]) == 130
+    assert capsys.readouterr().err.strip() == ("kvlab budget: interrupted; every record written so far is kept "
+                                               "(rerun to continue)")

@@ -11,6 +11,7 @@ EXIT_OK = 0
 EXIT_USAGE = 2  # argparse's own status for bad arguments
 EXIT_FAILED_RUNS = 3  # every planned run recorded, some failed: fix the cause and rerun to retry them
 EXIT_INCOMPLETE = 4  # stopped early (run or time budget): rerun the same command to continue
+EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT
 STATUS_EXIT = {"complete": EXIT_OK, "failed_runs": EXIT_FAILED_RUNS, "incomplete": EXIT_INCOMPLETE}
 
 # name -> module exposing `register(subparsers)`; each module adds its own parser and sets
@@ -48,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:  # user mistakes carry the fix in their message
         print(f"kvlab {args.command}: error: {err}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"kvlab {args.command}: interrupted; every record written so far is kept (rerun to continue)",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":
