@@ -86,13 +86,7 @@ def check_args(args):
     from kvlab.errors import UserError
     from kvlab.models import get_spec
     from kvlab.params import DTYPES
-    from kvlab.preflight import (
-        check_out_dir,
-        device_problem,
-        require,
-        shape_problems,
-        weights_problem,
-    )
+    from kvlab.preflight import check_out_dir, device_problem, require, shape_problems, weights_problem
 
     spec = task_spec_from_args(args)
     if args.weights == "synthetic":
