@@ -29,6 +29,8 @@ from typing import Any
 
 import pandas as pd
 
+from kvlab.errors import UserError
+
 GAP = "CPU/launch gap"
 CATEGORIES = ("weight GEMMs", "attention", "cache update/concat", "quantize", "dequantize", "other ops", GAP)
 
@@ -47,7 +49,7 @@ RULES: tuple[tuple[re.Pattern, str], ...] = (
 )
 
 
-class AnatomyError(ValueError):
+class AnatomyError(UserError):
     """Bad profiling settings; the message names the fix."""
 
 
@@ -246,6 +248,12 @@ class StepProfiler:
             self.t1 = time.perf_counter()
             self.profiler.stop()
 
+    def close(self) -> None:
+        """Stop the profiler if a failed loop left it running (it would time everything after)."""
+        if self.t0 is not None and self.t1 is None:
+            self.t1 = time.perf_counter()
+            self.profiler.stop()
+
     @property
     def total_steps(self) -> int:
         return self.warmup + self.steps
@@ -263,9 +271,12 @@ def profile_loop(step: Callable[[], Any], label: str, device: str = "cpu", steps
                  warmup: int = 2, method: str | None = None) -> Anatomy:
     """Profile any decode step function (called ``warmup + steps`` times)."""
     sp = StepProfiler(device, steps, warmup)
-    for _ in range(sp.total_steps):
-        step()
-        sp.on_step()
+    try:
+        for _ in range(sp.total_steps):
+            step()
+            sp.on_step()
+    finally:
+        sp.close()
     return sp.result(label, method)
 
 
@@ -296,12 +307,15 @@ def method_anatomy(loaded, method: str, ctx: int, steps: int = 8, warmup: int = 
     policy.warmup(model)
     ids = synthetic_prompt(loaded.spec.vocab_size, ctx, batch, seed, loaded.device)
     sp = StepProfiler(loaded.device, steps, warmup)
-    with torch.inference_mode():
-        cache = policy.make_cache(model)
-        first = prefill(model, ids, cache)[:, -1].argmax(dim=-1, keepdim=True)
-        with instrument(model, cache):
-            # n_new counts the first token too: total_steps decode steps follow it
-            greedy_decode(model, cache, first, sp.total_steps + 1, start_position=ctx, on_step=sp.on_step)
+    try:
+        with torch.inference_mode():
+            cache = policy.make_cache(model)
+            first = prefill(model, ids, cache)[:, -1].argmax(dim=-1, keepdim=True)
+            with instrument(model, cache):
+                # n_new counts the first token too: total_steps decode steps follow it
+                greedy_decode(model, cache, first, sp.total_steps + 1, start_position=ctx, on_step=sp.on_step)
+    finally:
+        sp.close()
     return sp.result(policy.label, method)
 
 

@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvlab.errors import UserError
+
 if TYPE_CHECKING:
     from kvlab.models import ModelSpec
 
@@ -25,7 +27,7 @@ DTYPE_BITS = {"float32": 32, "bfloat16": 16, "float16": 16}
 DEFAULT_RESERVE_BYTES = 2 * 1024**3  # activations, allocator slack, CUDA context: stated, overridable
 
 
-class BudgetError(ValueError):
+class BudgetError(UserError):
     """Bad budget input; the message names the allowed values."""
 
 
@@ -86,6 +88,17 @@ def check_positive(name: str, value: int) -> int:
     if value <= 0:
         raise BudgetError(f"{name} must be a positive integer, got {value}")
     return value
+
+
+def context_problem(spec: ModelSpec, ctx: int, new_tokens: int = 0, key: str = "ctx",
+                    new_key: str = "new_tokens") -> str | None:
+    """Why ``ctx`` prompt tokens plus ``new_tokens`` do not fit the model's window, or None."""
+    if ctx < 1:
+        return f"{key}: {ctx} must be at least 1"
+    if ctx + new_tokens > spec.max_context:
+        return (f"{key}: {ctx} + {new_key} {new_tokens} is above the maximum context {spec.max_context} of "
+                f"{spec.name}; lower {key} to at most {spec.max_context - new_tokens}")
+    return None
 
 
 def model_bits(spec: ModelSpec) -> int:
@@ -230,13 +243,23 @@ def budget_report(
     memory_bytes: float | None = None,
     reserve_bytes: float = DEFAULT_RESERVE_BYTES,
 ) -> dict:
-    """Everything ``kvlab budget`` prints, as one JSON-safe dict."""
+    """Everything ``kvlab budget`` prints, as one JSON-safe dict. A context above the model's window,
+    or a zero or negative bandwidth, memory or reserve, is a :class:`BudgetError`, not a number."""
     check_bits(bits)
+    problem = context_problem(spec, ctx, new_tokens)
+    if problem:
+        raise BudgetError(problem)
+    for name, value in (("bandwidth", bandwidth_bytes_per_s), ("memory", memory_bytes)):
+        if value is not None and not value > 0:
+            raise BudgetError(f"{name} must be positive, got {value:g}")
+    if not reserve_bytes >= 0:
+        raise BudgetError(f"reserve must be >= 0, got {reserve_bytes:g}")
     if bits >= model_bits(spec):
         group_size, residual = None, 0
     kw = dict(bits=bits, group_size=group_size, residual=residual, keep=keep, new_tokens=new_tokens)
-    bandwidth = bandwidth_bytes_per_s or (gpu.bandwidth_bytes_per_s if gpu else None)
-    memory = memory_bytes or (gpu.memory_bytes if gpu else None)
+    bandwidth = bandwidth_bytes_per_s if bandwidth_bytes_per_s is not None else (
+        gpu.bandwidth_bytes_per_s if gpu else None)
+    memory = memory_bytes if memory_bytes is not None else (gpu.memory_bytes if gpu else None)
     step = decode_bytes(spec, ctx, batch, **kw)
     full_step = decode_bytes(spec, ctx, batch, bits=model_bits(spec))
     out = {

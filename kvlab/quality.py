@@ -23,7 +23,7 @@ import copy
 import math
 import random
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -112,6 +112,13 @@ class TaskSpec(BaseModel):
         if missing:
             raise ValueError(f"text file(s) not found: {', '.join(missing)}")
         return files
+
+    @field_validator("longbench")
+    @classmethod
+    def _longbench_exists(cls, path: str | None) -> str | None:
+        if path is not None and not Path(path).exists():
+            raise ValueError(f"longbench path {path} does not exist: pass a LongBench jsonl file or folder")
+        return path
 
     @model_validator(mode="after")
     def _something_to_run(self) -> TaskSpec:
@@ -283,6 +290,22 @@ def model_columns(loaded) -> dict[str, Any]:
             "attn_implementation": getattr(model.config, "_attn_implementation", None)}
 
 
+def _item_key(item: TaskItem, query_aware: bool) -> dict[str, Any]:
+    return {"task": item.task, "length": item.length, "depth": item.depth, "sample": item.sample,
+            "query_aware": bool(query_aware)}
+
+
+def quality_run_id(base: dict[str, Any], policy, item: TaskItem, query_aware: bool) -> str:
+    """The stable id of one (model, policy, item) quality record, known before it runs: a resumed
+    pass skips the items whose records are already written."""
+    from kvlab.records import make_run_id
+
+    pcols = policy_columns(policy)
+    return make_run_id({"kind": "quality", "model": base.get("model"), "sweep": base.get("sweep"),
+                        "method": pcols["method"], "policy_params": pcols["policy_params"],
+                        "item_seed": item.seed, **_item_key(item, query_aware)}, 0)
+
+
 def quality_record(base: dict[str, Any], policy, item: TaskItem, *, query_aware: bool,
                    score: float | None, fidelity: dict[str, Any], extra: dict[str, Any] | None = None,
                    status: str = "ok", error: str | None = None) -> dict[str, Any]:
@@ -291,15 +314,12 @@ def quality_record(base: dict[str, Any], policy, item: TaskItem, *, query_aware:
     ``run_id`` hashes everything that identifies the measurement, so a re-run of the same
     (model, policy, item) replaces rather than duplicates it in ``load_records``.
     """
-    from kvlab.records import make_run_id, utc_now
+    from kvlab.records import utc_now
 
     pcols = policy_columns(policy)
-    key = {"task": item.task, "length": item.length, "depth": item.depth, "sample": item.sample,
-           "query_aware": bool(query_aware)}
+    key = _item_key(item, query_aware)
     rec = {
-        "run_id": make_run_id({"kind": "quality", "model": base.get("model"), "sweep": base.get("sweep"),
-                               "method": pcols["method"], "policy_params": pcols["policy_params"],
-                               "item_seed": item.seed, **key}, 0),
+        "run_id": quality_run_id(base, policy, item, query_aware),
         "sweep": base.get("sweep"),
         "kind": "quality",
         "created_at": utc_now(),
@@ -374,7 +394,8 @@ def _cells(items: Iterable[TaskItem]) -> dict[tuple[str, int], list[TaskItem]]:
 
 def run_quality(loaded, policies: Sequence, task_spec: TaskSpec | dict, out_writer=None,
                 base: dict[str, Any] | None = None,
-                progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+                progress: Callable[[str], None] | None = None,
+                skip: Collection[str] = frozenset()) -> list[dict[str, Any]]:
     """Run every item of ``task_spec`` under every policy; return (and write) quality records.
 
     The full cache always runs as the reference (its records are emitted only if a ``full``
@@ -382,6 +403,10 @@ def run_quality(loaded, policies: Sequence, task_spec: TaskSpec | dict, out_writ
     cell is done, with ``no_signal`` set from the full cache's mean score. ``out_writer`` is a
     :class:`kvlab.records.RecordWriter` or any callable taking a record dict; ``base`` adds
     identity columns (e.g. ``sweep``).
+
+    Resuming: records whose run id is in ``skip`` (those already written ok) are neither run nor
+    written again; a cell with none left is skipped whole, and in a cell with some left only the
+    full-cache reference reruns for the items already done (for the cell's mean score).
     """
     from kvlab.policies import make_policy
 
@@ -397,12 +422,17 @@ def run_quality(loaded, policies: Sequence, task_spec: TaskSpec | dict, out_writ
     say = progress or (lambda _msg: None)
     records: list[dict[str, Any]] = []
     for (task, length), cell_items in _cells(items).items():
+        todo = {id(item): [p for p in policies if quality_run_id(base, p, item, spec.query_aware) not in skip]
+                for item in cell_items}
+        if not any(todo.values()):
+            say(f"{task} L={length}: already recorded")
+            continue
         cell: list[dict[str, Any]] = []
         full_scores: list[float] = []
         for item in cell_items:
             ref = run_item(loaded, reference, item, enc, spec.query_aware)
             full_scores.append(item.score(ref.prediction))
-            for policy in policies:
+            for policy in todo[id(item)]:
                 cell.append(_item_record(loaded, policy, item, enc, spec, base, ref, reference))
             say(f"{task} L={length} depth={item.depth} sample={item.sample}: full={full_scores[-1]:.2f}")
         full_mean = sum(full_scores) / len(full_scores)
@@ -412,7 +442,7 @@ def run_quality(loaded, policies: Sequence, task_spec: TaskSpec | dict, out_writ
             _emit(out_writer, rec)
         records += cell
     if CONTINUATION in spec.tasks:
-        records += run_continuation(loaded, policies, spec, out_writer, base=base, progress=progress)
+        records += run_continuation(loaded, policies, spec, out_writer, base=base, progress=progress, skip=skip)
     return records
 
 
@@ -513,11 +543,13 @@ def continuation_logits(loaded, policy, item: ContinuationItem):
 
 def run_continuation(loaded, policies: Sequence, task_spec: TaskSpec | dict, out_writer=None,
                      base: dict[str, Any] | None = None,
-                     progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+                     progress: Callable[[str], None] | None = None,
+                     skip: Collection[str] = frozenset()) -> list[dict[str, Any]]:
     """Compressed-prefix continuation NLL, KL to the full cache and U, per policy and window.
 
     ``score`` is U (1 = the compressed context is as useful as the full one). A length whose
     full context saves less than ``min_context_gain`` nats/token over no context is ``no_signal``.
+    ``skip`` holds run ids already recorded, as in :func:`run_quality`.
     """
     from kvlab.policies import make_policy
 
@@ -534,14 +566,21 @@ def run_continuation(loaded, policies: Sequence, task_spec: TaskSpec | dict, out
     records: list[dict[str, Any]] = []
     for length in spec.lengths:
         cell, gains = [], []
-        for it in [i for i in items if i.length == length]:
+        windows = [i for i in items if i.length == length]
+        todo = {id(it): [p for p in policies
+                         if quality_run_id(base, p, _continuation_task_item(it), False) not in skip]
+                for it in windows}
+        if not any(todo.values()):
+            say(f"continuation L={length}: already recorded")
+            continue
+        for it in windows:
             target = it.continuation_ids[1:]
             full = continuation_logits(loaded, reference, it)
             none_nll = mean_token_nll(continuation_logits(loaded, None, it), target)
             full_nll = mean_token_nll(full, target)
             gains.append(none_nll - full_nll)
             task_item = _continuation_task_item(it)
-            for policy in policies:
+            for policy in todo[id(it)]:
                 try:
                     logits = full if policy is reference else continuation_logits(loaded, policy, it)
                     nll = mean_token_nll(logits, target)

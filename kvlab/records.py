@@ -17,6 +17,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from kvlab.errors import UserError
+
 SCHEMA_VERSION = 1
 RECORDS_FILE = "records.jsonl"
 MANIFEST_FILE = "manifest.json"
@@ -32,6 +34,10 @@ PERF_COLUMNS = (
     "cache_physical_tokens", "energy_source", "energy_j", "prefill_j", "decode_j", "idle_w",
     "net_energy_j", "j_per_token", "net_j_per_token", "energy_10hz_j", "j_per_token_10hz",
 )
+
+
+class RecordsError(UserError):
+    """A records folder or file that cannot be used as given; the message names the file."""
 
 
 def utc_now() -> str:
@@ -103,30 +109,64 @@ class RecordWriter:
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """All parseable records of one file, in order; a torn line is skipped with a warning."""
+    """All JSON objects of one file, in order. A torn, invalid, non-UTF-8 or non-object line (``123``,
+    ``null``, ``[1, 2]``) is skipped with a warning naming the file and line: a damaged line must not
+    stop a resume or a report, and must not pass for a record."""
     path = Path(path)
     if not path.exists():
         return []
     out = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            line = line.strip()
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8").strip()
+            except UnicodeDecodeError:
+                warnings.warn(f"{path}:{n}: skipped a line that is not UTF-8", stacklevel=2)
+                continue
             if not line:
                 continue
             try:
-                out.append(json.loads(line))
+                obj = json.loads(line)
             except json.JSONDecodeError:
                 warnings.warn(f"{path}:{n}: skipped a torn or invalid line", stacklevel=2)
+                continue
+            if not isinstance(obj, dict):
+                warnings.warn(f"{path}:{n}: skipped a line that is not a JSON object "
+                              f"({type(obj).__name__})", stacklevel=2)
+                continue
+            out.append(obj)
+    return out
+
+
+def read_records(path: str | Path) -> list[dict[str, Any]]:
+    """The records of one ``records.jsonl``: objects whose ``run_id`` is a string (others are skipped
+    with a warning naming the file: a damaged record has no identity to resume or report by)."""
+    out = []
+    for r in read_jsonl(path):
+        if not isinstance(r.get("run_id"), str):
+            warnings.warn(f"{path}: skipped a record whose run_id is {r.get('run_id')!r}, not a string",
+                          stacklevel=2)
+            continue
+        out.append(r)
+    return out
+
+
+def latest_status(records: Iterable[Mapping[str, Any]]) -> dict[str, str | None]:
+    """Run id -> its status once retries are counted: ``"ok"`` if any record of it is ok, else the
+    last one's (the rule :func:`load_records` applies with ``latest``)."""
+    out: dict[str, str | None] = {}
+    for r in records:
+        if out.get(r["run_id"]) != "ok":
+            out[r["run_id"]] = r.get("status")
     return out
 
 
 def recorded_run_ids(folder: str | Path, statuses: Iterable[str] | None = None) -> set[str]:
-    """Run ids already in ``folder/records.jsonl`` (only those with one of ``statuses`` if given)."""
+    """Run ids already in ``folder/records.jsonl`` (only those whose latest status is one of
+    ``statuses`` if given)."""
     wanted = set(statuses) if statuses is not None else None
-    return {
-        r["run_id"] for r in read_jsonl(Path(folder) / RECORDS_FILE)
-        if "run_id" in r and (wanted is None or r.get("status") in wanted)
-    }
+    latest = latest_status(read_records(Path(folder) / RECORDS_FILE))
+    return {run_id for run_id, status in latest.items() if wanted is None or status in wanted}
 
 
 def write_manifest(folder: str | Path, manifest: Mapping[str, Any]) -> Path:
@@ -143,10 +183,17 @@ def write_manifest(folder: str | Path, manifest: Mapping[str, Any]) -> Path:
 
 
 def read_manifest(folder: str | Path) -> dict[str, Any] | None:
+    """The folder's manifest, or None if it has none; a damaged one is a :class:`RecordsError`."""
     path = Path(folder) / MANIFEST_FILE
     if not path.exists():
         return None
-    return json.loads(path.read_text(encoding="utf-8"))
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise RecordsError(f"{path} is damaged ({err}); move it aside (the records stay valid) and rerun") from None
+    if not isinstance(manifest, dict):
+        raise RecordsError(f"{path} holds a {type(manifest).__name__}, not a JSON object; move it aside and rerun")
+    return manifest
 
 
 def _record_files(path: Path) -> list[Path]:
@@ -179,7 +226,7 @@ def load_records(path: str | Path, kind: str | None = None, latest: bool = True)
     path = Path(path)
     rows: list[dict[str, Any]] = []
     for file in _record_files(path):
-        for r in read_jsonl(file):
+        for r in read_records(file):
             r["_folder"] = str(file.parent)
             rows.append(r)
     if kind is not None:

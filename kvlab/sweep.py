@@ -6,11 +6,16 @@ plan per KV length, so a cold pass is 2-3x slower), then the measured runs follo
 complete blocks: each block is one (repeat, prompt) and runs every variant once in a seeded random
 order, so drift in temperature or host noise does not line up with a method.
 
-Resumability: each run has a stable id; runs already in ``records.jsonl`` are skipped, so a sweep
-killed at any point and rerun finishes with no duplicate and no lost run. A lock file stops two
-sweeps from writing one folder; a lock left by a dead process is detected and replaced. A run that
-raises (CUDA OOM or anything else) is recorded as failed with its error, its memory is released,
-and the sweep goes on.
+Resumability: each run has a stable id; runs already recorded ok in ``records.jsonl`` are skipped,
+so a sweep killed at any point and rerun finishes with no duplicate and no lost run. Runs recorded
+as failed are retried by a rerun (``retry_failed: false`` keeps them). The quality pass resumes the
+same way, per item. A lock file stops two sweeps from writing one folder; a lock left by a dead
+process is detected and replaced. A run that raises (CUDA OOM or anything else) is recorded as failed
+with its error, its memory is released, and the sweep goes on.
+
+Status (manifest ``status``, and the CLI's exit code): ``complete`` only when every planned run (and
+the quality pass) is recorded ok; ``failed_runs`` when all are recorded but some failed;
+``incomplete`` while some are not recorded yet (stopped by a budget or killed).
 
 Where runs execute (this process, a child process per group, Ray workers) is the executor's job
 (:mod:`kvlab.runner`); they all call :func:`run_group` and report to the one writer here.
@@ -38,8 +43,10 @@ from kvlab.params import MethodVariant, SweepParams, check_params
 from kvlab.records import (
     RECORDS_FILE,
     RecordWriter,
+    latest_status,
     make_run_id,
     read_manifest,
+    read_records,
     recorded_run_ids,
     utc_now,
     write_manifest,
@@ -268,26 +275,47 @@ class Budget:
         self.runs += int(measured)
 
 
+def sweep_status(run_ids: Iterable[str], statuses: dict[str, str | None], quality_pending: int = 0,
+                 quality_failed: int = 0) -> str:
+    """``complete`` if every run is recorded ok (and no quality pass is pending or failed),
+    ``failed_runs`` if every run is recorded but some failed, ``incomplete`` if any is unrecorded."""
+    run_ids = list(run_ids)
+    if quality_pending or any(i not in statuses for i in run_ids):
+        return "incomplete"
+    if quality_failed or any(statuses[i] != "ok" for i in run_ids):
+        return "failed_runs"
+    return "complete"
+
+
 @dataclass
 class SweepSummary:
+    """What one invocation did (``ok``, ``failed``) and where its runs stand at the end."""
+
     folder: str
     total: int
     already_done: int
     ok: int = 0
     failed: int = 0
-    pending: int = 0
+    pending: int = 0  # runs with no record at all
+    failed_recorded: int = 0  # runs whose latest record failed
+    quality_failed: int = 0  # models whose quality pass failed or has failed records
     stopped: str | None = None
     stale_lock: dict[str, Any] | None = None
+    status: str = "incomplete"
 
     @property
     def complete(self) -> bool:
-        return self.pending == 0
+        return self.status == "complete"
 
     def line(self) -> str:
         text = (f"{self.folder}: {self.total} runs; {self.already_done} already recorded, {self.ok} ok and "
-                f"{self.failed} failed now, {self.pending} pending")
+                f"{self.failed} failed now, {self.pending} pending; status {self.status}")
         if self.stopped:
             text += f" (stopped: {self.stopped}; rerun the same command to continue)"
+        if self.failed_recorded or self.quality_failed:
+            what = [f"{self.failed_recorded} run(s)"] if self.failed_recorded else []
+            what += [f"the quality pass of {self.quality_failed} model(s)"] if self.quality_failed else []
+            text += f"; {' and '.join(what)} recorded as failed: fix the cause and rerun to retry"
         return text
 
 
@@ -388,6 +416,7 @@ def run_sweep(
         summary = SweepSummary(str(out), total=len(runs), already_done=len(runs) - len(pending),
                                pending=len(pending), stale_lock=lock.stale)
         manifest = read_manifest(out) or {"sweep": sweep_name, "created_at": utc_now(), "invocations": []}
+        manifest.setdefault("invocations", [])
         plan_ids = [r.run_id for r in runs]
         part = is_part_of_plan(plan_ids, manifest.get("run_ids"))
         if part:
@@ -423,22 +452,36 @@ def run_sweep(
             for w in writers.values():
                 w.close()
             summary.stopped = budget.reason
-            left = recorded_run_ids(out, statuses=skip_statuses)
-            summary.pending = sum(1 for r in runs if r.run_id not in left)
-            plan_pending = sum(1 for i in manifest["run_ids"] if i not in left)
+            statuses = latest_status(read_records(out / RECORDS_FILE))
+            own = [r.run_id for r in runs]
+            summary.pending = sum(1 for i in own if i not in statuses)
+            summary.failed_recorded = sum(1 for i in own if statuses.get(i) not in (None, "ok"))
+            q_pending, summary.quality_failed = _quality_state(params, manifest)
+            summary.status = sweep_status(own, statuses, q_pending, summary.quality_failed)
             invocation.update(finished_at=utc_now(), ok=summary.ok, failed=summary.failed,
-                              pending_at_end=summary.pending, stopped=budget.reason,
-                              env_end=env.snapshot(params.device))
-            manifest["status"] = "complete" if plan_pending == 0 else "incomplete"
+                              pending_at_end=summary.pending, failed_at_end=summary.failed_recorded,
+                              status=summary.status, stopped=budget.reason, env_end=env.snapshot(params.device))
+            manifest["status"] = sweep_status(manifest["run_ids"], statuses, q_pending, summary.quality_failed)
             write_manifest(out, manifest)
     return summary
 
 
-def _quality_pass(params, variants, loader, writer, sweep_name, manifest, out, log) -> None:
-    """Quality records for every model and method, once per model (marked done in the manifest).
+def _quality_state(params: SweepParams, manifest: dict[str, Any]) -> tuple[int, int]:
+    """(models whose quality pass has not finished, models whose pass finished with failures)."""
+    if params.quality is None:
+        return 0, 0
+    done = manifest.get("quality_done", {})
+    return (sum(1 for m in params.models if m not in done),
+            sum(1 for m in params.models if m in done and done[m] is not True))
 
-    A pass killed midway reruns whole; its records have stable run ids, so ``load_records`` keeps
-    one copy of each.
+
+def _quality_pass(params, variants, loader, writer, sweep_name, manifest, out, log) -> None:
+    """Quality records for every model and method, resumed per item like the performance runs.
+
+    ``manifest["quality_done"][model]`` is True once a model's pass has every record ok (the rerun
+    then loads nothing), else ``{"failed": n, "error": ...}``: a rerun retries the failed items
+    unless ``retry_failed`` is false. Items already recorded ok are never run or written again, so
+    a pass killed midway (even between its last record and this mark) resumes with no duplicate.
     """
     from kvlab.policies import make_policy
     from kvlab.quality import TaskSpec, run_quality
@@ -446,21 +489,32 @@ def _quality_pass(params, variants, loader, writer, sweep_name, manifest, out, l
     done = manifest.setdefault("quality_done", {})
     spec = TaskSpec(**params.quality)
     for model_name in params.models:
-        if done.get(model_name):
+        if done.get(model_name) is True or (model_name in done and not params.retry_failed):
             continue
         log(f"kvlab sweep: quality pass on {model_name} ({', '.join(spec.tasks)} at {spec.lengths})")
         if params.weights == "synthetic":
             log("kvlab sweep: quality on synthetic weights is meaningless (mechanics only); "
                 "its records say weights: synthetic")
-        loaded = loader(model_name, weights=params.weights, device=params.device, dtype=params.dtype,
-                        seed=params.seed, attn_implementation=params.attn_implementation)
+        skip = recorded_run_ids(out, statuses={"ok"})
+        loaded = None
         try:
+            loaded = loader(model_name, weights=params.weights, device=params.device, dtype=params.dtype,
+                            seed=params.seed, attn_implementation=params.attn_implementation)
             policies = [make_policy(v.method, **v.kwargs) for _, v in variants]
-            run_quality(loaded, policies, spec, out_writer=writer, base={"sweep": sweep_name})
+            records = run_quality(loaded, policies, spec, out_writer=writer, base={"sweep": sweep_name},
+                                  skip=skip)
+        except Exception as err:  # noqa: BLE001 - recorded in the manifest; the sweep says failed_runs
+            message = _short_error(err)
+            log(f"kvlab sweep: quality pass on {model_name} failed: {message}")
+            with open(out / ERRORS_FILE, "a", encoding="utf-8") as f:
+                f.write(f"--- {utc_now()} quality pass on {model_name}\n{traceback.format_exc()}")
+            done[model_name] = {"failed": None, "error": message}
+        else:
+            failed = sum(1 for r in records if r.get("status") != "ok")
+            done[model_name] = True if not failed else {"failed": failed, "error": None}
         finally:
             del loaded
             _release_memory(params.device)
-        done[model_name] = True
         write_manifest(out, manifest)
 
 
@@ -512,10 +566,13 @@ def _open_model(params, model_name, loader, sampler, model_runs, sink, sweep_nam
     return _ModelSession(loaded, sampler, idle_w, gpu_name, getattr(sampler, "gpu", {}).get("gpu_uuid"))
 
 
+FAILED_ENERGY_SOURCE = "none: the run failed before its energy was measured"
+
+
 def _write_failure(sink, run, sweep_name, message, extra) -> None:
     rec = _identity_record(run, sweep_name)
     rec.update(extra)
-    rec.update(status="failed", error=message)
+    rec.update(status="failed", error=message, energy_source=FAILED_ENERGY_SOURCE)
     sink.record(rec)
 
 
@@ -602,6 +659,7 @@ def _warm_up(params, session, run, key, index, sink, budget, sweep_name) -> None
         session.broken[(key, run.shape)] = f"warm-up failed: {error}"
     if error:
         _release_memory(params.device)
+        rec["energy_source"] = rec.get("energy_source") or FAILED_ENERGY_SOURCE
     rec.update(warmup_index=index, status="failed" if error else "ok", error=error)
     sink.warmup(rec)
     budget.spent(time.monotonic() - started, measured=False)
@@ -632,6 +690,7 @@ def _measured_run(params, session, run, sink, budget, sweep_name) -> None:
                        + traceback.format_exc())
     if error:
         _release_memory(params.device)
+        rec["energy_source"] = rec.get("energy_source") or FAILED_ENERGY_SOURCE
     rec.update(status="failed" if error else "ok", error=error, created_at=utc_now())
     sink.record(rec)
     if timeline is not None:

@@ -176,3 +176,32 @@ def test_kernel_ms_sums_the_kernels_of_cpu_ops_once():
                                   is_user_annotation=False, kernels=[SimpleNamespace(duration=9999.0)],
                                   cpu_parent=None))
     assert kernel_ms(events) == 4.5
+
+
+@pytest.mark.parametrize("phase", ["prefill", "greedy_decode"])
+def test_a_probed_run_that_raises_leaves_no_profiler_running(tiny, monkeypatch, phase):
+    """A failed warm-up (the probed run) used to leave torch's profiler on for the rest of the
+    process: every later run was measured under it."""
+    import kvlab.decode as decode
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("simulated")
+
+    monkeypatch.setattr(decode, phase, oom)
+    with pytest.raises(torch.OutOfMemoryError):
+        measure_generation(tiny, make_policy("full"), ctx=16, new_tokens=4, probe=True)
+    assert not torch._C._autograd._profiler_enabled()
+
+
+def test_an_anatomy_loop_that_raises_leaves_no_profiler_running():
+    from kvlab.anatomy import profile_loop
+
+    steps = iter(range(100))
+
+    def step():
+        if next(steps) == 4:  # inside the profiled steps
+            raise RuntimeError("simulated")
+
+    with pytest.raises(RuntimeError, match="simulated"):
+        profile_loop(step, "x", steps=4, warmup=2)
+    assert not torch._C._autograd._profiler_enabled()

@@ -110,6 +110,31 @@ def test_run_quality_records_every_method(toy, tmp_path):
     assert df["run_id"].nunique() == len(records)
 
 
+def test_a_resumed_pass_runs_and_writes_only_the_missing_records(toy, tmp_path, monkeypatch):
+    import kvlab.quality as quality
+
+    text = tmp_path / "story.txt"
+    text.write_text("the cat sat on the mat and then the dog came by. " * 40, encoding="utf-8")
+    policies = [make_policy("full"), make_policy("streamingllm", keep=0.3)]
+    spec = TaskSpec(tasks=["niah_single", "continuation"], lengths=[480], depths=[0.2, 0.8], samples=1,
+                    max_new_tokens=4, continuation_tokens=32, text_files=[str(text)])
+    first = run_quality(toy, policies, spec, base={"sweep": "t"})
+    ids = [r["run_id"] for r in first]
+    assert len(ids) == len(set(ids)) == 2 * 2 + 2
+    written = set(ids[:3])  # killed midway through writing the first cell
+    again = run_quality(toy, policies, spec, base={"sweep": "t"}, skip=written)
+    assert sorted(r["run_id"] for r in again) == sorted(set(ids) - written)
+    resumed = {r["run_id"]: r for r in again}[ids[3]]
+    assert resumed["full_score"] == first[3]["full_score"] and resumed["kl"] == pytest.approx(first[3]["kl"])
+
+    def no_model_work(*args, **kwargs):
+        raise AssertionError("a recorded item ran again")
+
+    monkeypatch.setattr(quality, "run_item", no_model_work)
+    monkeypatch.setattr(quality, "continuation_logits", no_model_work)
+    assert run_quality(toy, policies, spec, base={"sweep": "t"}, skip=set(ids)) == []
+
+
 def test_identical_prompts_for_every_method(toy):
     spec = TaskSpec(tasks=["niah_single"], lengths=[600], depths=[0.5], samples=1, max_new_tokens=2)
     records = run_quality(toy, [make_policy("full"), make_policy("knorm", keep=0.5)], spec)

@@ -145,7 +145,7 @@ def test_a_killed_process_worker_costs_its_run_and_the_sweep_goes_on(tmp_path):
     logged = []
     s = run_sweep(small(executor="process", ctx=[32]), tmp_path, progress=False, loader=loader,
                   log=logged.append)
-    assert (s.ok, s.failed, s.pending) == (3, 1, 0) and s.complete
+    assert (s.ok, s.failed, s.pending) == (3, 1, 0) and s.status == "failed_runs"
     by = {(r["method"], r["prompt_id"]): r for r in records(tmp_path)}
     dead = by[("full", 0)]
     assert dead["status"] == "failed" and "worker died during the measured run full ctx=32" in dead["error"]
@@ -178,7 +178,7 @@ def test_ray_executor_matches_local_survives_a_killed_worker_and_resumes(tmp_pat
     run_sweep(small(executor="process", max_runs=2), mixed, progress=False, log=quiet)
     loader = functools.partial(crashing_loader, method="streamingllm", prompt_id=1)
     s = run_sweep(small(executor="ray"), mixed, progress=False, loader=loader, log=quiet)
-    assert s.complete and s.failed == 2 and s.ok == 4  # streamingllm prompt 1 died at ctx 32 and 64
+    assert s.status == "failed_runs" and s.failed == 2 and s.ok == 4  # streamingllm prompt 1 died at ctx 32 and 64
     dead = [r for r in records(mixed) if r["status"] == "failed"]
     assert {(r["method"], r["prompt_id"]) for r in dead} == {("streamingllm", 1)}
     assert all("worker died during the measured run" in r["error"] for r in dead)

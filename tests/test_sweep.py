@@ -30,6 +30,11 @@ def tiny_params(**kw):
     return parse_params({**TINY, **kw})
 
 
+def this_checkout():
+    """The environment of a subprocess that imports this checkout's kvlab (not another install)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
+
+
 def ids_in(folder):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -146,10 +151,12 @@ def test_sweep_records_every_run_once_and_a_rerun_does_nothing(tmp_path):
     assert len(read_manifest(tmp_path)["invocations"]) == 2
 
 
-def test_failures_are_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch):
+def test_failures_are_recorded_the_status_says_so_and_a_rerun_retries_them(tmp_path, monkeypatch):
     import torch
 
     import kvlab.measure as measure
+    from kvlab.policies.quantized import QuantizedPolicy
+    from kvlab.sweep import FAILED_ENERGY_SOURCE
 
     real = measure.measure_generation
 
@@ -158,31 +165,58 @@ def test_failures_are_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch):
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         return real(*args, **kw)
 
+    def broken_build(self, model):
+        raise RuntimeError("kernel build failed (simulated)")
+
     monkeypatch.setattr(measure, "measure_generation", flaky)
-    p = tiny_params(methods=["full", {"method": "quanto", "q_group_size": 64}], ctx=[32])
+    monkeypatch.setattr(QuantizedPolicy, "warmup", broken_build)
+    p = tiny_params(methods=["full", {"method": "quanto", "q_group_size": 16}], ctx=[32])
     s = run_sweep(p, tmp_path, progress=False, log=lambda m: None)
-    assert (s.ok, s.failed, s.pending) == (1, 3, 0)
+    assert (s.ok, s.failed, s.pending, s.failed_recorded) == (1, 3, 0, 3)
+    assert s.status == "failed_runs" and not s.complete and "fix the cause and rerun" in s.line()
+    assert read_manifest(tmp_path)["status"] == "failed_runs"
     df = load_records(tmp_path).set_index(["method", "prompt_id"])
     assert df.loc[("full", 0), "status"] == "ok"
     assert df.loc[("full", 1), "error"].startswith("OutOfMemoryError: CUDA out of memory (simulated)")
     for prompt in (0, 1):
         err = df.loc[("quanto", prompt), "error"]
-        assert "q_group_size=64 does not divide" in err and "policy setup failed" in err
+        assert "kernel build failed (simulated)" in err and "policy setup failed" in err
+    failed = df[df.status == "failed"]
+    assert (failed.energy_source == FAILED_ENERGY_SOURCE).all() and df.loc[("full", 0), "energy_source"] != ""
     assert "OutOfMemoryError" in (tmp_path / "errors.log").read_text()
 
     monkeypatch.setattr(measure, "measure_generation", real)
-    assert run_sweep(p, tmp_path, progress=False, log=lambda m: None).ok == 0  # failures are recorded runs
-    retry = run_sweep(tiny_params(methods=p.methods, ctx=[32], retry_failed=True), tmp_path, progress=False,
-                      log=lambda m: None)
-    assert (retry.ok, retry.failed) == (1, 2)  # the simulated OOM is gone; the bad policy still fails
+    kept = run_sweep(tiny_params(methods=p.methods, ctx=[32], retry_failed=False), tmp_path, progress=False,
+                     log=lambda m: None)
+    assert (kept.ok, kept.failed, kept.status) == (0, 0, "failed_runs")  # failures kept as recorded
+    retry = run_sweep(p, tmp_path, progress=False, log=lambda m: None)  # retry_failed is the default
+    assert (retry.already_done, retry.ok, retry.failed, retry.status) == (1, 1, 2, "failed_runs")
+    monkeypatch.undo()
+    fixed = run_sweep(p, tmp_path, progress=False, log=lambda m: None)
+    assert (fixed.ok, fixed.failed, fixed.status) == (2, 0, "complete") and fixed.complete
+    assert read_manifest(tmp_path)["status"] == "complete"
     latest = load_records(tmp_path).set_index(["method", "prompt_id"])
-    assert latest.loc[("full", 1), "status"] == "ok" and len(latest) == 4
+    assert set(latest.status) == {"ok"} and len(latest) == 4
+
+
+def test_a_sweep_whose_every_run_failed_is_not_complete(tmp_path):
+    def no_weights(name, **kw):
+        from kvlab.models import ModelError
+
+        raise ModelError("the embedded SmolLM2 weights are not installed (simulated)")
+
+    p = tiny_params(methods=["full"], ctx=[32])
+    s = run_sweep(p, tmp_path, progress=False, loader=no_weights, log=lambda m: None)
+    assert (s.ok, s.failed, s.status) == (0, 2, "failed_runs") and not s.complete
+    assert read_manifest(tmp_path)["status"] == "failed_runs"
+    fixed = run_sweep(p, tmp_path, progress=False, log=lambda m: None)  # the default rerun measures them
+    assert (fixed.ok, fixed.status) == (2, "complete")
 
 
 def test_run_budget_stops_cleanly_and_the_rerun_finishes(tmp_path):
     s = run_sweep(tiny_params(max_runs=3), tmp_path, progress=False, log=lambda m: None)
     assert s.ok == 3 and s.pending == 13 and "max_runs=3" in s.stopped and not s.complete
-    assert read_manifest(tmp_path)["status"] == "incomplete"
+    assert s.status == read_manifest(tmp_path)["status"] == "incomplete"
     s = run_sweep(tiny_params(time_budget_s=1e-6), tmp_path, progress=False, log=lambda m: None)
     assert s.ok == 0 and "time_budget_s" in s.stopped
     s = run_sweep(tiny_params(), tmp_path, progress=False, log=lambda m: None)
@@ -232,7 +266,7 @@ def test_kill_9_midway_then_rerun_has_no_duplicate_and_no_lost_run(tmp_path):
     out = tmp_path / "out"
     total = len(plan(parse_params(params)))
     proc = subprocess.Popen([sys.executable, "-m", "kvlab", "sweep", str(path), "-o", str(out), "--no-progress"],
-                            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=this_checkout())
     deadline = time.monotonic() + 120
     while len(ids_in(out)) < 2 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -260,8 +294,9 @@ def test_cli_dry_run_errors_and_lock(tmp_path, capsys):
     with SweepLock(tmp_path / "o"):
         assert main(["sweep", str(path), "-o", str(tmp_path / "o"), "--no-progress"]) == 2
     assert "being written by another sweep" in capsys.readouterr().err
-    assert main(["sweep", str(path), "-o", str(tmp_path / "o"), "--no-progress", "--set", "max_runs=2"]) == 3
+    assert main(["sweep", str(path), "-o", str(tmp_path / "o"), "--no-progress", "--set", "max_runs=2"]) == 4
     assert "rerun the same command to continue" in capsys.readouterr().out
+    assert read_manifest(tmp_path / "o")["status"] == "incomplete"
 
 
 def test_quality_pass_runs_after_perf_once_and_is_keyed_like_perf(tmp_path):
@@ -277,7 +312,8 @@ def test_quality_pass_runs_after_perf_once_and_is_keyed_like_perf(tmp_path):
     quality = {"tasks": ["niah_single"], "lengths": [480], "depths": [0.5], "samples": 1, "max_new_tokens": 4}
     p = tiny_params(ctx=[32], prompts=1, quality=quality)
     logs = []
-    run_sweep(p, tmp_path, progress=False, loader=loader, log=logs.append)
+    s = run_sweep(p, tmp_path, progress=False, loader=loader, log=logs.append)
+    assert s.complete and read_manifest(tmp_path)["status"] == "complete"
     df = load_records(tmp_path)
     q = df[df.kind == "quality"]
     assert set(q.label) == {"full", "streamingllm 50%", "quanto int4", "quanto int2"}
@@ -288,6 +324,104 @@ def test_quality_pass_runs_after_perf_once_and_is_keyed_like_perf(tmp_path):
     n = len(read_jsonl(tmp_path / "records.jsonl"))
     run_sweep(p, tmp_path, progress=False, loader=loader, log=logs.append)
     assert len(read_jsonl(tmp_path / "records.jsonl")) == n  # nothing reran
+
+
+def toy_loader(name, **kw):
+    import dataclasses
+
+    from toy_tokenizer import ToyTokenizer
+
+    from kvlab.models import load_model
+
+    return dataclasses.replace(load_model(name, **kw), tokenizer=ToyTokenizer())
+
+
+QUALITY = {"tasks": ["niah_single"], "lengths": [480, 520], "depths": [0.5], "samples": 1, "max_new_tokens": 4}
+
+
+def quality_ids(folder):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return [r["run_id"] for r in read_jsonl(Path(folder) / "records.jsonl") if r.get("kind") == "quality"]
+
+
+def test_a_kill_between_the_quality_records_and_the_done_mark_duplicates_nothing(tmp_path):
+    p = tiny_params(ctx=[32], prompts=1, quality=QUALITY)
+    run_sweep(p, tmp_path, progress=False, loader=toy_loader, log=lambda m: None)
+    ids = quality_ids(tmp_path)
+    assert len(ids) == len(set(ids)) == 2 * 4
+    manifest = read_manifest(tmp_path)
+    del manifest["quality_done"]  # what a kill -9 right before the mark leaves
+    manifest["status"] = "incomplete"
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    s = run_sweep(p, tmp_path, progress=False, loader=toy_loader, log=lambda m: None)
+    assert quality_ids(tmp_path) == ids and s.complete
+    assert read_manifest(tmp_path)["quality_done"] == {"tiny-llama": True}
+
+
+def test_failed_quality_items_make_the_sweep_say_so_and_a_rerun_retries_only_them(tmp_path, monkeypatch):
+    import kvlab.quality as quality
+
+    real = quality.run_item
+
+    def flaky(loaded, policy, *args, **kw):
+        if policy.name == "streamingllm":
+            raise RuntimeError("simulated")
+        return real(loaded, policy, *args, **kw)
+
+    monkeypatch.setattr(quality, "run_item", flaky)
+    p = tiny_params(ctx=[32], prompts=1, quality=QUALITY)
+    s = run_sweep(p, tmp_path, progress=False, loader=toy_loader, log=lambda m: None)
+    assert s.status == "failed_runs" and s.quality_failed == 1 and "quality pass" in s.line()
+    manifest = read_manifest(tmp_path)
+    assert manifest["status"] == "failed_runs" and manifest["quality_done"]["tiny-llama"]["failed"] == 2
+    monkeypatch.undo()
+    s = run_sweep(p, tmp_path, progress=False, loader=toy_loader, log=lambda m: None)
+    assert s.complete and read_manifest(tmp_path)["quality_done"] == {"tiny-llama": True}
+    ids = quality_ids(tmp_path)
+    assert len(ids) == 8 + 2  # only the two failed items were run again
+    q = load_records(tmp_path, kind="quality")
+    assert len(q) == 8 and set(q.status) == {"ok"}
+
+
+KILL_QUALITY_SCRIPT = """
+import json, sys, time
+import kvlab.quality as quality
+from kvlab.params import parse_params
+from kvlab.sweep import run_sweep
+from test_sweep import toy_loader
+
+real_emit = quality._emit
+
+def slow_emit(writer, record):  # gives the test time to kill the pass between two records
+    real_emit(writer, record)
+    time.sleep(0.5)
+
+quality._emit = slow_emit
+run_sweep(parse_params(json.loads(sys.argv[1])), sys.argv[2], progress=False, loader=toy_loader)
+"""
+
+
+def test_kill_9_during_the_quality_pass_then_rerun_has_no_duplicate_and_no_lost_record(tmp_path):
+    params = {**TINY, "ctx": [32], "prompts": 1, "quality": QUALITY, "name": "killq"}
+    out = tmp_path / "out"
+    script = tmp_path / "run.py"
+    script.write_text(KILL_QUALITY_SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(script), json.dumps(params), str(out)], cwd=tmp_path,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=this_checkout())
+    deadline = time.monotonic() + 120
+    while len(quality_ids(out)) < 2 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL
+    before = quality_ids(out)
+    assert 2 <= len(before) < 8, "the quality pass finished before it could be killed midway"
+    assert "quality_done" not in (read_manifest(out) or {}) or not read_manifest(out)["quality_done"]
+
+    s = run_sweep(parse_params(params), out, progress=False, loader=toy_loader, log=lambda m: None)
+    assert s.complete and read_manifest(out)["status"] == "complete"
+    ids = quality_ids(out)
+    assert ids[:len(before)] == before and len(ids) == len(set(ids)) == 8
 
 
 def test_quality_keys_are_validated_before_any_model_loads():

@@ -39,6 +39,10 @@ class ToyTokenizer:
                     i += 1
         return ids
 
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
+        """The transformers call the sweep's word-noise prompts use."""
+        return {"input_ids": self.encode(text, add_special_tokens)}
+
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         inverse = {v: k for k, v in SPECIALS.items()}
         out, buf = [], bytearray()

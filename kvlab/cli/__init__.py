@@ -6,6 +6,14 @@ import argparse
 import importlib
 import sys
 
+# Exit statuses a script can branch on; STATUS_EXIT maps a sweep's (or quality pass's) status.
+EXIT_OK = 0
+EXIT_USAGE = 2  # argparse's own status for bad arguments
+EXIT_FAILED_RUNS = 3  # every planned run recorded, some failed: fix the cause and rerun to retry them
+EXIT_INCOMPLETE = 4  # stopped early (run or time budget): rerun the same command to continue
+EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT
+STATUS_EXIT = {"complete": EXIT_OK, "failed_runs": EXIT_FAILED_RUNS, "incomplete": EXIT_INCOMPLETE}
+
 # name -> module exposing `register(subparsers)`; each module adds its own parser and sets
 # `func(args) -> int` as the default.
 COMMANDS = {
@@ -30,13 +38,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand; see the EXIT_* statuses. A user mistake is one ``kvlab CMD: error: ...``
+    line with status 2 and nothing loaded; a traceback (status 1) is a bug in kvlab."""
+    from kvlab.errors import UserError
+
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except ValueError as err:  # validation errors carry the fix in their message
+    except UserError as err:  # user mistakes carry the fix in their message
         print(f"kvlab {args.command}: error: {err}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"kvlab {args.command}: interrupted; every record written so far is kept (rerun to continue)",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

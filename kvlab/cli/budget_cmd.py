@@ -24,17 +24,33 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from kvlab.budget import DEFAULT_RESERVE_BYTES, budget_report, check_positive, get_gpu
+    from kvlab.budget import (
+        DEFAULT_RESERVE_BYTES,
+        BudgetError,
+        budget_report,
+        check_positive,
+        context_problem,
+        get_gpu,
+    )
     from kvlab.models import get_spec
 
     check_positive("--ctx", args.ctx)
+    check_positive("--batch", args.batch)
     spec = get_spec(args.model)
     gpu = get_gpu(args.gpu) if args.gpu else None
+    problem = context_problem(spec, args.ctx, max(args.new_tokens, 0), key="--ctx", new_key="--new-tokens")
+    if problem:
+        raise BudgetError(problem)
+    for flag, value in (("--bandwidth", args.bandwidth), ("--memory", args.memory)):
+        if value is not None and not value > 0:
+            raise BudgetError(f"{flag} must be positive, got {value:g}")
+    if args.reserve is not None and not args.reserve >= 0:
+        raise BudgetError(f"--reserve must be >= 0 GiB, got {args.reserve:g}")
     report = budget_report(
         spec, args.ctx, batch=args.batch, bits=args.bits, group_size=args.group_size,
         residual=args.residual, keep=args.keep, new_tokens=args.new_tokens, gpu=gpu,
-        bandwidth_bytes_per_s=args.bandwidth * 1e9 if args.bandwidth else None,
-        memory_bytes=args.memory * 1e9 if args.memory else None,
+        bandwidth_bytes_per_s=args.bandwidth * 1e9 if args.bandwidth is not None else None,
+        memory_bytes=args.memory * 1e9 if args.memory is not None else None,
         reserve_bytes=args.reserve * 1024**3 if args.reserve is not None else DEFAULT_RESERVE_BYTES,
     )
     if args.json:

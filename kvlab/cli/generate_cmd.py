@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from kvlab.errors import UserError
+
 EVICTION_FLAGS = {"keep": "keep", "window_size": "window_size", "kernel_size": "kernel_size",
                   "n_sink": "n_sink", "beta": "beta", "policy_seed": "seed"}
 QUANT_FLAGS = {"bits": "nbits", "group_size": "q_group_size", "residual": "residual_length",
@@ -74,15 +76,12 @@ def policy_from_args(args):
     return make_policy(args.method, **params)
 
 
-def _prompt_ids(args, tokenizer, vocab_size: int):
+def _prompt_ids(args, tokenizer, vocab_size: int, text: str | None):
     import torch
 
     if args.prompt_tokens is not None:
-        if args.prompt_tokens < 1:
-            raise ValueError(f"--prompt-tokens must be >= 1, got {args.prompt_tokens}")
         g = torch.Generator().manual_seed(args.seed)
         return torch.randint(0, vocab_size, (1, args.prompt_tokens), generator=g)
-    text = Path(args.prompt_file).read_text() if args.prompt_file else args.prompt
     if args.chat:
         messages = [{"role": "user", "content": text}]
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -90,23 +89,63 @@ def _prompt_ids(args, tokenizer, vocab_size: int):
     return tokenizer(text, return_tensors="pt").input_ids
 
 
-def _check_prompt_source(args) -> None:
-    if args.prompt_file and not Path(args.prompt_file).is_file():
-        raise ValueError(f"--prompt-file {args.prompt_file} does not exist")
-    if args.prompt_tokens is None and args.weights == "synthetic":
-        raise ValueError("synthetic weights come without a tokenizer: pass --prompt-tokens N instead of text")
+def _prompt_text(args) -> str | None:
+    """The prompt text (None with --prompt-tokens), read and checked before any model loads."""
+    if args.prompt_tokens is not None:
+        return None
+    if args.prompt_file is None:
+        text = args.prompt
+        where = "--prompt"
+    else:
+        path = Path(args.prompt_file)
+        where = f"--prompt-file {path}"
+        if not path.is_file():
+            raise UserError(f"{where} does not exist or is not a file: pass a text file")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise UserError(f"{where} is not UTF-8 text: pass a text file") from None
+        except OSError as err:
+            raise UserError(f"{where} cannot be read ({err.strerror or err})") from None
+    if not text.strip():
+        raise UserError(f"{where} is empty: give the prompt text (or --prompt-tokens N for random tokens)")
+    return text
+
+
+def _check_args(args, spec, policy) -> None:
+    """Every check that needs no weights: device, dtype, prompt source, lengths, memory."""
+    from kvlab.params import DTYPES
+    from kvlab.preflight import compressions, device_problem, require, shape_problems, weights_problem
+
+    require(device_problem(args.device), weights_problem(args.model, args.weights))
+    if args.dtype is not None and args.dtype not in DTYPES:
+        raise UserError(f"--dtype {args.dtype!r} is not one of {', '.join(DTYPES)}")
     if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.prompt_tokens is not None:
+        if args.prompt_tokens < 1:
+            raise UserError(f"--prompt-tokens must be >= 1, got {args.prompt_tokens}")
+        require(*shape_problems(spec, args.device, args.dtype, args.prompt_tokens, 1, args.max_new_tokens,
+                                ctx_key="--prompt-tokens", new_key="--max-new-tokens",
+                                compressions=compressions([policy])))
+    elif args.weights == "synthetic":
+        raise UserError("synthetic weights come without a tokenizer: pass --prompt-tokens N instead of text")
+    else:
+        require(*shape_problems(spec, args.device, args.dtype, 1, 1, args.max_new_tokens,
+                                ctx_key="the prompt", new_key="--max-new-tokens", compressions=compressions([policy])))
 
 
 def run(args) -> int:
+    from kvlab.budget import context_problem
     from kvlab.decode import generate_text
     from kvlab.models import get_spec, load_model
+    from kvlab.preflight import require
 
     policy = policy_from_args(args)
     spec = get_spec(args.model)
     policy.check(spec)
-    _check_prompt_source(args)
+    _check_args(args, spec, policy)
+    text = _prompt_text(args)
     if args.engine == "fast":
         from kvlab.engine.llama import check_model_type
 
@@ -114,8 +153,12 @@ def run(args) -> int:
         policy.fast_storage()  # formats the fast engine cannot store fail here, before the load
     loaded = load_model(args.model, weights=args.weights, device=args.device, dtype=args.dtype, seed=args.seed)
     if loaded.tokenizer is None and args.prompt_tokens is None:
-        raise ValueError(f"{args.model} has no tokenizer here: pass --prompt-tokens N")
-    ids = _prompt_ids(args, loaded.tokenizer, loaded.spec.vocab_size)
+        raise UserError(f"{args.model} has no tokenizer here: pass --prompt-tokens N")
+    ids = _prompt_ids(args, loaded.tokenizer, loaded.spec.vocab_size, text)
+    if ids.shape[1] == 0:
+        raise UserError("the prompt tokenizes to no tokens: give some text")
+    require(context_problem(spec, int(ids.shape[1]), args.max_new_tokens, key="the prompt",
+                            new_key="--max-new-tokens"))
     policy.warmup(loaded.model)
     engine = None
     if args.engine == "fast":

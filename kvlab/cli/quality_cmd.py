@@ -3,13 +3,18 @@ fidelity) for one model and a set of cache policies; records go to DIR/records.j
 
     kvlab quality --model smollm2-135m --tasks niah_single --lengths 1024 2048 \\
         --methods full streamingllm snapkv quanto --keep 0.25 --bits 4 -o runs/quality
+
+Rerunning into the same folder resumes: items recorded ok are not run again. Exit status: 0 when
+every record is ok, 3 when some failed (their errors are in the records), 2 for bad input.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
+
+# TaskSpec fields whose flag is not --field-name
+FLAGS = {"no_signal_threshold": "--threshold", "text_files": "--text"}
 
 
 def register(subparsers) -> None:
@@ -41,43 +46,87 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def policies_from_args(args) -> list:
-    """Expand --methods x --keep/--bits the way sweeps do, then build the policies (validated)."""
+def policies_from_args(args, spec=None) -> list:
+    """Expand --methods x --keep/--bits the way sweeps do, then build the policies (validated, and
+    checked against the model's spec when given)."""
     from kvlab.params import SweepParams, method_variants
     from kvlab.policies import make_policy
 
     params = SweepParams(models=[args.model], methods=args.methods, keep=args.keep, bits=args.bits,
                          ctx=args.lengths)
-    return [make_policy(v.method, **v.kwargs) for _, v in method_variants(params)]
+    policies = [make_policy(v.method, **v.kwargs) for _, v in method_variants(params)]
+    for policy in policies if spec is not None else ():
+        policy.check(spec)
+    return policies
+
+
+def task_spec_from_args(args):
+    from pydantic import ValidationError
+
+    from kvlab.errors import UserError
+    from kvlab.quality import TaskSpec
+
+    try:
+        return TaskSpec(tasks=args.tasks, lengths=args.lengths, depths=args.depths, samples=args.samples,
+                        seed=args.seed, query_aware=args.query_aware, no_signal_threshold=args.threshold,
+                        max_new_tokens=args.max_new_tokens, longbench=args.longbench,
+                        longbench_datasets=args.longbench_datasets, text_files=args.text,
+                        continuation_tokens=args.continuation_tokens)
+    except ValidationError as err:
+        lines = []
+        for e in err.errors():
+            field = str(e["loc"][0]) if e["loc"] else ""
+            flag = FLAGS.get(field, "--" + field.replace("_", "-")) if field else "quality"
+            lines.append(f"{flag}: {e['msg'].removeprefix('Value error, ')}")
+        raise UserError("; ".join(dict.fromkeys(lines))) from None
+
+
+def check_args(args):
+    """Every check that needs no weights: tasks, policies, device, lengths, memory, output folder."""
+    from kvlab.errors import UserError
+    from kvlab.models import get_spec
+    from kvlab.params import DTYPES
+    from kvlab.preflight import check_out_dir, device_problem, require, shape_problems, weights_problem
+
+    spec = task_spec_from_args(args)
+    if args.weights == "synthetic":
+        raise UserError("--weights synthetic comes without a tokenizer, and the quality pass reads and scores "
+                        "text: use a model with real weights (smollm2-135m, or a local folder with a tokenizer)")
+    model_spec = get_spec(args.model)
+    policies = policies_from_args(args, model_spec)
+    require(device_problem(args.device), weights_problem(args.model, args.weights))
+    if args.dtype is not None and args.dtype not in DTYPES:
+        raise UserError(f"--dtype {args.dtype!r} is not one of {', '.join(DTYPES)}")
+    require(*shape_problems(model_spec, args.device, args.dtype, max(spec.lengths), 1, spec.max_new_tokens or 1,
+                            ctx_key="--lengths", new_key="--max-new-tokens"))  # the full-cache reference always runs
+    return spec, policies, check_out_dir(args.out)
 
 
 def run(args) -> int:
+    from kvlab.cli import EXIT_FAILED_RUNS, EXIT_OK
     from kvlab.models import load_model
-    from kvlab.quality import TaskSpec, run_quality, summarize
-    from kvlab.records import RECORDS_FILE, RecordWriter, write_manifest
+    from kvlab.quality import run_quality, summarize
+    from kvlab.records import RECORDS_FILE, RecordWriter, load_records, recorded_run_ids, write_manifest
 
-    spec = TaskSpec(tasks=args.tasks, lengths=args.lengths, depths=args.depths, samples=args.samples,
-                    seed=args.seed, query_aware=args.query_aware, no_signal_threshold=args.threshold,
-                    max_new_tokens=args.max_new_tokens, longbench=args.longbench,
-                    longbench_datasets=args.longbench_datasets, text_files=args.text,
-                    continuation_tokens=args.continuation_tokens)
-    policies = policies_from_args(args)  # validated before the model loads
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    spec, policies, out = check_args(args)  # before the model loads
     loaded = load_model(args.model, weights=args.weights, device=args.device, dtype=args.dtype, seed=args.seed)
-    write_manifest(out, {"kind": "quality", "model": loaded.provenance(), "task_spec": spec.model_dump(),
-                         "methods": [p.params() for p in policies]})
+    manifest = {"kind": "quality", "model": loaded.provenance(), "task_spec": spec.model_dump(),
+                "methods": [p.params() for p in policies], "status": "incomplete"}
+    write_manifest(out, manifest)
+    skip = recorded_run_ids(out, statuses={"ok"})  # a rerun resumes: items recorded ok are not rerun
     with RecordWriter(out / RECORDS_FILE) as writer:
         records = run_quality(loaded, policies, spec, writer, base={"sweep": out.name},
-                              progress=lambda msg: print(msg, file=sys.stderr, flush=True))
-    summary = summarize(records)
+                              progress=lambda msg: print(msg, file=sys.stderr, flush=True), skip=skip)
+    failed = [r for r in records if r["status"] != "ok"]
+    write_manifest(out, {**manifest, "status": "failed_runs" if failed else "complete"})
+    summary = summarize(load_records(out, kind="quality"))
     if not summary.empty:
         summary.to_csv(out / "quality_summary.csv", index=False)
         cols = [c for c in ("task", "length", "label", "n", "no_signal", "score", "score_diff", "gold_nll",
                             "kl", "top1_agree") if c in summary.columns]
         print(summary[cols].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
-    failed = [r for r in records if r["status"] != "ok"]
     for r in failed[:5]:
         print(f"failed: {r['label']} {r['task']} L={r['length']}: {r['error']}", file=sys.stderr)
-    print(f"{len(records)} quality records ({len(failed)} failed) in {out / RECORDS_FILE}")
-    return 1 if failed else 0
+    print(f"{len(records)} new quality records ({len(failed)} failed; items already recorded ok were skipped) "
+          f"in {out / RECORDS_FILE}")
+    return EXIT_FAILED_RUNS if failed else EXIT_OK

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from kvlab.errors import UserError
+
 
 def register(sub) -> None:
     p = sub.add_parser("report", help="execute the report notebook over a records folder and export HTML")
@@ -16,12 +20,55 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
-    from kvlab.report import index_folder, render_report
+def check_records_dir(folder: str | Path) -> Path:
+    """A folder holding at least one readable record (a sweep folder or a folder of sweeps): an
+    empty or unrelated folder is refused before a report of "0 runs" is written into it."""
+    import warnings
 
+    from kvlab.records import RECORDS_FILE, read_records
+
+    path = Path(folder)
+    if not path.is_dir():
+        what = "is a file" if path.exists() else "does not exist"
+        raise UserError(f"records folder {path} {what}: pass a folder written by `kvlab sweep` or `kvlab quality`")
+    files = sorted(path.rglob(RECORDS_FILE))
+    if not files:
+        raise UserError(f"no {RECORDS_FILE} in {path} or its subfolders: pass a folder written by `kvlab sweep` "
+                        f"(e.g. outputs/smoke) or `kvlab quality`")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the report's own load warns about each damaged line
+        if not any(read_records(f) for f in files):
+            raise UserError(f"{', '.join(map(str, files[:3]))}: no readable record (every line is empty or damaged)")
+    return path
+
+
+def check_args(args) -> None:
+    from kvlab.preflight import check_out_dir
+
+    check_records_dir(args.dir)
+    if args.out is not None:
+        out = Path(args.out)
+        if out.suffix != ".html":
+            raise UserError(f"-o {out} must end in .html")
+        check_out_dir(out.parent, flag=f"-o {out}: its folder")
+    if args.notebook is not None and not Path(args.notebook).is_file():
+        raise UserError(f"--notebook {args.notebook} does not exist: pass a .ipynb file (or leave it out)")
+    if args.ctx is not None and args.ctx < 1:
+        raise UserError(f"--ctx must be >= 1, got {args.ctx}")
+    if args.timeout < 1:
+        raise UserError(f"--timeout must be >= 1 second, got {args.timeout}")
+
+
+def run(args) -> int:
+    from kvlab.report import ReportError, index_folder, render_report
+
+    check_args(args)
     params = {k: v for k, v in (("ctx", args.ctx), ("baseline", args.baseline)) if v is not None}
-    html = render_report(args.dir, out=args.out, notebook=args.notebook, index=not args.no_index,
-                         parameters=params, timeout=args.timeout)
+    try:
+        html = render_report(args.dir, out=args.out, notebook=args.notebook, index=not args.no_index,
+                             parameters=params, timeout=args.timeout)
+    except ReportError as err:
+        raise UserError(str(err)) from None
     print(f"report: {html} ({html.stat().st_size / 1e6:.1f} MB, draws offline)")
     if not args.no_index:
         print(f"index:  {index_folder(html) / 'index.html'}")

@@ -1,7 +1,10 @@
 """`kvlab sweep PARAMS.yaml [-o DIR] [--set key=value ...] [--executor {local,process,ray}]`: run or resume a sweep.
 
-Exit status: 0 when every run is recorded, 3 when a run budget stopped it early (rerun the same
-command to continue), 2 for invalid params or a folder locked by another sweep.
+Exit status: 0 when every planned run is recorded ok; 3 when every run is recorded but some failed
+(their errors are in records.jsonl; fix the cause and rerun to retry them); 4 when a run or time
+budget stopped it early (rerun the same command to continue); 2 for invalid params, an unusable
+output folder or a folder locked by another sweep. The manifest's status says the same:
+complete, failed_runs or incomplete.
 """
 
 from __future__ import annotations
@@ -9,8 +12,6 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-
-EXIT_INCOMPLETE = 3
 
 
 def register(sub) -> None:
@@ -32,7 +33,9 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    from kvlab.cli import EXIT_USAGE, STATUS_EXIT
     from kvlab.params import load_params
+    from kvlab.preflight import check_out_dir
     from kvlab.sweep import SweepLocked, count_by, plan, run_sweep
 
     sets = list(args.sets)
@@ -42,19 +45,23 @@ def run(args) -> int:
         sets.append(f"ray_address={json.dumps(args.ray_address)}")  # quoted: an address is a string
     params = load_params(args.params, sets)
     out = Path(args.out) if args.out else Path("outputs") / (params.name or Path(args.params).stem)
+    flag = "-o" if args.out else "the default output folder"
     if args.dry_run:
-        todo = plan(params, out if out.exists() else None, check_device=False)
+        check_out_dir(out, flag, create=False)
+        todo = plan(params, out if out.is_dir() else None, check_device=False)
         print(f"{out}: {len(todo)} runs to do ({params.warmup_runs} warm-up(s) per method and shape; "
               f"executor {params.executor})")
         for attr in ("model", "method", "ctx", "batch"):
             print(f"  by {attr}: {count_by(todo, attr)}")
         return 0
+    plan(params, check_device=True)  # every check (device, memory, policies) before the folder is made
+    check_out_dir(out, flag)
     try:
         summary = run_sweep(params, out, progress=not args.no_progress)
     except SweepLocked as err:
         print(f"kvlab sweep: error: {err}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     print(summary.line())
-    if summary.failed:
+    if summary.failed or summary.failed_recorded:
         print(f"  failed runs keep their error in {out / 'records.jsonl'} (tracebacks in {out / 'errors.log'})")
-    return 0 if summary.complete else EXIT_INCOMPLETE
+    return STATUS_EXIT[summary.status]

@@ -13,9 +13,10 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Any, ClassVar
 
 from kvlab.budget import keep_problem
+from kvlab.errors import UserError
 
 
-class PolicyError(ValueError):
+class PolicyError(UserError):
     """Bad policy input (method, keep, nbits, backend, model); the message names the fix."""
 
 

@@ -16,10 +16,12 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
+from kvlab.errors import UserError
+
 _MARK = "\u2063KVLAB_USER_CONTENT\u2063"
 
 
-class TaskError(ValueError):
+class TaskError(UserError):
     """Bad task name, length, depth or tokenizer; the message names the fix."""
 
 

@@ -1,0 +1,14 @@
+"""The one error type for user mistakes: bad arguments, params, files, YAML, devices or shapes.
+
+The CLI turns a :class:`UserError` into ``kvlab CMD: error: MESSAGE`` and exit status 2, with no
+traceback; any other exception is a bug in kvlab and keeps its traceback. Each module's own error
+(``ParamsError``, ``ModelError``, ``PolicyError``, ...) subclasses it, so library callers can still
+catch the specific one. Raise it before any model loads wherever the input allows, with a message
+that names the key or file and the fix.
+"""
+
+from __future__ import annotations
+
+
+class UserError(ValueError):
+    """A user mistake; the message names the key or file at fault and the fix."""

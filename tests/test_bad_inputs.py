@@ -1,0 +1,326 @@
+"""Every bad input a new user might give: one `kvlab CMD: error: ...` line naming the key or file,
+exit status 2, no traceback, and no model loaded (``kvlab.models.load_model`` fails the test)."""
+
+import pytest
+import yaml
+
+from kvlab.cli import main
+
+GOOD = {"models": "tiny-llama", "weights": "synthetic", "device": "cpu", "methods": ["full", "streamingllm"],
+        "keep": 0.5, "ctx": [32], "new_tokens": 3, "threads": 1}
+
+
+def params_file(content):
+    """Setup: write a params file (a dict is dumped as YAML; bytes/str are written as they are)."""
+    def setup(tmp):
+        path = tmp / "p.yaml"
+        if isinstance(content, dict):
+            path.write_text(yaml.safe_dump({**GOOD, **content}))
+        elif isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            path.write_text(content)
+    return setup
+
+
+def files(named):
+    """Setup: write files (relative path -> text, or bytes written raw) under the tmp folder."""
+    def setup(tmp):
+        for name, content in named.items():
+            path = tmp / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if isinstance(content, bytes):
+                path.write_bytes(content)
+            else:
+                path.write_text(content)
+    return setup
+
+
+def good_params(tmp):
+    params_file({})(tmp)
+
+
+SWEEP = "sweep {tmp}/p.yaml -o {tmp}/out --no-progress"
+SMOL = ["--model", "smollm2-135m"]
+
+# (id, argv, setup, what the error line must contain)
+CASES = [
+    # --- sweep: params files ----------------------------------------------------------------
+    ("params-missing", "sweep {tmp}/nope.yaml", None, "nope.yaml not found"),
+    ("params-is-a-folder", "sweep {tmp}", None, "not found"),
+    ("params-yaml-unclosed", SWEEP, params_file("models: tiny-llama\nctx: [1\n"), "p.yaml is not valid YAML at line"),
+    ("params-yaml-tab", SWEEP, params_file("models:\n\t- tiny-llama\n"), "is not valid YAML"),
+    ("params-top-level-list", SWEEP, params_file("- 1\n- 2\n"), "expected a mapping"),
+    ("params-top-level-scalar", SWEEP, params_file("hello\n"), "expected a mapping"),
+    ("params-empty", SWEEP, params_file(""), "p.yaml is empty"),
+    ("params-not-utf8", SWEEP, params_file(b"models: \xff\xfe\n"), "p.yaml is not UTF-8"),
+    ("params-unknown-key", SWEEP, params_file({"ctxs": [32]}), "unknown key 'ctxs': did you mean 'ctx'?"),
+    ("params-engine-unknown", SWEEP, params_file({"engine": ["turbo"]}), "engine"),
+    ("params-engine-fast-hqq", SWEEP, params_file({"engine": ["hf", "fast"], "methods": [{"method": "hqq"}]}),
+     "hqq's optimized scales have no kernel on the fast engine"),
+    ("generate-engine-fast-hqq", "generate --model smollm2-135m --prompt hi --method hqq --engine fast", None,
+     "use engine hf for hqq"),
+    ("params-q-group-size", SWEEP,
+     params_file({"models": "smollm2-135m", "methods": [{"method": "quanto", "q_group_size": 48}]}),
+     "q_group_size=48 does not divide smollm2-135m's head_dim 64"),
+    ("params-unknown-policy-param", SWEEP,
+     params_file({"methods": [{"method": "snapkv", "keep": 0.5, "windw": 8}]}), "unknown parameter(s) windw"),
+    ("params-quality-typo", SWEEP, params_file({"quality": {"lenghts": [64]}}), "quality.lenghts"),
+    ("params-quality-longbench", SWEEP, params_file({"quality": {"longbench": "/no/such/longbench.jsonl"}}),
+     "longbench path /no/such/longbench.jsonl does not exist"),
+    ("params-quality-task", SWEEP, params_file({"quality": {"tasks": ["no_such_task"]}}), "no_such_task"),
+    ("params-quality-too-long", SWEEP, params_file({"quality": {"lengths": [5000]}}),
+     "quality.lengths: 5000"),
+    # --- sweep: --set overrides ---------------------------------------------------------------
+    ("set-yaml-unclosed", SWEEP + " --set ctx=[1", good_params, "--set 'ctx=[1': the value is not valid YAML"),
+    ("set-no-equals", SWEEP + " --set ctx", good_params, "write key=value"),
+    ("set-no-key", SWEEP + " --set =5", good_params, "write key=value"),
+    ("set-ctx-zero", SWEEP + " --set ctx=0", good_params, "ctx"),
+    ("set-ctx-negative", SWEEP + " --set ctx=-1", good_params, "ctx"),
+    ("set-ctx-text", SWEEP + " --set ctx=abc", good_params, "ctx"),
+    ("set-ctx-above-window", SWEEP + " --set ctx=5000", good_params, "above the maximum context 4096 of tiny-llama"),
+    ("set-batch-zero", SWEEP + " --set batch=0", good_params, "batch"),
+    ("set-batch-beyond-memory", SWEEP + " --set models=smollm2-135m --set ctx=128 --set batch=100000", good_params,
+     "batch: smollm2-135m at ctx 128 x batch 100000"),
+    ("set-new-tokens-zero", SWEEP + " --set new_tokens=0", good_params, "new_tokens"),
+    ("set-repeats-zero", SWEEP + " --set repeats=0", good_params, "repeats"),
+    ("set-prompts-zero", SWEEP + " --set prompts=0", good_params, "prompts"),
+    ("set-device-tpu", SWEEP + " --set device=tpu", good_params, "device: 'tpu' is not a device"),
+    ("set-device-cuda-x", SWEEP + " --set device=cuda:x", good_params, "device: 'cuda:x' is not a device"),
+    ("set-dtype", SWEEP + " --set dtype=float8", good_params, "dtype: 'float8'"),
+    ("set-sdpa-backend", SWEEP + " --set sdpa_backend=fast", good_params, "sdpa_backend"),
+    ("set-method-unknown", SWEEP + " --set methods=[h2o]", good_params, "unknown method 'h2o'"),
+    ("set-methods-empty", SWEEP + " --set methods=[]", good_params, "methods: empty"),
+    ("set-keep-zero", SWEEP + " --set keep=0", good_params, "keep=0.0 is outside (0, 1]"),
+    ("set-keep-above-one", SWEEP + " --set keep=1.5", good_params, "keep=1.5 is outside (0, 1]"),
+    ("set-bits-3", SWEEP + " --set methods=[quanto] --set bits=3", good_params, "nbits=3"),
+    ("set-model-unknown", SWEEP + " --set models=gpt-9", good_params, "unknown model 'gpt-9'"),
+    ("set-model-no-weights", SWEEP + " --set models=llama-3.1-8b --set weights=null", good_params,
+     "no real weights for 'llama-3.1-8b'"),
+    ("set-weights-fake", SWEEP + " --set weights=fake", good_params, "weights"),
+    ("set-threads-zero", SWEEP + " --set threads=0", good_params, "threads"),
+    ("set-energy-interval", SWEEP + " --set energy_interval_ms=0", good_params, "energy_interval_ms"),
+    ("set-time-budget", SWEEP + " --set time_budget_s=0", good_params, "time_budget_s"),
+    ("set-max-runs", SWEEP + " --set max_runs=0", good_params, "max_runs"),
+    ("set-retry-failed", SWEEP + " --set retry_failed=maybe", good_params, "retry_failed"),
+    ("set-not-a-mapping", SWEEP + " --set ctx.x=1", good_params, "'ctx' is not a mapping"),
+    # --- sweep: output folder and its files ---------------------------------------------------
+    ("out-is-a-file", "sweep {tmp}/p.yaml -o {tmp}/afile", lambda t: (good_params(t), files({"afile": "x"})(t)),
+     "afile is a file, not a folder"),
+    ("out-under-a-file", "sweep {tmp}/p.yaml -o {tmp}/afile/sub", lambda t: (good_params(t), files({"afile": "x"})(t)),
+     "cannot write there"),
+    ("out-under-proc", "sweep {tmp}/p.yaml -o /proc/kvlab-test/out", good_params, "/proc/kvlab-test/out"),
+    ("out-dry-run-is-a-file", "sweep {tmp}/p.yaml -o {tmp}/afile --dry-run",
+     lambda t: (good_params(t), files({"afile": "x"})(t)), "afile is a file"),
+    ("out-damaged-manifest", SWEEP, lambda t: (good_params(t), files({"out/manifest.json": "{not json"})(t)),
+     "manifest.json is damaged"),
+    ("out-manifest-list", SWEEP, lambda t: (good_params(t), files({"out/manifest.json": "[1, 2]"})(t)),
+     "manifest.json holds a list"),
+    # --- generate -------------------------------------------------------------------------------
+    ("generate-model-unknown", "generate --model gpt-9 --prompt hi", None, "unknown model 'gpt-9'"),
+    ("generate-model-path-missing", "generate --model /no/such/model --prompt hi", None, "/no/such/model"),
+    ("generate-model-folder-without-config", "generate --model {tmp}/m --prompt hi", files({"m/x": "1"}),
+     "has no config.json"),
+    ("generate-no-weights", "generate --model llama-3.1-8b --prompt-tokens 8", None,
+     "no real weights for 'llama-3.1-8b'"),
+    ("generate-prompt-tokens-above-window", "generate --model smollm2-135m --prompt-tokens 9000", None,
+     "--prompt-tokens: 9000 + --max-new-tokens 16 is above the maximum context 8192"),
+    ("generate-prompt-tokens-zero", "generate --model smollm2-135m --prompt-tokens 0", None, "--prompt-tokens"),
+    ("generate-prompt-tokens-negative", "generate --model smollm2-135m --prompt-tokens -5", None, "--prompt-tokens"),
+    ("generate-prompt-file-missing", "generate --model smollm2-135m --prompt-file {tmp}/nope.txt", None,
+     "nope.txt does not exist"),
+    ("generate-prompt-file-empty", "generate --model smollm2-135m --prompt-file {tmp}/e.txt", files({"e.txt": " \n"}),
+     "e.txt is empty"),
+    ("generate-prompt-file-not-utf8", "generate --model smollm2-135m --prompt-file {tmp}/b.txt",
+     files({"b.txt": b"\xff\xfe\x00"}), "b.txt is not UTF-8"),
+    ("generate-prompt-file-folder", "generate --model smollm2-135m --prompt-file {tmp}", None, "is not a file"),
+    ("generate-prompt-empty", ["generate", "--model", "smollm2-135m", "--prompt", ""], None, "--prompt is empty"),
+    ("generate-device-cuda-x", "generate --model smollm2-135m --prompt hi --device cuda:x", None,
+     "--device: 'cuda:x' is not a device"),
+    ("generate-device-tpu", "generate --model smollm2-135m --prompt hi --device tpu", None,
+     "--device: 'tpu' is not a device"),
+    ("generate-dtype", "generate --model smollm2-135m --prompt hi --dtype float8", None, "--dtype 'float8'"),
+    ("generate-max-new-tokens", "generate --model smollm2-135m --prompt hi --max-new-tokens 0", None,
+     "--max-new-tokens"),
+    ("generate-method-unknown", "generate --model smollm2-135m --prompt hi --method h2o", None, "unknown method 'h2o'"),
+    ("generate-full-with-bits", "generate --model smollm2-135m --prompt hi --bits 4", None, "--method full stores"),
+    ("generate-group-size", "generate --model smollm2-135m --prompt hi --method quanto --group-size 48", None,
+     "q_group_size=48 does not divide"),
+    ("generate-keep-zero", "generate --model smollm2-135m --prompt hi --method snapkv --keep 0", None, "keep=0"),
+    ("generate-backend-contradiction", "generate --model smollm2-135m --prompt hi --method quanto --backend hqq",
+     None, "--backend hqq contradicts --method quanto"),
+    ("generate-synthetic-text", "generate --model smollm2-135m --weights synthetic --prompt hi", None,
+     "synthetic weights come without a tokenizer"),
+    # --- anatomy --------------------------------------------------------------------------------
+    ("anatomy-ctx-negative", "anatomy --ctx -1", None, "--ctx: -1 must be at least 1"),
+    ("anatomy-ctx-zero", "anatomy --ctx 0", None, "--ctx: 0 must be at least 1"),
+    ("anatomy-ctx-above-window", "anatomy --ctx 8190", None, "above the maximum context 8192"),
+    ("anatomy-method-unknown", "anatomy --methods full h2o", None, "unknown method 'h2o'"),
+    ("anatomy-sdpa-backend", "anatomy --sdpa-backend fast", None, "--sdpa-backend 'fast'"),
+    ("anatomy-params-not-json", ["anatomy", "--params", "{bad"], None, "--params is not JSON"),
+    ("anatomy-params-list", ["anatomy", "--params", "[1]"], None, "--params must map method names"),
+    ("anatomy-params-unknown", ["anatomy", "--methods", "snapkv", "--params", '{"snapkv": {"windw": 3}}'], None,
+     "unknown parameter(s) windw"),
+    ("anatomy-params-other-method", ["anatomy", "--methods", "full", "--params", '{"quanto": {}}'], None,
+     "--params names quanto"),
+    ("anatomy-device-tpu", "anatomy --device tpu", None, "--device: 'tpu' is not a device"),
+    ("anatomy-steps-zero", "anatomy --steps 0", None, "--steps and --warmup"),
+    ("anatomy-warmup-zero", "anatomy --warmup 0", None, "--steps and --warmup"),
+    ("anatomy-model-unknown", "anatomy --model gpt-9", None, "unknown model 'gpt-9'"),
+    ("anatomy-no-weights", "anatomy --model mistral-7b", None, "no real weights for 'mistral-7b'"),
+    # --- quality --------------------------------------------------------------------------------
+    ("quality-out-is-a-file", "quality -o {tmp}/afile", files({"afile": "x"}), "afile is a file"),
+    ("quality-out-under-proc", "quality -o /proc/kvlab-test", None, "/proc/kvlab-test: cannot write there"),
+    ("quality-longbench-missing", "quality -o {tmp}/q --longbench {tmp}/lb.jsonl", None, "lb.jsonl does not exist"),
+    ("quality-lengths-zero", "quality -o {tmp}/q --lengths 0", None, "--lengths"),
+    ("quality-lengths-above-window", "quality -o {tmp}/q --lengths 9000", None, "above the maximum context 8192"),
+    ("quality-depths", "quality -o {tmp}/q --depths 2", None, "--depths"),
+    ("quality-samples", "quality -o {tmp}/q --samples 0", None, "--samples"),
+    ("quality-task-unknown", "quality -o {tmp}/q --tasks no_such_task", None, "no_such_task"),
+    ("quality-method-unknown", "quality -o {tmp}/q --methods h2o", None, "unknown method 'h2o'"),
+    ("quality-keep-zero", "quality -o {tmp}/q --methods snapkv --keep 0", None, "keep=0"),
+    ("quality-device-tpu", "quality -o {tmp}/q --device tpu", None, "--device: 'tpu' is not a device"),
+    ("quality-text-missing", "quality -o {tmp}/q --tasks continuation --text {tmp}/t.txt", None, "t.txt"),
+    ("quality-max-new-tokens", "quality -o {tmp}/q --max-new-tokens 0", None, "--max-new-tokens"),
+    ("quality-dtype", "quality -o {tmp}/q --dtype float8", None, "--dtype 'float8'"),
+    ("quality-no-weights", "quality -o {tmp}/q --model qwen2.5-7b", None, "no real weights for 'qwen2.5-7b'"),
+    # --- budget ---------------------------------------------------------------------------------
+    ("budget-ctx-above-window", "budget --model llama-3.1-8b --ctx 200000", None,
+     "--ctx: 200000 + --new-tokens 0 is above the maximum context 131072"),
+    ("budget-ctx-zero", "budget --model llama-3.1-8b --ctx 0", None, "--ctx must be a positive integer"),
+    ("budget-bandwidth-zero", "budget --model llama-3.1-8b --ctx 1024 --bandwidth 0", None, "--bandwidth"),
+    ("budget-memory-negative", "budget --model llama-3.1-8b --ctx 1024 --memory -1", None, "--memory"),
+    ("budget-reserve-negative", "budget --model llama-3.1-8b --ctx 1024 --gpu h200 --reserve -1", None, "--reserve"),
+    ("budget-batch-zero", "budget --model llama-3.1-8b --ctx 1024 --batch 0", None, "--batch"),
+    ("budget-gpu-unknown", "budget --model llama-3.1-8b --ctx 1024 --gpu b300", None, "unknown GPU 'b300'"),
+    ("budget-model-unknown", "budget --model gpt-9 --ctx 1024", None, "unknown model 'gpt-9'"),
+    ("budget-keep-zero", "budget --model llama-3.1-8b --ctx 1024 --keep 0", None, "keep=0"),
+    ("budget-group-size", "budget --model llama-3.1-8b --ctx 1024 --bits 4 --group-size 48", None,
+     "group size 48 does not divide"),
+    ("budget-new-tokens-negative", "budget --model llama-3.1-8b --ctx 1024 --new-tokens -1", None, "new_tokens"),
+    # --- report: records folders and files -----------------------------------------------------
+    ("report-missing-folder", "report {tmp}/nope", None, "nope does not exist"),
+    ("report-a-file", "report {tmp}/afile", files({"afile": "x"}), "afile is a file"),
+    ("report-empty-folder", "report {tmp}/empty", lambda t: (t / "empty").mkdir(), "no records.jsonl in"),
+    ("report-unrelated-folder", "report {tmp}/src", files({"src/a.py": "print(1)", "src/notes.md": "# notes"}),
+     "no records.jsonl in"),
+    ("report-only-damaged-records", "report {tmp}/s",
+     files({"s/records.jsonl": b'123\nnull\n"x"\n[1, 2]\n{"run_id": 5}\n\xff\xfe\n{"run_id": "a", "sta\n'}),
+     "records.jsonl: no readable record"),
+    ("report-out-not-html", "report {tmp}/s -o {tmp}/r.pdf", files({"s/records.jsonl": '{"run_id": "a"}\n'}),
+     "must end in .html"),
+    ("report-out-under-a-file", "report {tmp}/s -o {tmp}/afile/r.html",
+     files({"s/records.jsonl": '{"run_id": "a"}\n', "afile": "x"}), "is a file, not a folder"),
+    ("report-notebook-missing", "report {tmp}/s --notebook {tmp}/nb.ipynb", files({"s/records.jsonl": '{"run_id": "a"}\n'}),
+     "nb.ipynb does not exist"),
+    ("report-ctx-zero", "report {tmp}/s --ctx 0", files({"s/records.jsonl": '{"run_id": "a"}\n'}), "--ctx"),
+    ("report-timeout-zero", "report {tmp}/s --timeout 0", files({"s/records.jsonl": '{"run_id": "a"}\n'}), "--timeout"),
+]
+
+
+def test_the_table_is_large_and_its_ids_unique():
+    ids = [c[0] for c in CASES]
+    assert len(ids) >= 60 and len(ids) == len(set(ids))
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Any model load fails the test: every check must come first."""
+    import kvlab.models
+    import kvlab.preflight
+    import kvlab.report
+
+    def refuse(*args, **kwargs):
+        pytest.fail(f"a model was loaded for bad input: load_model{args}")
+
+    def refuse_render(*args, **kwargs):
+        pytest.fail("a report was rendered for bad input")
+
+    monkeypatch.setattr(kvlab.models, "load_model", refuse)
+    monkeypatch.setattr(kvlab.report, "render_notebook", refuse_render)
+    monkeypatch.setattr(kvlab.preflight, "available_memory_bytes", lambda device: 64 * 1024**3)  # any machine
+
+
+@pytest.mark.parametrize("case_id, argv, setup, expected", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_gives_one_clear_line_and_exit_2(case_id, argv, setup, expected, tmp_path, capsys,
+                                                   no_model_load, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    if setup is not None:
+        setup(tmp_path)
+    args = [a.replace("{tmp}", str(tmp_path)) for a in (argv.split() if isinstance(argv, str) else argv)]
+    code = main(args)
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert code == 2, f"exit {code}; stderr: {err}"
+    assert len(lines) == 1 and lines[0].startswith(f"kvlab {args[0]}: error: "), err
+    assert expected in lines[0], lines[0]
+    assert "Traceback" not in out + err
+    assert not (tmp_path / "out").exists() or case_id.startswith("out-")  # no sweep folder for bad params
+
+
+def test_cuda_without_a_gpu_is_one_line_before_any_load(tmp_path, capsys, no_model_load, monkeypatch):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    monkeypatch.chdir(tmp_path)
+    good_params(tmp_path)
+    for argv in (["generate", "--model", "smollm2-135m", "--prompt", "hi", "--device", "cuda"],
+                 ["anatomy", "--device", "cuda"], ["quality", "-o", "q", "--device", "cuda"],
+                 ["sweep", "p.yaml", "-o", "out", "--set", "device=cuda"]):
+        assert main(argv) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and "torch sees no CUDA device" in lines[0], lines
+
+
+def test_damaged_records_are_skipped_on_resume_and_in_the_report_data(tmp_path, capsys):
+    """Non-object lines, non-string run ids, invalid UTF-8 and torn lines: each skipped with a
+    warning naming the file and line; the sweep resumes (exit 0) and load_records reads the rest."""
+    from kvlab.records import load_records, read_records
+
+    params = tmp_path / "p.yaml"
+    params.write_text(yaml.safe_dump({**GOOD, "methods": ["full"], "name": "dmg"}))
+    out = tmp_path / "out"
+    assert main(["sweep", str(params), "-o", str(out), "--no-progress"]) == 0
+    good = (out / "records.jsonl").read_bytes()
+    damage = b'123\nnull\n"x"\n[1, 2]\n{"run_id": 5, "status": "ok"}\n{"run_id": null}\n\xff\xfe bad\n{"run_id": "t'
+    (out / "records.jsonl").write_bytes(damage + b"\n" + good)
+    with pytest.warns(UserWarning) as caught:
+        assert main(["sweep", str(params), "-o", str(out), "--no-progress"]) == 0
+        df = load_records(out)
+    messages = [str(w.message) for w in caught]
+    assert any("records.jsonl:1: skipped a line that is not a JSON object (int)" in m for m in messages)
+    assert any("records.jsonl:7: skipped a line that is not UTF-8" in m for m in messages)
+    assert any("run_id is 5, not a string" in m for m in messages)
+    assert "status complete" in capsys.readouterr().out
+    assert len(df) == 1 and df.status.tolist() == ["ok"]  # nothing reran, nothing lost
+    with pytest.warns(UserWarning):
+        assert [r["run_id"] for r in read_records(out / "records.jsonl")] == [df.run_id.iloc[0]]
+
+
+def test_params_error_with_several_problems_lists_them(tmp_path, capsys):
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump({**GOOD, "ctx": 5000, "methods": ["h2o"]}))
+    assert main(["sweep", str(path), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvlab sweep: error: invalid sweep params:\n")
+    assert "unknown method 'h2o'" in err and "above the maximum context" in err and "Traceback" not in err
+
+
+def test_report_refuses_an_unrelated_folder_without_writing_into_it(tmp_path, capsys):
+    (tmp_path / "notes.md").write_text("# mine")
+    assert main(["report", str(tmp_path)]) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.md"]
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_ctrl_c_is_one_line_and_status_130(monkeypatch, capsys):
+    import kvlab.cli.budget_cmd as budget_cmd
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(budget_cmd, "run", interrupted)
+    assert main(["budget", "--model", "tiny-llama", "--ctx", "8"]) == 130
+    assert capsys.readouterr().err.strip() == ("kvlab budget: interrupted; every record written so far is kept "
+                                               "(rerun to continue)")
