@@ -190,6 +190,19 @@ def _greedy(model, cache, first_token: int, n_new: int, start: int) -> list[int]
     return [int(t) for t in tokens[0].tolist()]
 
 
+def _fast_greedy(engine, policy, cache, first_token: int, n_new: int, start: int):
+    """``n_new`` greedy tokens from the fast engine's decoder for this prefilled cache, and its stats."""
+    import torch
+
+    decoder = engine.decoder_for_cache(policy, cache, n_new)
+    decoder.load(cache)
+    stats = {f"cache_{k}": v for k, v in decoder.stats().items()}
+    first = torch.tensor([first_token], dtype=torch.long, device=decoder.device)
+    with torch.inference_mode():
+        tokens = decoder.decode(first, n_new, start)
+    return [int(t) for t in tokens[0].tolist()], stats
+
+
 def _cache_stats(cache) -> dict[str, Any]:
     try:
         from kvlab.policies import cache_stats
@@ -222,12 +235,14 @@ def _segments(item: TaskItem, query_aware: bool) -> tuple[tuple[int, ...], tuple
 
 
 def run_item(loaded, policy, item: TaskItem, enc: Encoder, query_aware: bool = False,
-             max_new_tokens: int | None = None) -> ItemRun:
+             max_new_tokens: int | None = None, engine=None) -> ItemRun:
     """Prefill the compressed part, forward the rest, decode greedily and teacher-force the gold.
 
     The cache is forked after the second forward, so the teacher-forced pass and the greedy
     reply see the same compressed state; a cache that cannot be copied is rebuilt by a second
-    prefill (same result, more time).
+    prefill (same result, more time). With a fast ``engine`` (:class:`kvlab.engine.fast.FastEngine`)
+    the greedy reply comes from its decode loop and store; the teacher-forced pass stays on
+    transformers' forward through the policy's own cache.
     """
     import torch
 
@@ -235,16 +250,20 @@ def run_item(loaded, policy, item: TaskItem, enc: Encoder, query_aware: bool = F
     first, second = _segments(item, query_aware)
     if not second:
         raise TaskError(f"item {item.task}: nothing after the compressed part; the answer prefix is empty")
-    cache = policy.make_cache(model)
+    cache = (policy.fast_storage()[0] if engine is not None else policy).make_cache(model)
     _prefill(model, first, cache)
     stats = _cache_stats(cache)
     logits = forward_at(model, second, cache, len(first))
     start = len(first) + len(second)
     answer = list(item.answer_ids)
-    tf_cache = fork_cache(cache, model) if len(answer) > 1 else None
+    tf_cache = fork_cache(cache, model) if len(answer) > 1 and engine is None else None
     last = logits[-1]
     first_token = int(last.argmax())
-    generated = _greedy(model, cache, first_token, max_new_tokens or item.max_new_tokens, start)
+    n_new = max_new_tokens or item.max_new_tokens
+    if engine is None:
+        generated = _greedy(model, cache, first_token, n_new, start)
+    else:
+        generated, stats = _fast_greedy(engine, policy, cache, first_token, max(1, n_new), start)
     if len(answer) > 1:
         if tf_cache is None:  # rebuild the same compressed state
             tf_cache = policy.make_cache(model)
@@ -301,9 +320,10 @@ def quality_run_id(base: dict[str, Any], policy, item: TaskItem, query_aware: bo
     from kvlab.records import make_run_id
 
     pcols = policy_columns(policy)
+    engine = {"engine": base["engine"]} if base.get("engine", "hf") != "hf" else {}  # hf ids as before
     return make_run_id({"kind": "quality", "model": base.get("model"), "sweep": base.get("sweep"),
                         "method": pcols["method"], "policy_params": pcols["policy_params"],
-                        "item_seed": item.seed, **_item_key(item, query_aware)}, 0)
+                        "item_seed": item.seed, **_item_key(item, query_aware), **engine}, 0)
 
 
 def quality_record(base: dict[str, Any], policy, item: TaskItem, *, query_aware: bool,
@@ -395,7 +415,7 @@ def _cells(items: Iterable[TaskItem]) -> dict[tuple[str, int], list[TaskItem]]:
 def run_quality(loaded, policies: Sequence, task_spec: TaskSpec | dict, out_writer=None,
                 base: dict[str, Any] | None = None,
                 progress: Callable[[str], None] | None = None,
-                skip: Collection[str] = frozenset()) -> list[dict[str, Any]]:
+                skip: Collection[str] = frozenset(), engine=None) -> list[dict[str, Any]]:
     """Run every item of ``task_spec`` under every policy; return (and write) quality records.
 
     The full cache always runs as the reference (its records are emitted only if a ``full``
@@ -407,12 +427,14 @@ def run_quality(loaded, policies: Sequence, task_spec: TaskSpec | dict, out_writ
     Resuming: records whose run id is in ``skip`` (those already written ok) are neither run nor
     written again; a cell with none left is skipped whole, and in a cell with some left only the
     full-cache reference reruns for the items already done (for the cell's mean score).
+    ``engine``: a fast engine for the greedy replies (records say ``engine: fast``).
     """
     from kvlab.policies import make_policy
 
     spec = task_spec if isinstance(task_spec, TaskSpec) else TaskSpec(**task_spec)
     enc = Encoder(loaded.tokenizer)
-    base = {**model_columns(loaded), "seed": spec.seed, **(base or {})}
+    base = {**model_columns(loaded), "seed": spec.seed, **(base or {}),
+            "engine": "hf" if engine is None else "fast"}
     policies = list(policies)
     reference = next((p for p in policies if _is_full(p)), None) or make_policy("full")
     for p in policies:
@@ -430,10 +452,10 @@ def run_quality(loaded, policies: Sequence, task_spec: TaskSpec | dict, out_writ
         cell: list[dict[str, Any]] = []
         full_scores: list[float] = []
         for item in cell_items:
-            ref = run_item(loaded, reference, item, enc, spec.query_aware)
+            ref = run_item(loaded, reference, item, enc, spec.query_aware, engine=engine)
             full_scores.append(item.score(ref.prediction))
             for policy in todo[id(item)]:
-                cell.append(_item_record(loaded, policy, item, enc, spec, base, ref, reference))
+                cell.append(_item_record(loaded, policy, item, enc, spec, base, ref, reference, engine))
             say(f"{task} L={length} depth={item.depth} sample={item.sample}: full={full_scores[-1]:.2f}")
         full_mean = sum(full_scores) / len(full_scores)
         for rec in cell:
@@ -446,9 +468,9 @@ def run_quality(loaded, policies: Sequence, task_spec: TaskSpec | dict, out_writ
     return records
 
 
-def _item_record(loaded, policy, item, enc, spec, base, ref: ItemRun, reference) -> dict[str, Any]:
+def _item_record(loaded, policy, item, enc, spec, base, ref: ItemRun, reference, engine=None) -> dict[str, Any]:
     try:
-        run = ref if policy is reference else run_item(loaded, policy, item, enc, spec.query_aware)
+        run = ref if policy is reference else run_item(loaded, policy, item, enc, spec.query_aware, engine=engine)
         fid = answer_span_fidelity(run.tf_logits, item.answer_ids, ref.tf_logits, item.answer_start)
         extra = {"prediction": run.prediction, "references": list(item.references),
                  "first_margin": fid["first_margin"], "new_tokens": len(run.generated), **run.cache}

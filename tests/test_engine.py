@@ -166,3 +166,18 @@ def test_a_sweep_over_both_engines_keeps_the_hf_run_ids(tmp_path):
     with pytest.raises(ParamsError, match="engine"):
         check_params(parse_params({**base, "engine": ["fast"], "methods": [{"method": "hqq", "bits": [4]}]}),
                      check_device=False)
+
+
+@pytest.mark.slow
+def test_quality_on_the_fast_engine_replies_as_hf_does(smollm2):
+    """The greedy replies of a quality pass come from the fast engine; float32 CPU: the same."""
+    from kvlab.engine.fast import FastEngine
+    from kvlab.quality import TaskSpec, run_quality
+
+    spec = TaskSpec(tasks=["niah_single"], lengths=[512], depths=[0.5], samples=1)
+    policies = [make_policy("full"), make_policy("snapkv", keep=0.5, window_size=16)]
+    hf = run_quality(smollm2, policies, spec)
+    fast = run_quality(smollm2, policies, spec, engine=FastEngine(smollm2))
+    assert [r["prediction"] for r in hf] == [r["prediction"] for r in fast]
+    assert {r["engine"] for r in fast} == {"fast"} and {r["engine"] for r in hf} == {"hf"}
+    assert not {r["run_id"] for r in hf} & {r["run_id"] for r in fast}

@@ -42,6 +42,8 @@ def register(subparsers) -> None:
                    "(default: text that ships with Python)")
     p.add_argument("--continuation-tokens", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engine", choices=["hf", "fast"], default="hf",
+                   help="decode loop of the greedy replies: hf (transformers) or fast (static KV, CUDA graph)")
     p.add_argument("-o", "--out", required=True, help="output folder (records.jsonl, manifest.json, summary)")
     p.set_defaults(func=run)
 
@@ -94,6 +96,12 @@ def check_args(args):
                         "text: use a model with real weights (smollm2-135m, or a local folder with a tokenizer)")
     model_spec = get_spec(args.model)
     policies = policies_from_args(args, model_spec)
+    if args.engine == "fast":
+        from kvlab.engine.llama import check_model_type
+
+        check_model_type(model_spec.model_type)
+        for policy in policies:
+            policy.fast_storage()
     require(device_problem(args.device), weights_problem(args.model, args.weights))
     if args.dtype is not None and args.dtype not in DTYPES:
         raise UserError(f"--dtype {args.dtype!r} is not one of {', '.join(DTYPES)}")
@@ -114,9 +122,15 @@ def run(args) -> int:
                 "methods": [p.params() for p in policies], "status": "incomplete"}
     write_manifest(out, manifest)
     skip = recorded_run_ids(out, statuses={"ok"})  # a rerun resumes: items recorded ok are not rerun
+    engine = None
+    if args.engine == "fast":
+        from kvlab.engine.fast import FastEngine
+
+        engine = FastEngine(loaded)
     with RecordWriter(out / RECORDS_FILE) as writer:
         records = run_quality(loaded, policies, spec, writer, base={"sweep": out.name},
-                              progress=lambda msg: print(msg, file=sys.stderr, flush=True), skip=skip)
+                              progress=lambda msg: print(msg, file=sys.stderr, flush=True), skip=skip,
+                              engine=engine)
     failed = [r for r in records if r["status"] != "ok"]
     write_manifest(out, {**manifest, "status": "failed_runs" if failed else "complete"})
     summary = summarize(load_records(out, kind="quality"))

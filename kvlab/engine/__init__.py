@@ -12,13 +12,15 @@
 
 from __future__ import annotations
 
+from kvlab.errors import UserError
+
 ENGINES: dict[str, str] = {
     "hf": "transformers forward per decode step, the policy's transformers cache (today's stack)",
     "fast": "static KV buffers + one CUDA-graph replay per decode step, greedy argmax on the GPU",
 }
 
 
-class EngineError(ValueError):
+class EngineError(UserError):
     """An engine cannot run this model or policy; the message names the fix."""
 
 
