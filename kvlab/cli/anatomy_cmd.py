@@ -17,6 +17,8 @@ def register(sub) -> None:
     p.add_argument("--steps", type=int, default=8, help="profiled decode steps")
     p.add_argument("--warmup", type=int, default=2, help="unprofiled decode steps first")
     p.add_argument("--sdpa-backend", default="auto", help="pin torch's SDPA kernel: auto, cudnn, flash, efficient, math")
+    p.add_argument("--engine", choices=["hf", "fast"], default="hf",
+                   help="profile transformers' decode step (hf) or the fast engine's graph replays (fast)")
     p.add_argument("--json", action="store_true", help="print the long table as JSON records")
     p.set_defaults(func=run)
 
@@ -48,6 +50,12 @@ def check_args(args) -> dict[str, dict]:
     policies = [make_policy(method, **policy_params.get(method, {})) for method in args.methods]
     for policy in policies:
         policy.check(spec)
+        if args.engine == "fast":
+            policy.fast_storage()
+    if args.engine == "fast":
+        from kvlab.engine.llama import check_model_type
+
+        check_model_type(spec.model_type)
     require(*shape_problems(spec, args.device, None, args.ctx, 1, args.warmup + args.steps + 1,
                             ctx_key="--ctx", new_key="decode steps (--warmup + --steps + 1)",
                             compressions=compressions(policies)))
@@ -62,11 +70,21 @@ def run(args) -> int:
     policy_params = check_args(args)  # before the model loads
     loaded = load_model(args.model, weights=args.weights, device=args.device)
     with sdpa_context(args.sdpa_backend):
-        table, _ = anatomy.compare_methods(loaded, args.methods, args.ctx, policy_params, steps=args.steps,
-                                           warmup=args.warmup)
+        if args.engine == "fast":
+            from kvlab.engine.anatomy import fast_anatomy
+            from kvlab.engine.fast import FastEngine
+            from kvlab.policies import make_policy
+
+            engine = FastEngine(loaded, max_decoders=1)
+            table = anatomy.anatomy_table([
+                fast_anatomy(loaded, make_policy(m, **policy_params.get(m, {})), args.ctx, steps=args.steps,
+                             warmup=args.warmup, engine=engine) for m in args.methods])
+        else:
+            table, _ = anatomy.compare_methods(loaded, args.methods, args.ctx, policy_params, steps=args.steps,
+                                               warmup=args.warmup)
     if args.json:
         print(table.to_json(orient="records"))
     else:
-        print(f"{args.model} on {args.device}, ctx {args.ctx}: ms per decode step")
+        print(f"{args.model} on {args.device}, ctx {args.ctx}, engine {args.engine}: ms per decode step")
         print(anatomy.category_table(table).to_string())
     return 0

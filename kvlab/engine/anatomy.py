@@ -23,36 +23,51 @@ KERNEL_RULES: tuple[tuple[re.Pattern, str], ...] = (
 )
 
 
-def classify_kernel(name: str) -> str:
-    """Category of a kernel (or, on CPU, an op) of the fast step, by its name alone."""
-    for pattern, category in KERNEL_RULES:
-        if pattern.search(name):
-            return category
+def classify_kernel(name: str, chain: tuple[str, ...] = ()) -> str:
+    """Category of a kernel by its name (on CPU: of an op by its name, then its parents' names,
+    so matmuls inside the store's attention scope count as attention)."""
+    if "kvlab::attention" in chain:
+        return "attention"
+    for what in (name, *chain):
+        for pattern, category in KERNEL_RULES:
+            if pattern.search(what):
+                return category
     return "other ops"
 
 
-def step_breakdown(kernels: list[tuple[str, float]], wall_s: float, steps: int) -> tuple[dict[str, float], float]:
-    """``(name, us)`` pairs over ``steps`` steps -> (ms per step by category incl. the gap, busy ms)."""
+def step_breakdown(kernels: list[tuple], wall_s: float, steps: int) -> tuple[dict[str, float], float]:
+    """``(name, us[, parent names])`` over ``steps`` steps -> (ms per step by category incl. the gap,
+    busy ms)."""
     by = dict.fromkeys(CATEGORIES, 0.0)
-    for name, us in kernels:
-        by[classify_kernel(name)] += us / 1e3 / steps
+    for name, us, *chain in kernels:
+        by[classify_kernel(name, tuple(chain[0]) if chain else ())] += us / 1e3 / steps
     busy = sum(by.values())
     by[GAP] = max(0.0, wall_s * 1e3 / steps - busy)
     return by, busy
 
 
-def _kernels(profiler, on_device: bool) -> list[tuple[str, float]]:
+def _kernels(profiler, on_device: bool) -> list[tuple]:
     from torch.autograd import DeviceType
 
-    out = []
-    for evt in profiler.events():
-        if on_device and evt.device_type == DeviceType.CUDA:
-            out.append((evt.name, float(evt.device_time_total if hasattr(evt, "device_time_total")
-                                        else evt.cuda_time_total)))
-        elif not on_device and evt.device_type == DeviceType.CPU and not evt.is_async \
-                and not evt.name.startswith("ProfilerStep") and evt.self_cpu_time_total > 0:
-            out.append((evt.name, float(evt.self_cpu_time_total)))
-    return out
+    from kvlab.anatomy import op_times
+
+    if not on_device:  # eager ops with their parents (the attention scope)
+        return [(op.name, op.us, op.chain) for op in op_times(profiler.events(), on_device=False)]
+    return [(evt.name, float(getattr(evt, "device_time_total", None) or evt.cuda_time_total))
+            for evt in profiler.events() if evt.device_type == DeviceType.CUDA]
+
+
+def _scoped_attend(store):
+    """The store's ``attend`` inside a ``kvlab::attention`` profiler scope (eager steps only)."""
+    from torch.profiler import record_function
+
+    attend = store.attend
+
+    def scoped(*args, **kwargs):
+        with record_function("kvlab::attention"):
+            return attend(*args, **kwargs)
+
+    return scoped
 
 
 def fast_anatomy(loaded, policy, ctx: int, batch: int = 1, steps: int = 8, warmup: int = 2, engine=None,
@@ -75,7 +90,12 @@ def fast_anatomy(loaded, policy, ctx: int, batch: int = 1, steps: int = 8, warmu
         first = prefill(loaded.model, ids, cache)[:, -1].argmax(dim=-1)
         decoder.load(cache)
         del cache
-        decoder.decode(first, n_new, ctx, on_step=profiler.on_step)
+        if decoder.graph is None:
+            decoder.store.attend = _scoped_attend(decoder.store)
+        try:
+            decoder.decode(first, n_new, ctx, on_step=profiler.on_step)
+        finally:
+            decoder.store.__dict__.pop("attend", None)
     if profiler.t1 is None:
         raise RuntimeError(f"the profiler saw {profiler.count} of {profiler.total_steps} steps")
     by, busy = step_breakdown(_kernels(profiler.profiler, profiler.on_device), profiler.t1 - profiler.t0, steps)
