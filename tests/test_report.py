@@ -4,6 +4,7 @@ HTML export: code hidden, no CDN script, plotly.js embedded, an index of reports
 import json
 import math
 import re
+from pathlib import Path
 
 import nbformat
 import numpy as np
@@ -54,6 +55,12 @@ def test_bootstrap_ci_edge_cases():
     assert mean == 4.0 and math.isnan(lo) and math.isnan(hi)
     assert report.bootstrap_ci([2.0, float("nan"), 4.0])[0] == 3.0
     assert report.bootstrap_ci([5.0, 5.0, 5.0])[1:] == (5.0, 5.0)
+
+
+def test_one_bootstrap_ci_for_report_and_quality():
+    from kvlab import metrics
+
+    assert report.bootstrap_ci is metrics.bootstrap_ci
 
 
 def test_ratio_ci_of_exact_groups():
@@ -173,8 +180,8 @@ def test_project_path_resolves_from_anywhere(tmp_path, monkeypatch):
     monkeypatch.chdir(root / "notebooks")
     assert report.project_path("params/x.yaml") == root / "params/x.yaml"
     monkeypatch.chdir(tmp_path)
-    assert report.project_path(".") == report.Path(".")
-    assert report.project_path("/abs/path") == report.Path("/abs/path")
+    assert report.project_path(".") == Path(".")
+    assert report.project_path("/abs/path") == Path("/abs/path")
 
 
 def test_notebook_sweep_params_file_then_overrides(tmp_path):
