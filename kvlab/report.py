@@ -27,9 +27,13 @@ from kvlab.reporting.frames import (
     with_derived,
 )
 from kvlab.reporting.notebook_params import (
+    CPU_PARAMS_FILE,
+    GPU_DEFAULTS,
+    SweepDefaults,
     notebook_sweep_params,
     project_path,
     project_root,
+    sweep_defaults,
 )
 from kvlab.reporting.provenance import (
     MANIFEST_HEADLINES,
@@ -137,6 +141,10 @@ __all__ = [
     "summary_markdown",
     "sweep_manifests",
     "notebook_sweep_params",
+    "CPU_PARAMS_FILE",
+    "GPU_DEFAULTS",
+    "SweepDefaults",
+    "sweep_defaults",
     "project_path",
     "project_root",
     "execute_notebook",

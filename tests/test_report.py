@@ -194,6 +194,41 @@ def test_notebook_sweep_params_file_then_overrides(tmp_path):
         report.notebook_sweep_params(str(tmp_path / "missing.yaml"))
 
 
+def test_sweep_defaults_on_cuda_run_the_study_at_the_asked_context():
+    d = report.sweep_defaults({"ctx": 16384}, cuda_available=True)
+    assert d.params_file is None and d.values["device"] == "cuda"
+    assert d.values["models"] == ["llama-3.1-8b"] and d.values["weights"] == "synthetic"
+    assert d.values["time_budget_s"] <= 600 and "16384" in d.note
+    from kvlab.params import check_params, parse_params
+
+    params = parse_params({**d.values, "ctx": 16384})
+    assert params.ctx == [16384]
+    assert {v.method for _, v in check_params(params, check_device=False)} >= {"full", "snapkv", "quanto", "fp8"}
+
+
+def test_sweep_defaults_on_cpu_run_the_smoke_sweep_or_say_what_to_run():
+    d = report.sweep_defaults({"ctx": 1024}, cuda_available=False)
+    assert d.params_file == "params/smoke.yaml" and d.values == {"device": "cpu"}
+    with pytest.raises(report.ReportError, match=r"-p device cpu -p ctx 1024"):
+        report.sweep_defaults({"ctx": 16384}, cuda_available=False)
+    with pytest.raises(report.ReportError, match="needs a GPU"):  # cpu asked on a GPU machine
+        report.sweep_defaults({"ctx": 16384, "device": "cpu"}, cuda_available=True)
+    # the user's own models are theirs to size: no refusal
+    assert report.sweep_defaults({"ctx": 16384, "models": ["tiny-llama"]}, cuda_available=False).params_file
+
+
+def test_notebook_sweep_params_without_a_file_on_this_cpu(monkeypatch, capsys):
+    from kvlab.reporting import notebook_params
+
+    monkeypatch.setattr(notebook_params, "_cuda_available", lambda: False)
+    p = report.notebook_sweep_params(None, {"ctx": 512, "params_file": None})
+    assert p.models == ["smollm2-135m"] and p.device == "cpu" and p.ctx == [512] and p.name == "smoke"
+    assert "smoke sweep" in capsys.readouterr().out
+    monkeypatch.setattr(notebook_params, "_cuda_available", lambda: True)
+    p = report.notebook_sweep_params(None, {"ctx": 32768})
+    assert p.device == "cuda" and p.ctx == [32768] and p.models == ["llama-3.1-8b"]
+
+
 # --- HTML ---------------------------------------------------------------------------------
 
 
