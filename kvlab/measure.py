@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvlab.energy import NullSampler, Sampler, WindowResult
-from kvlab.hostload import host_delta, read_counters
+from kvlab.hostload import contention, host_delta, read_counters
 
 SDPA_BACKENDS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION",
                  "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
@@ -363,6 +363,9 @@ def measure_generation(
         "temp_end_c": res.temp_end_c,
         **{f"decode_{k}": v for k, v in host.items()},
     }
+    threads = torch.get_num_threads()
+    contended, why = contention(host, decode_s, threads, device)
+    record.update(threads=threads, contended=contended, contention=why or None)
     if probe:
         record["sdpa_kernel"] = _kernel_label(probe_prefill.kernels, probe_decode.kernels if probe_decode else [])
         record["decode_kernel_ms"] = (probe_decode.device_ms / n_probe

@@ -330,10 +330,11 @@ def run_sweep(
     loader = loader or load_model
     sampler_factory = sampler_factory or make_sampler
     variants = check_params(params, check_device=check_device)  # raises before any model loads
-    if params.threads is not None:
+    threads = pinned_threads(params)
+    if threads is not None:
         import torch
 
-        torch.set_num_threads(params.threads)
+        torch.set_num_threads(threads)  # recorded per run (``threads``) by kvlab.measure
     runs = expand(params, variants)
     out = Path(out_dir)
     sweep_name = params.name or out.name
@@ -408,7 +409,21 @@ def run_sweep(
                 sampler.close()
             manifest["status"] = "complete" if plan_pending == 0 else "incomplete"
             write_manifest(out, manifest)
+            _write_parquet(out, log)
     return summary
+
+
+def _write_parquet(out: Path, log) -> None:
+    """``records.parquet`` next to ``records.jsonl``, rewritten whole at the end of every sweep
+    invocation (JSONL stays the source of truth: it survives a kill mid-run; Parquet is for pandas)."""
+    from kvlab.records import write_parquet
+
+    if not (out / RECORDS_FILE).is_file():
+        return
+    try:
+        write_parquet(out)
+    except Exception as err:  # noqa: BLE001 - a convenience copy must not fail a finished sweep
+        log(f"kvlab sweep: records.parquet not written ({_short_error(err)}); records.jsonl has every run")
 
 
 def _quality_pass(params, variants, loader, writer, sweep_name, manifest, out, log) -> None:
@@ -596,6 +611,17 @@ def _measured_run(params, session, run, writers, summary, bar, budget, sweep_nam
     bar.set_postfix_str(f"{run.method} ctx={run.ctx} b={run.batch}", refresh=False)
     bar.update(1)
     budget.spent(time.monotonic() - started, measured=True)
+
+
+def pinned_threads(params: SweepParams) -> int | None:
+    """torch's thread count for a sweep: ``threads`` if set, else on CPU a stable number
+    (:func:`kvlab.hostload.cpu_threads`), so runs of one folder compare like with like; on a GPU
+    torch's default (the host thread mostly launches kernels)."""
+    from kvlab.hostload import cpu_threads
+
+    if params.threads is not None:
+        return params.threads
+    return None if str(params.device).startswith("cuda") else cpu_threads()
 
 
 def plan(params: SweepParams, out_dir: str | Path | None = None, check_device: bool = False) -> list[RunSpec]:

@@ -391,8 +391,8 @@ def test_load_study_collects_the_sweeps_of_a_campaign(campaign):
 def test_provenance_has_one_column_per_sweep(campaign):
     prov = report.study_provenance(campaign)
     assert list(prov.columns) == ["h200-16k", "h200-batch"]
-    assert prov.loc["runs", "h200-16k"] == "47 ok, 1 failed"
-    assert prov.loc["runs", "h200-batch"] == "8 ok, 1 failed"
+    assert prov.loc["runs", "h200-16k"] == "27 performance runs ok, 20 quality records ok, 1 failed"
+    assert prov.loc["runs", "h200-batch"] == "8 performance runs ok, 1 failed"
     assert prov.loc["manifest: params.batch", "h200-batch"] == "[4, 16, 32]"
     assert prov.loc["manifest: params.batch", "h200-16k"] == ""  # that sweep has no such param
     assert prov.loc["weights", "h200-batch"].startswith("synthetic")
@@ -544,6 +544,22 @@ def test_compression_pays_per_cell():
     first = table.iloc[0]
     assert (first["method"], first["runs (method/full)"], first["J/token / full"]) == ("quanto int4", "2/2",
                                                                                        "1.300 [1.300, 1.300]")
+
+
+def test_contended_runs_are_left_out_of_where_compression_pays():
+    records = pays_records()
+    records["contended"] = False
+    busy = pd.DataFrame([perf_row("quanto", "quanto int4", 16384, 1, j=13.0, itl=849.9, tps=1.0)]).assign(
+        contended=True)
+    pays = report.compression_pays(pd.concat([records, busy], ignore_index=True), n_boot=200)
+    int4 = pays[(pays["label"] == "quanto int4") & (pays["batch"] == 1)].iloc[0]
+    assert int4["j_per_token_ratio"] == pytest.approx(1.3) and int4["n"] == 2 and int4["n_contended"] == 1
+    assert "contended runs left out" in report.pays_table(pays).columns
+    only_busy = pd.DataFrame([perf_row("full", "full", 512, 1, j=1.0), perf_row("hqq", "hqq int4", 512, 1, j=1.0)]
+                             ).assign(contended=[False, True])
+    verdict = report.compression_pays(only_busy, n_boot=50)["verdict"].iloc[0]
+    assert verdict.startswith("every run contended")
+    assert "contended runs left out" not in report.pays_table(report.compression_pays(records, n_boot=50)).columns
 
 
 def test_energy_answer_one_sentence_per_cell():

@@ -9,6 +9,7 @@ import time
 import warnings
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import yaml
 
@@ -37,6 +38,15 @@ def ids_in(folder):
 
 
 # --- params ----------------------------------------------------------------------------------
+
+
+def test_cpu_sweeps_pin_a_stable_thread_count():
+    from kvlab.hostload import cpu_threads
+    from kvlab.sweep import pinned_threads
+
+    assert pinned_threads(tiny_params(threads=3)) == 3
+    assert pinned_threads(tiny_params(threads=None)) == cpu_threads()
+    assert pinned_threads(tiny_params(threads=None, device="cuda")) is None
 
 
 def test_scalars_become_lists_and_files_validate():
@@ -139,6 +149,10 @@ def test_sweep_records_every_run_once_and_a_rerun_does_nothing(tmp_path):
     inv = manifest["invocations"][0]
     assert inv["env_start"]["packages"]["torch"] and inv["env_end"]["taken_at"]
     assert inv["energy_source"].startswith("none")
+
+    assert set(df.threads) == {1} and df.contended.map(lambda v: v in (True, False, None)).all()
+    parquet = pd.read_parquet(tmp_path / "records.parquet")  # the pandas copy, next to the JSONL
+    assert sorted(parquet.run_id) == sorted(df.run_id) and "itl_ms" in parquet.columns
 
     again = run_sweep(p, tmp_path, progress=False, log=lambda m: None)
     assert (again.already_done, again.ok, again.failed, again.pending) == (total, 0, 0, 0)

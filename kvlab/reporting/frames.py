@@ -173,6 +173,14 @@ def _ok(df: pd.DataFrame) -> pd.Series:
     return df["status"] == "ok" if "status" in df.columns else pd.Series(True, index=df.index)
 
 
+def contended_mask(df: pd.DataFrame) -> pd.Series:
+    """True for runs flagged ``contended`` (other work took the CPU while they decoded: their
+    times say more about the neighbours than about the method); False where unflagged or unknown."""
+    if "contended" not in df.columns:
+        return pd.Series(False, index=df.index)
+    return df["contended"].map(lambda v: v is True or v == 1.0 or v is np.True_).astype(bool)
+
+
 def smallest_batch(records: pd.DataFrame) -> int | None:
     if records.empty or "batch" not in records.columns or records["batch"].isna().all():
         return None

@@ -7,7 +7,7 @@ from typing import Any
 
 import pandas as pd
 
-from kvlab.reporting.frames import SYNTHETIC_NOTE
+from kvlab.reporting.frames import SYNTHETIC_NOTE, contended_mask
 
 
 def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
@@ -45,6 +45,18 @@ def _compact_key(key: str) -> bool:
     return key.startswith("params.") or ("." not in key and "[" not in key and key != "run_ids")
 
 
+def run_counts(records: pd.DataFrame) -> str:
+    """'20 performance runs ok, 10 quality records ok, 0 failed (2 contended)': the counts of the
+    report's opening line, split by kind so they add up (a kind with none is left out)."""
+    ok = records["status"] == "ok" if "status" in records.columns else pd.Series(True, index=records.index)
+    kind = records["kind"] if "kind" in records.columns else pd.Series("perf", index=records.index)
+    parts = [f"{n} {what} ok" for what, n in (("performance runs", int((ok & (kind == "perf")).sum())),
+                                              ("quality records", int((ok & (kind == "quality")).sum()))) if n]
+    text = ", ".join([*parts, f"{int((~ok).sum())} failed"])
+    busy = int((contended_mask(records) & ok & (kind == "perf")).sum())
+    return text + (f" ({busy} contended)" if busy else "")
+
+
 def provenance(manifest: dict, records: pd.DataFrame, full: bool = False) -> pd.DataFrame:
     """A ``value`` column indexed by ``item``: what ran where, weights first, then the manifest.
 
@@ -65,8 +77,7 @@ def provenance(manifest: dict, records: pd.DataFrame, full: bool = False) -> pd.
         if v is not None:
             rows.append((name, v))
     if "status" in records.columns:
-        rows.append(("runs", f"{int((records['status'] == 'ok').sum())} ok, "
-                             f"{int((records['status'] != 'ok').sum())} failed"))
+        rows.append(("runs", run_counts(records)))
     flat = _flatten(manifest)
     if not flat:
         rows.append(("manifest", "manifest.json missing: driver and versions unknown"))

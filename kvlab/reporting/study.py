@@ -13,7 +13,13 @@ import pandas as pd
 
 from kvlab.reporting import ReportError
 from kvlab.reporting.anatomy_files import load_anatomy
-from kvlab.reporting.frames import SYNTHETIC_NOTE, failed_records, perf_records, quality_records
+from kvlab.reporting.frames import (
+    SYNTHETIC_NOTE,
+    contended_mask,
+    failed_records,
+    perf_records,
+    quality_records,
+)
 from kvlab.reporting.provenance import _unique, provenance, provenance_by_sweep
 
 
@@ -92,6 +98,11 @@ def summary_markdown(study: Study) -> str:
     lines = [f"**Sweep folder:** `{study.folder.name or study.folder.resolve().name}` · "
              f"{len(perf)} performance runs, {len(quality)} quality records, "
              f"{len(failed_records(rec))} failed"]
+    busy = int(contended_mask(perf).sum())
+    if busy:
+        lines.append(f"**contended:** {busy} of {len(perf)} performance runs were measured while other "
+                     f"processes took the CPU (involuntary switches, CPU share or steal: "
+                     f"`kvlab.hostload.contention`); they are left out of *where compression pays*")
     for col, name in (("model", "model"), ("device", "device"), ("gpu_name", "GPU"),
                       ("energy_source", "energy source")):
         v = _unique(rec, col)

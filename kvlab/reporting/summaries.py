@@ -11,7 +11,15 @@ import pandas as pd
 
 from kvlab.metrics import bootstrap_ci
 from kvlab.plots import ci_text, fmt_ctx
-from kvlab.reporting.frames import DEFAULT_CTX, _ok, all_perf_records, perf_records, pick_ctx, smallest_batch
+from kvlab.reporting.frames import (
+    DEFAULT_CTX,
+    _ok,
+    all_perf_records,
+    contended_mask,
+    perf_records,
+    pick_ctx,
+    smallest_batch,
+)
 from kvlab.reporting.stats import _ordered, format_ci, method_summary, ratio_ci
 
 STUDY_METRICS = {
@@ -247,27 +255,36 @@ def compression_pays(records: pd.DataFrame, baseline: str = "full", metrics: Seq
     """For every measured (ctx, batch) cell, each method's metrics over the full cache's in the same
     cell: ratio of means with a bootstrap CI (``{metric}_ratio``, ``_lo``, ``_hi``) and a
     ``verdict`` on J/token (:func:`pays_verdict`). A method that failed in a cell, or ran where the
-    full cache failed (that is where compression pays in capacity), gets a row saying so."""
+    full cache failed (that is where compression pays in capacity), gets a row saying so. Runs
+    flagged ``contended`` (measured while other work took the CPU: :func:`kvlab.hostload.contention`)
+    are left out of every ratio and counted in ``n_contended``."""
     metrics = list(metrics or PAYS_METRICS)
     perf = all_perf_records(records)
     within = [c for c in ("model", "ctx", "batch") if c in perf.columns]
     ratio_cols = [f"{m}_ratio{s}" for m in metrics for s in ("", "_lo", "_hi")]
     if perf.empty or "method" not in perf.columns or not {"ctx", "batch"} <= set(within):
-        return pd.DataFrame(columns=["label", "ctx", "batch", "n", "n_base", *ratio_cols, "verdict"])
-    cols = ["label", *within, "n", "n_base", *ratio_cols, "verdict"]
+        return pd.DataFrame(columns=["label", "ctx", "batch", "n", "n_base", "n_contended", *ratio_cols, "verdict"])
+    cols = ["label", *within, "n", "n_base", "n_contended", *ratio_cols, "verdict"]
     rows = []
     for keys, cell in perf.groupby(within, sort=True):
         where = dict(zip(within, keys if isinstance(keys, tuple) else (keys,), strict=True))
         ok = _ok(cell)
+        busy = contended_mask(cell)
         is_base = cell["method"] == baseline
-        base = cell[is_base & ok]
+        base = cell[is_base & ok & ~busy]
         base_failed = cell[is_base & ~ok]
         for label, g in cell[~is_base].groupby("label", sort=False):
-            g_ok = g[_ok(g)]
-            row: dict[str, Any] = {"label": label, **where, "n": len(g_ok), "n_base": len(base)}
+            g_ok = g[_ok(g) & ~busy[g.index]]
+            n_busy = int((busy[g.index] & _ok(g)).sum() + (busy & is_base & ok).sum())
+            row: dict[str, Any] = {"label": label, **where, "n": len(g_ok), "n_base": len(base),
+                                   "n_contended": n_busy}
             row.update(dict.fromkeys(ratio_cols, math.nan))
-            if g_ok.empty:
+            if g_ok.empty and n_busy and _ok(g).any():
+                row["verdict"] = "every run contended (other processes took the CPU): left out"
+            elif g_ok.empty:
                 row["verdict"] = failure_text(g["error"] if "error" in g.columns else [])
+            elif base.empty and (busy & is_base & ok).any():
+                row["verdict"] = f"every {baseline} run contended (other processes took the CPU): no ratio"
             elif base.empty:
                 row["verdict"] = (f"ran where {baseline} " + failure_text(base_failed.get("error", []))
                                   if not base_failed.empty else f"no {baseline} run in this cell")
@@ -297,6 +314,8 @@ def pays_table(pays: pd.DataFrame, metrics: dict[str, str] | None = None) -> pd.
         if f"{m}_ratio" in pays.columns:
             out[f"{title} / full"] = [ci_text(r[f"{m}_ratio"], r[f"{m}_ratio_lo"], r[f"{m}_ratio_hi"])
                                       for r in pays.to_dict("records")]
+    if "n_contended" in pays.columns and pays["n_contended"].fillna(0).astype(int).gt(0).any():
+        out["contended runs left out"] = pays["n_contended"].fillna(0).astype(int).to_numpy()
     out["verdict (J/token)"] = pays["verdict"].to_numpy()
     return out.sort_values(["ctx", "batch"], kind="stable").reset_index(drop=True)
 
