@@ -393,7 +393,9 @@ def run_sweep(
                     session.policies.clear()
                     _release_memory(params.device)
             if params.quality is not None and not budget.reason:
-                _quality_pass(params, variants, loader, writers[RECORDS_FILE], sweep_name, manifest, out, log)
+                bar.close()  # the quality pass draws its own bar
+                _quality_pass(params, variants, loader, writers[RECORDS_FILE], sweep_name, manifest, out, log,
+                              progress)
         finally:
             bar.close()
             for w in writers.values():
@@ -426,14 +428,14 @@ def _write_parquet(out: Path, log) -> None:
         log(f"kvlab sweep: records.parquet not written ({_short_error(err)}); records.jsonl has every run")
 
 
-def _quality_pass(params, variants, loader, writer, sweep_name, manifest, out, log) -> None:
+def _quality_pass(params, variants, loader, writer, sweep_name, manifest, out, log, progress=True) -> None:
     """Quality records for every model and method, once per model (marked done in the manifest).
 
     A pass killed midway reruns whole; its records have stable run ids, so ``load_records`` keeps
     one copy of each.
     """
     from kvlab.policies import make_policy
-    from kvlab.quality import TaskSpec, run_quality
+    from kvlab.quality import TaskSpec, quality_notes, run_quality
 
     done = manifest.setdefault("quality_done", {})
     spec = TaskSpec(**params.quality)
@@ -448,7 +450,10 @@ def _quality_pass(params, variants, loader, writer, sweep_name, manifest, out, l
                         seed=params.seed, attn_implementation=params.attn_implementation)
         try:
             policies = [make_policy(v.method, **v.kwargs) for _, v in variants]
-            run_quality(loaded, policies, spec, out_writer=writer, base={"sweep": sweep_name})
+            records = run_quality(loaded, policies, spec, out_writer=writer, base={"sweep": sweep_name},
+                                  progress_bar=progress)
+            for note in quality_notes(records):
+                log(f"kvlab sweep: note: {note}")
         finally:
             del loaded
             _release_memory(params.device)

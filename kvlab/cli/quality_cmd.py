@@ -53,7 +53,7 @@ def policies_from_args(args) -> list:
 
 def run(args) -> int:
     from kvlab.models import load_model
-    from kvlab.quality import TaskSpec, run_quality, summarize
+    from kvlab.quality import TaskSpec, quality_notes, run_quality, summarize
     from kvlab.records import RECORDS_FILE, RecordWriter, write_manifest
 
     spec = TaskSpec(tasks=args.tasks, lengths=args.lengths, depths=args.depths, samples=args.samples,
@@ -68,14 +68,15 @@ def run(args) -> int:
     write_manifest(out, {"kind": "quality", "model": loaded.provenance(), "task_spec": spec.model_dump(),
                          "methods": [p.params() for p in policies]})
     with RecordWriter(out / RECORDS_FILE) as writer:
-        records = run_quality(loaded, policies, spec, writer, base={"sweep": out.name},
-                              progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+        records = run_quality(loaded, policies, spec, writer, base={"sweep": out.name}, progress_bar=True)
     summary = summarize(records)
     if not summary.empty:
         summary.to_csv(out / "quality_summary.csv", index=False)
         cols = [c for c in ("task", "length", "label", "n", "no_signal", "score", "score_diff", "gold_nll",
                             "kl", "top1_agree") if c in summary.columns]
         print(summary[cols].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    for note in quality_notes(records):
+        print(f"note: {note}")
     failed = [r for r in records if r["status"] != "ok"]
     for r in failed[:5]:
         print(f"failed: {r['label']} {r['task']} L={r['length']}: {r['error']}", file=sys.stderr)
