@@ -124,3 +124,29 @@ def cpu_threads() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not Linux
         return max(1, os.cpu_count() or 1)
+
+
+def parse_peak_rss(proc_status: str) -> int | None:
+    """``VmHWM`` (peak resident set size) from /proc/<pid>/status, in bytes."""
+    for line in proc_status.splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+def reset_peak_rss() -> bool:
+    """Start a new peak-RSS window (Linux: writing 5 to /proc/self/clear_refs resets VmHWM to the
+    current RSS). False where it cannot: the peak then spans the process's life, so callers drop it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def peak_rss_bytes() -> int | None:
+    """The process's peak RSS since :func:`reset_peak_rss` (CPU runs' "peak memory": weights, cache,
+    activations and the interpreter), or None off Linux."""
+    status = _read("/proc/self/status")
+    return parse_peak_rss(status) if status else None

@@ -200,11 +200,12 @@ def ci_text(v, lo, hi) -> str:
 
 
 def relative_to_baseline(rel: pd.DataFrame, metric_title: str = "J/token",
-                         baseline: str = "full") -> go.Figure:
-    """Each method's metric over the baseline's (1.0 = same), with CIs and "+35%" labels."""
+                         baseline: str = "full", why: str | None = None) -> go.Figure:
+    """Each method's metric over the baseline's (1.0 = same), with CIs and "+35%" labels; ``why``
+    says why there is no data (e.g. the recorded energy source), when known."""
     title = f"{metric_title} relative to {baseline}"
     if not _has(rel, "ratio"):
-        return empty_figure(title, f"no {metric_title} data (no energy counter on this device?)")
+        return empty_figure(title, why or f"no {metric_title} data in these records")
     rel = rel.dropna(subset=["ratio"])
     x = rel["label"].astype(str)
     if "ctx" in rel.columns and rel["ctx"].nunique() > 1:
@@ -223,11 +224,11 @@ def relative_to_baseline(rel: pd.DataFrame, metric_title: str = "J/token",
 
 
 def energy_vs_memory(records: pd.DataFrame, energy: str = "j_per_token",
-                     memory: str = "peak_mem_bytes") -> go.Figure:
+                     memory: str = "peak_mem_bytes", why: str | None = None) -> go.Figure:
     """One point per run: peak memory against J/token; good methods sit bottom-left."""
     title = "Energy vs memory per run"
     if not _has(records, energy):
-        return empty_figure(title, f"no {energy} data (no energy counter on this device?)")
+        return empty_figure(title, why or f"no {energy} data in these records")
     if not _has(records, energy, memory):
         return empty_figure(title, f"no {memory} data")
     df = records.dropna(subset=[energy, memory])
@@ -280,15 +281,32 @@ def token_latency_series(records: pd.DataFrame, ctx: int | None = None) -> go.Fi
     return fig
 
 
-def quality_vs_keep(summary: pd.DataFrame, metric: str = "score", key: str = "method") -> go.Figure:
-    """Task score against keep ratio, one line per method, one panel per task."""
+def quality_vs_keep(summary: pd.DataFrame, metric: str = "score", key: str | None = None) -> go.Figure:
+    """Task score against keep ratio, one line per method, one panel per task. When no method ran
+    at two keep ratios, one bar per method instead: lines would stack every method on one or two x
+    positions (the full cache and the quantized caches all keep 1.0)."""
     title = "Quality vs keep ratio"
     if not _has(summary, metric, "keep"):
         return empty_figure(title, "no quality records in this folder")
+    if key is None:  # a method that ran at several keeps is one line; else its label (quanto int4, int2)
+        several = summary.groupby("method")["keep"].transform("nunique") > 1 if "method" in summary else None
+        summary = summary.assign(series=summary["method"].where(several, summary["label"])
+                                 if "label" in summary.columns and several is not None else summary.get("method"))
+        key = "series"
     tasks = list(dict.fromkeys(summary["task"])) if "task" in summary.columns else [None]
     fig = make_subplots(rows=1, cols=len(tasks), shared_yaxes=True,
                         subplot_titles=[str(t) for t in tasks] if tasks != [None] else None)
     colors = color_map(summary[key])
+    if summary.groupby(key)["keep"].nunique().max() < 2:
+        for i, task in enumerate(tasks, start=1):
+            part = summary if task is None else summary[summary["task"] == task]
+            fig.add_trace(go.Bar(x=part[key].astype(str), y=part[metric], error_y=_error_y(part, metric),
+                                 marker_color=[colors[str(n)] for n in part[key]], showlegend=False,
+                                 text=[f"{v:.2f}" for v in part[metric]], textposition="outside",
+                                 cliponaxis=False), row=1, col=i)
+        fig.update_yaxes(title_text=metric.replace("_", " "), row=1, col=1)
+        fig.update_layout(title="Quality per method (each at one keep ratio)", margin=dict(t=80))
+        return fig
     for i, task in enumerate(tasks, start=1):
         part_t = summary if task is None else summary[summary["task"] == task]
         for name, part in part_t.sort_values("keep").groupby(key, sort=False):
@@ -386,13 +404,13 @@ def batch_scaling(summary: pd.DataFrame, metrics: dict[str, str], title: str = "
 
 
 def compression_pays(pays: pd.DataFrame, metric: str = "j_per_token", metric_title: str = "J/token",
-                     baseline: str = "full") -> go.Figure:
+                     baseline: str = "full", why: str | None = None) -> go.Figure:
     """Heatmap of each method's ``metric`` over the full cache's per (ctx, batch) cell: blue below
     1 (compression pays), red above; cells show the change with its CI, or why there is none."""
     title = f"Where compression pays: {metric_title} relative to {baseline}"
     col = f"{metric}_ratio"
     if not _has(pays, col):
-        return empty_figure(title, f"no {metric_title} ratios (no energy counter on this device?)")
+        return empty_figure(title, why or f"no {metric_title} ratios in these records")
     df = pays.sort_values(["ctx", "batch"], kind="stable")
     cells = list(dict.fromkeys(zip(df["ctx"], df["batch"], strict=True)))
     x = [f"{fmt_ctx(c)} · b{int(b)}" for c, b in cells]

@@ -2,6 +2,7 @@
 lives in :mod:`kvlab.reporting`, one module per job."""
 
 from kvlab.metrics import bootstrap_ci
+from kvlab.quality import quality_notes
 from kvlab.reporting import ReportError
 from kvlab.reporting.anatomy_files import (
     ANATOMY_HINT,
@@ -16,9 +17,12 @@ from kvlab.reporting.frames import (
     GB,
     SYNTHETIC_NOTE,
     all_perf_records,
+    contended_mask,
     decode_throughput,
+    energy_missing,
     failed_records,
     fill_labels,
+    memory_note,
     method_label,
     perf_records,
     pick_ctx,
@@ -76,19 +80,27 @@ from kvlab.reporting.summaries import (
     energy_answer,
     failure_text,
     headline,
+    pays_metric,
     pays_table,
     pays_verdict,
     pick_batch_ctx,
     quality_summary,
     relative_to_baseline,
     rows_or_none,
+    rows_or_say,
     study_summary,
     sweep_summary,
     tenhz_gap,
 )
 
 __all__ = [
+    "rows_or_say",
+    "pays_metric",
+    "energy_missing",
+    "memory_note",
+    "contended_mask",
     "bootstrap_ci",
+    "quality_notes",
     "ReportError",
     "all_perf_records",
     "decode_throughput",

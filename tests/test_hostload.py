@@ -68,3 +68,19 @@ def test_cpu_threads_is_a_positive_stable_number():
     from kvlab.hostload import cpu_threads
 
     assert cpu_threads() >= 1 and cpu_threads() == cpu_threads()
+
+
+def test_peak_rss_is_read_from_vmhwm_and_resets_to_the_current_rss():
+    from kvlab.hostload import parse_peak_rss, peak_rss_bytes, reset_peak_rss
+
+    assert parse_peak_rss("VmPeak:\t 999 kB\nVmHWM:\t  2048 kB\nVmRSS:\t 1024 kB\n") == 2048 * 1024
+    assert parse_peak_rss("Name: x\n") is None
+    if not reset_peak_rss():
+        pytest.skip("no /proc/self/clear_refs here")
+    before = peak_rss_bytes()
+    block = bytearray(64 * 1024 * 1024)  # touch 64 MiB
+    block[::4096] = b"x" * len(block[::4096])
+    grown = peak_rss_bytes()
+    del block
+    assert grown - before >= 60 * 1024 * 1024
+    assert reset_peak_rss() and peak_rss_bytes() < grown

@@ -20,7 +20,7 @@ from synthetic_records import (
     write_fake_sweep,
 )
 
-from kvlab import report, viz
+from kvlab import plots, report, viz
 from kvlab.records import PERF_COLUMNS
 
 OOM = "RuntimeError: warm-up failed: OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
@@ -573,7 +573,7 @@ def test_energy_answer_one_sentence_per_cell():
     ]
     no_energy = pays_records().assign(j_per_token=None)
     assert report.energy_answer(report.compression_pays(no_energy, n_boot=50))[0] == \
-        "quanto int4 at 16k, batch 1: no J/token (no energy counter?)"
+        "quanto int4 at 16k, batch 1: no J/token recorded"
     assert report.energy_answer(report.compression_pays(pays_records(), n_boot=50), "int2") == \
         ["no 'int2' runs in this folder"]
 
@@ -653,7 +653,11 @@ def test_new_sections_degrade_with_a_sentence(case):
     if case == "cpu-like":
         assert set(pays["verdict"]) == {"no J/token data", "failed: OOM"}  # ITL and tokens/s ratios still there
         assert pays["itl_median_ms_ratio"].notna().sum() == 6
-        assert lines[0] == "quanto int4 at 1k, batch 1: no J/token (no energy counter?)"
+        why = report.energy_missing(records)
+        assert why == "no energy measured: no NVML counter (fake)"  # the reason the runs recorded
+        assert report.energy_answer(pays, why=why)[0] == f"quanto int4 at 1k, batch 1: {why}"
+        assert report.pays_metric(pays) == ("itl_median_ms", "time between tokens")
+        assert not plots.is_empty(plots.compression_pays(pays, *report.pays_metric(pays)))
     else:
         assert pays.empty and report.rows_or_none(report.pays_table(pays)) is None
         assert lines == ["no 'int4' runs in this folder"]

@@ -149,14 +149,19 @@ def fill_labels(df: pd.DataFrame) -> pd.Series:
     return out
 
 
-def pick_ctx(records: pd.DataFrame, ctx: int = DEFAULT_CTX) -> tuple[int | None, str]:
-    """The context to tabulate: ``ctx`` if measured, else the nearest measured one (and a note)."""
+def pick_ctx(records: pd.DataFrame, ctx: int | None = None) -> tuple[int | None, str]:
+    """The context to tabulate: ``ctx`` if measured, else the nearest measured one (and a note).
+    Unasked (None): the study's 16k if measured, else the nearest measured, and the caption names
+    only what was measured."""
     if records.empty or "ctx" not in records.columns:
         return None, "no records"
     available = sorted(int(c) for c in records["ctx"].dropna().unique())
-    if ctx in available:
-        return ctx, f"ctx {ctx}"
-    nearest = min(available, key=lambda c: (abs(math.log(c / ctx)), -c))
+    target = DEFAULT_CTX if ctx is None else ctx
+    if target in available:
+        return target, f"ctx {target}"
+    nearest = min(available, key=lambda c: (abs(math.log(c / target)), -c))
+    if ctx is None:
+        return nearest, f"ctx {nearest}"
     return nearest, f"ctx {nearest} ({ctx} was not measured; measured: {', '.join(map(str, available))})"
 
 
@@ -171,6 +176,27 @@ def all_perf_records(records: pd.DataFrame) -> pd.DataFrame:
 
 def _ok(df: pd.DataFrame) -> pd.Series:
     return df["status"] == "ok" if "status" in df.columns else pd.Series(True, index=df.index)
+
+
+def energy_missing(records: pd.DataFrame) -> str | None:
+    """Why a folder has no energy numbers, from what its runs recorded (``energy_source``: e.g.
+    "none: device 'cpu' has no NVML energy counter"); None when some run has J/token."""
+    if "j_per_token" in records.columns and pd.to_numeric(records["j_per_token"], errors="coerce").notna().any():
+        return None
+    sources = [str(s) for s in dict.fromkeys(records.get("energy_source", pd.Series(dtype=object)).dropna())]
+    reasons = [s.split(":", 1)[1].strip() for s in sources if s.startswith("none:")]
+    if reasons:
+        return "no energy measured: " + "; ".join(reasons)
+    return "no energy measured: these records have no energy_source" if not sources else "no J/token recorded"
+
+
+def memory_note(records: pd.DataFrame) -> str | None:
+    """What "peak memory" means in these records when it is not the CUDA allocator's peak."""
+    sources = set(records["peak_mem_source"].dropna()) if "peak_mem_source" in records.columns else set()
+    if any("RSS" in str(s) for s in sources):
+        return ("peak memory on CPU is the process's peak resident set size over each run: the weights, "
+                "the cache, activations and the Python process itself")
+    return None
 
 
 def contended_mask(df: pd.DataFrame) -> pd.Series:

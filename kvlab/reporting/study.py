@@ -17,6 +17,7 @@ from kvlab.reporting.frames import (
     SYNTHETIC_NOTE,
     contended_mask,
     failed_records,
+    memory_note,
     perf_records,
     quality_records,
 )
@@ -103,11 +104,14 @@ def summary_markdown(study: Study) -> str:
         lines.append(f"**contended:** {busy} of {len(perf)} performance runs were measured while other "
                      f"processes took the CPU (involuntary switches, CPU share or steal: "
                      f"`kvlab.hostload.contention`); they are left out of *where compression pays*")
-    for col, name in (("model", "model"), ("device", "device"), ("gpu_name", "GPU"),
-                      ("energy_source", "energy source")):
+    for col, name in (("model", "model"), ("device", "device"), ("gpu_name", "GPU"), ("dtype", "dtype"),
+                      ("threads", "torch threads"), ("energy_source", "energy source")):
         v = _unique(rec, col)
         if v:
             lines.append(f"**{name}:** {v}")
+    note = memory_note(perf)
+    if note:
+        lines.append(f"**peak memory:** {note}")
     if study.manifests:
         counts = rec["sweep_dir"].value_counts() if "sweep_dir" in rec.columns else pd.Series(dtype=int)
         lines.append("**sweeps:** " + ", ".join(f"`{name}` ({int(counts.get(name, 0))} records)"

@@ -77,7 +77,7 @@ def headline(rel: pd.DataFrame, metric_title: str = "J/token", baseline: str = "
 
 
 
-def study_summary(records: pd.DataFrame, ctx: int = DEFAULT_CTX, metrics: dict[str, str] | None = None,
+def study_summary(records: pd.DataFrame, ctx: int | None = None, metrics: dict[str, str] | None = None,
                   **boot) -> tuple[pd.DataFrame, int | None, str]:
     """The study table at one context (nearest measured if absent, smallest batch measured there):
     the summary frame, the context used and a caption saying which."""
@@ -99,7 +99,7 @@ def quality_summary(quality: pd.DataFrame, metric: str = "score", **boot) -> pd.
         return pd.DataFrame(columns=["task", "method", "keep", "n", metric, f"{metric}_lo", f"{metric}_hi"])
     q = quality.copy()
     q["keep"] = pd.to_numeric(q["keep"], errors="coerce").fillna(1.0) if "keep" in q.columns else 1.0
-    by = [c for c in ("task", "method", "keep") if c in q.columns]
+    by = [c for c in ("task", "method", "label", "keep") if c in q.columns]  # label: int4 apart from int2
     return method_summary(q, [metric], by=by, **boot)
 
 
@@ -175,7 +175,7 @@ def context_summary(records: pd.DataFrame, metrics: Sequence[str] | None = None,
     return method_summary(at, metrics, by=["label", "ctx"], **boot), caption
 
 
-def pick_batch_ctx(records: pd.DataFrame, ctx: int = DEFAULT_CTX) -> tuple[int | None, str]:
+def pick_batch_ctx(records: pd.DataFrame, ctx: int | None = None) -> tuple[int | None, str]:
     """The context of the batch section: ``ctx`` if several batches ran there, else the context
     with the most batch sizes (nearest to ``ctx`` on ties); None and why when no context has two."""
     if records.empty or not {"ctx", "batch"} <= set(records.columns):
@@ -186,13 +186,16 @@ def pick_batch_ctx(records: pd.DataFrame, ctx: int = DEFAULT_CTX) -> tuple[int |
         batches = sorted(int(b) for b in records["batch"].dropna().unique())
         return None, (f"one batch size per context (batch {', '.join(map(str, batches))}): "
                       f"no batch scaling in this folder")
-    if ctx in several:
-        return ctx, f"ctx {ctx}"
-    best = min(several, key=lambda c: (-several[c], abs(math.log(c / ctx)), -c))
+    target = DEFAULT_CTX if ctx is None else ctx
+    if target in several:
+        return target, f"ctx {target}"
+    best = min(several, key=lambda c: (-several[c], abs(math.log(c / target)), -c))
+    if ctx is None:
+        return best, f"ctx {best} (the context with the most batch sizes)"
     return best, f"ctx {best} (the context with the most batch sizes; {ctx} has fewer than two)"
 
 
-def batch_summary(records: pd.DataFrame, ctx: int = DEFAULT_CTX, metrics: Sequence[str] | None = None,
+def batch_summary(records: pd.DataFrame, ctx: int | None = None, metrics: Sequence[str] | None = None,
                   **boot) -> tuple[pd.DataFrame, int | None, str]:
     """Per (method, batch) at one context (:func:`pick_batch_ctx`), mean and CI per metric, with
     a ``status``: methods measured at one batch only are left out, and a (method, batch) whose runs
@@ -229,6 +232,23 @@ def batch_summary(records: pd.DataFrame, ctx: int = DEFAULT_CTX, metrics: Sequen
         caption += ("; new tokens per sequence differ (" + ", ".join(f"batch {b}: {t}" for b, t in per_batch.items())
                     + "): J/token includes the prefill, so compare decode J/token across batches")
     return _ordered(summary), chosen, caption
+
+
+def rows_or_say(table: pd.DataFrame, sentence: str) -> pd.DataFrame | None:
+    """The table, or (printed) ``sentence`` when it has no rows: no empty header in the report."""
+    if table is None or table.empty:
+        print(sentence)
+        return None
+    return table
+
+
+def pays_metric(pays: pd.DataFrame) -> tuple[str, str]:
+    """The metric the *where compression pays* chart colours: J/token where energy was measured,
+    else time between tokens (a CPU run has no energy counter)."""
+    col = "j_per_token_ratio"
+    if col in pays.columns and pd.to_numeric(pays[col], errors="coerce").notna().any():
+        return "j_per_token", "J/token"
+    return "itl_median_ms", "time between tokens"
 
 
 def rows_or_none(table: pd.DataFrame) -> pd.DataFrame | None:
@@ -320,8 +340,9 @@ def pays_table(pays: pd.DataFrame, metrics: dict[str, str] | None = None) -> pd.
     return out.sort_values(["ctx", "batch"], kind="stable").reset_index(drop=True)
 
 
-def energy_answer(pays: pd.DataFrame, pattern: str = "int4", baseline: str = "full") -> list[str]:
-    """The int4-vs-bf16 question in sentences, one per (ctx, batch) cell, from
+def energy_answer(pays: pd.DataFrame, pattern: str = "int4", baseline: str = "full",
+                  why: str | None = None) -> list[str]:
+    """The int4-vs-full-cache question in sentences, one per (ctx, batch) cell, from
     :func:`compression_pays`: 'quanto int4 used +35% J/token vs full at 16k, batch 1 (95% CI +30%
     to +41%, 3 vs 3 runs): more energy than the full cache'. ``pattern`` picks the labels."""
     rows = pays[pays["label"].astype(str).str.contains(pattern, regex=False)] if not pays.empty else pays
@@ -332,7 +353,7 @@ def energy_answer(pays: pd.DataFrame, pattern: str = "int4", baseline: str = "fu
         where = f"at {fmt_ctx(r['ctx'])}, batch {int(r['batch'])}"
         ratio, lo, hi = r["j_per_token_ratio"], r["j_per_token_ratio_lo"], r["j_per_token_ratio_hi"]
         if ratio is None or math.isnan(ratio):
-            reason = r["verdict"] if r["verdict"] != "no J/token data" else "no J/token (no energy counter?)"
+            reason = r["verdict"] if r["verdict"] != "no J/token data" else (why or "no J/token recorded")
             lines.append(f"{r['label']} {where}: {reason}")
             continue
         runs = f"{int(r['n'])} vs {int(r['n_base'])} runs"
