@@ -104,8 +104,9 @@ def fmt_ctx(ctx: float) -> str:
 
 
 def cache_vs_context(table: pd.DataFrame, free_bytes: float | None = None,
-                     gpu_name: str | None = None) -> go.Figure:
-    """Cache GB against context, one line per format; optional line: memory left after weights."""
+                     gpu_name: str | None = None, note: str | None = None) -> go.Figure:
+    """Cache GB against context, one line per format; optional line: memory left after weights
+    (only when some is left: ``note`` says why not, e.g. the weights alone exceed the GPU)."""
     fig = go.Figure()
     colors = color_map(table["format"])
     for name, part in table.groupby("format", sort=False):
@@ -115,6 +116,9 @@ def cache_vs_context(table: pd.DataFrame, free_bytes: float | None = None,
         label = f"free after weights{' on ' + gpu_name if gpu_name else ''}: {free_bytes / GB:.1f} GB"
         fig.add_hline(y=free_bytes / GB, line=dict(dash="dot", color="#c00"), annotation_text=label,
                       annotation_position="top left")
+    if note:
+        fig.add_annotation(text=note, x=0, y=1, xref="paper", yref="paper", xanchor="left", yanchor="bottom",
+                           showarrow=False, font=dict(color="#b00"))
     fig.update_layout(title="KV cache size vs context", xaxis_title="context (tokens)",
                       yaxis_title="cache (GB)", legend_title="format", hovermode="x unified")
     fig.update_xaxes(type="log")
@@ -124,10 +128,12 @@ def cache_vs_context(table: pd.DataFrame, free_bytes: float | None = None,
 def capacity(table: pd.DataFrame, gpu_name: str, ctx: int) -> go.Figure:
     """Max batch (sequences that fit) per format on one GPU at one context."""
     colors = color_map(table["format"])
-    fig = go.Figure(go.Bar(x=table["format"], y=table["max_batch"], text=table["max_batch"],
-                           textposition="outside", marker_color=[colors[str(f)] for f in table["format"]]))
+    text = [str(b) if b > 0 else "0: not one sequence fits" for b in table["max_batch"]]
+    fig = go.Figure(go.Bar(x=table["format"], y=table["max_batch"], text=text, textposition="outside",
+                           cliponaxis=False, marker_color=[colors[str(f)] for f in table["format"]]))
     fig.update_layout(title=f"Capacity on {gpu_name} at {fmt_ctx(ctx)} context",
                       xaxis_title="cache format", yaxis_title="max batch (sequences)", showlegend=False)
+    fig.update_yaxes(range=[0, max(1, float(table["max_batch"].max())) * 1.2])  # room for the labels
     return fig
 
 
@@ -145,7 +151,8 @@ def decode_split(table: pd.DataFrame, gpu_name: str | None = None) -> go.Figure:
     if with_floor:
         fig.add_trace(go.Bar(x=table["format"], y=table["floor_ms"], name="roofline time",
                              text=[f"{v:.2f} ms" for v in table["floor_ms"]], textposition="outside",
-                             marker_color="#54a24b", showlegend=False), row=1, col=2)
+                             cliponaxis=False, marker_color="#54a24b", showlegend=False), row=1, col=2)
+        fig.update_yaxes(range=[0, float(table["floor_ms"].max()) * 1.2], row=1, col=2)
         fig.update_yaxes(title_text=f"ms per step{' on ' + gpu_name if gpu_name else ''}", row=1, col=2)
     fig.update_layout(barmode="stack", title="What a decode step must read")
     return fig
