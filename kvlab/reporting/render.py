@@ -24,6 +24,20 @@ OFFLINE_TEMPLATE = """{%- extends 'index.html.j2' -%}
 """
 
 
+def ipc_kernel_manager():
+    """jupyter_client's kernel manager over IPC (a socket file in Jupyter's runtime folder) instead of
+    TCP: the kernel then has no local TCP port to expose and ipykernel does not warn "Kernel is
+    running over TCP without encryption" on every report (a quiet run prints results only)."""
+    from jupyter_client import AsyncKernelManager
+
+    class IPCKernelManager(AsyncKernelManager):
+        def __init__(self, **kwargs):
+            kwargs.setdefault("transport", "ipc")
+            super().__init__(**kwargs)
+
+    return IPCKernelManager
+
+
 def execute_notebook(notebook: str | Path, output: str | Path, parameters: dict | None = None,
                      cwd: str | Path | None = None, kernel_name: str = "python3",
                      timeout: int | None = 1800, log_output: bool = False):
@@ -41,7 +55,7 @@ def execute_notebook(notebook: str | Path, output: str | Path, parameters: dict 
     output.parent.mkdir(parents=True, exist_ok=True)
     pm.execute_notebook(str(notebook), str(output), parameters=parameters or {}, cwd=str(cwd) if cwd else None,
                         kernel_name=kernel_name, execution_timeout=timeout, log_output=log_output,
-                        progress_bar=False)
+                        progress_bar=False, kernel_manager_class=ipc_kernel_manager())
     nb = nbformat.read(output, as_version=4)
     meta = nb.metadata.get("papermill", {})
     for key in ("input_path", "output_path"):
