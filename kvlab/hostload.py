@@ -86,7 +86,8 @@ def host_delta(before: HostCounters, after: HostCounters) -> dict[str, float | i
 # configuration ran at 43.5 ms/token with 0-3 switches and a CPU share of 2.0 (both threads busy),
 # and at 850 ms/token with 300-1764 switches and a share of 1.0 (issue 15).
 MAX_SWITCHES_PER_S = 20.0
-MIN_CPU_SHARE_OF_THREADS = 0.7  # CPU only: a compute-bound decode keeps its torch threads busy
+MIN_CPU_SHARE_OF_THREADS = 0.7  # CPU only: a compute-bound decode keeps its torch threads busy...
+MIN_SWITCHES_PER_S_WITH_LOW_SHARE = 5.0  # ...unless its code is serial: a low share counts with switches
 MAX_STEAL_SHARE = 0.1  # steal summed over the VM's CPUs, per second of decode
 
 
@@ -97,7 +98,9 @@ def contention(host: dict, decode_s: float | None, threads: int | None = None,
 
     Rules: involuntary switches above ``MAX_SWITCHES_PER_S`` per second of decode; steal above
     ``MAX_STEAL_SHARE``; on CPU, a process CPU share below ``MIN_CPU_SHARE_OF_THREADS`` x threads
-    (on a GPU the host thread waits on kernels, so its share says nothing).
+    together with at least ``MIN_SWITCHES_PER_S_WITH_LOW_SHARE`` switches per second (a serial code
+    path, e.g. a quantizer, leaves threads idle on a quiet machine too; on a GPU the host thread
+    waits on kernels, so its share says nothing).
     """
     if not decode_s or decode_s <= 0:
         return None, "no decode interval"
@@ -109,8 +112,9 @@ def contention(host: dict, decode_s: float | None, threads: int | None = None,
     if steal is not None and steal / (decode_s * 1000.0) > MAX_STEAL_SHARE:
         reasons.append(f"steal {steal / (decode_s * 10.0):.0f}% of a CPU")
     share = host.get("host_process_cpu_share")
+    rate = switches / decode_s if switches is not None else 0.0
     if not str(device).startswith("cuda") and share is not None and threads:
-        if share < MIN_CPU_SHARE_OF_THREADS * threads:
+        if share < MIN_CPU_SHARE_OF_THREADS * threads and rate >= MIN_SWITCHES_PER_S_WITH_LOW_SHARE:
             reasons.append(f"CPU share {share:.2f} with {threads} threads")
     if switches is None and steal is None and share is None:
         return None, "no host counters"

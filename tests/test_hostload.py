@@ -52,10 +52,12 @@ def test_contention_flags_the_busy_runs_of_issue_15_and_not_the_quiet_ones():
     assert contention(quiet_cpu, decode_s=0.3, threads=2) == (False, "")
     flagged, why = contention(busy_cpu, decode_s=6.0, threads=2)
     assert flagged and "switches/s" in why and "CPU share 1.00 with 2 threads" in why
-    # a half-busy CPU alone is enough on CPU, never on a GPU (the host thread waits on kernels)
-    half = {"host_process_cpu_share": 1.0, "host_nonvoluntary_switches": 0, "host_steal_ms": 0.0}
-    assert contention(half, decode_s=1.0, threads=2)[0] is True
+    # a half-busy CPU counts with some preemption, never on a GPU (the host thread waits on kernels),
+    # and not alone: a serial code path leaves a thread idle on a quiet machine too
+    half = {"host_process_cpu_share": 1.0, "host_nonvoluntary_switches": 8, "host_steal_ms": 0.0}
+    assert contention(half, decode_s=1.0, threads=2) == (True, "CPU share 1.00 with 2 threads")
     assert contention(half, decode_s=1.0, threads=2, device="cuda")[0] is False
+    assert contention({**half, "host_nonvoluntary_switches": 1}, decode_s=1.0, threads=2)[0] is False
     # an H200 run of 2026-12-02: 42 switches over 21 s, 1.3 CPU share, a little steal
     h200 = {"host_process_cpu_share": 1.3, "host_nonvoluntary_switches": 42, "host_steal_ms": 23.0}
     assert contention(h200, decode_s=21.0, threads=16, device="cuda") == (False, "")
