@@ -368,7 +368,8 @@ def run_sweep(
 
         budget = Budget(max_runs=params.max_runs, time_budget_s=params.time_budget_s)
         writers = {name: RecordWriter(out / name) for name in (RECORDS_FILE, WARMUP_FILE, TIMELINES_FILE)}
-        bar = tqdm(total=len(pending), disable=not progress or not pending, unit="run", dynamic_ncols=True)
+        bar = tqdm(total=len(pending) + warmups_planned(pending, params.warmup_runs), desc="sweep",
+                   disable=not progress or not pending, unit="run", dynamic_ncols=True)  # warm-ups count too
         sampler = None
         try:
             if pending:
@@ -546,8 +547,11 @@ def _run_shape(params, session, runs: list[RunSpec], writers, summary, bar, budg
         for w in range(params.warmup_runs):
             if not budget.allows():
                 return
+            bar.set_postfix_str(f"warm-up {run.method} ctx={run.ctx} b={run.batch}", refresh=False)
             _warm_up(params, session, run, key, w, writers, budget, sweep_name)
+            bar.update(1)
             if (key, run.shape) in session.broken:
+                bar.update(params.warmup_runs - w - 1)  # the skipped warm-ups of a broken variant
                 break
     for run in runs:
         if not budget.allows():
@@ -616,6 +620,12 @@ def _measured_run(params, session, run, writers, summary, bar, budget, sweep_nam
     bar.set_postfix_str(f"{run.method} ctx={run.ctx} b={run.batch}", refresh=False)
     bar.update(1)
     budget.spent(time.monotonic() - started, measured=True)
+
+
+def warmups_planned(pending: list[RunSpec], warmup_runs: int) -> int:
+    """Warm-up runs a sweep will do for its pending runs: ``warmup_runs`` per variant and shape
+    (:func:`_run_shape`), so the progress bar's ETA covers them (minutes on a CPU)."""
+    return warmup_runs * len({(r.shape, r.variant.key()) for r in pending})
 
 
 def pinned_threads(params: SweepParams) -> int | None:

@@ -40,6 +40,14 @@ def ids_in(folder):
 # --- params ----------------------------------------------------------------------------------
 
 
+def test_the_progress_bar_counts_warm_ups_once_per_variant_and_shape():
+    from kvlab.sweep import warmups_planned
+
+    runs = plan(tiny_params())  # 4 variants x 2 ctx x 2 prompts
+    assert warmups_planned(runs, 1) == 4 * 2 and warmups_planned(runs, 2) == 16
+    assert warmups_planned(runs[:1], 1) == 1 and warmups_planned([], 1) == 0
+
+
 def test_cpu_sweeps_pin_a_stable_thread_count():
     from kvlab.hostload import cpu_threads
     from kvlab.sweep import pinned_threads
@@ -54,7 +62,7 @@ def test_scalars_become_lists_and_files_validate():
     assert p.ctx == [16384] and p.models == ["tiny-llama"] and p.keep == [0.5]
     smoke = load_params(REPO / "params" / "smoke.yaml")
     assert smoke.name == "smoke" and smoke.device == "cpu" and smoke.new_tokens == 8
-    assert len(plan(smoke)) == 20  # 10 methods x 2 contexts
+    assert len(plan(smoke)) == 60 and smoke.repeats == 3  # 10 methods x 2 contexts x 3 repeats (an interval)
     seed = load_params(REPO / "params" / "seed-16k.yaml")
     runs = plan(seed)  # validated without a GPU (check_device=False)
     assert len(runs) == 15 * 3 * 5 * 3
