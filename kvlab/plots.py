@@ -185,7 +185,10 @@ def study_table(summary: pd.DataFrame, columns: dict[str, str], title: str,
     """A table figure: one row per method, ``mean [lo, hi]`` per metric (``columns``: col -> header)."""
     if summary is None or summary.empty:
         return empty_figure(title, "no performance records")
-    cells = [summary[key].astype(str).tolist(), summary["n"].astype(int).tolist()]
+    busy = summary["n_contended"].fillna(0).astype(int) if "n_contended" in summary.columns else None
+    runs = [f"{int(n)} ({c} contended)" if busy is not None and c else str(int(n))
+            for n, c in zip(summary["n"], busy if busy is not None else [0] * len(summary), strict=True)]
+    cells = [summary[key].astype(str).tolist(), runs]
     for col in columns:
         cells.append([ci_text(r.get(col), r.get(f"{col}_lo"), r.get(f"{col}_hi"))
                       for r in summary.to_dict("records")])
@@ -328,11 +331,11 @@ def quality_vs_keep(summary: pd.DataFrame, metric: str = "score", key: str | Non
 
 
 def energy_counter_vs_10hz(records: pd.DataFrame, counter: str = "energy_j",
-                           sampled: str = "energy_10hz_j") -> go.Figure:
+                           sampled: str = "energy_10hz_j", why: str | None = None) -> go.Figure:
     """The hardware energy counter against 10 Hz power integration, per run; the line is equality."""
     title = "Energy counter vs 10 Hz power integration"
     if not _has(records, counter, sampled):
-        return empty_figure(title, "no energy measurements (energy_source none on this device)")
+        return empty_figure(title, why or "no energy measurements in these records")
     df = records.dropna(subset=[counter, sampled])
     colors = color_map(df["label"])
     fig = go.Figure()
@@ -347,11 +350,11 @@ def energy_counter_vs_10hz(records: pd.DataFrame, counter: str = "energy_j",
     return fig
 
 
-def anatomy_bars(table: pd.DataFrame, key: str = "label") -> go.Figure:
+def anatomy_bars(table: pd.DataFrame, key: str = "label", why: str | None = None) -> go.Figure:
     """Where a decode step's time goes, per method: stacked ms per category (kvlab.anatomy)."""
     title = "Anatomy of a decode step"
     if not _has(table, "category", "ms"):
-        return empty_figure(title, "no anatomy data")
+        return empty_figure(title, why or "no anatomy data")
     order = [c for c in ANATOMY_ORDER if c in set(table["category"])]
     order += [c for c in dict.fromkeys(table["category"]) if c not in order]
     methods = list(dict.fromkeys(table[key]))
@@ -375,12 +378,12 @@ def anatomy_bars(table: pd.DataFrame, key: str = "label") -> go.Figure:
 
 
 def batch_scaling(summary: pd.DataFrame, metrics: dict[str, str], title: str = "Scaling with batch size",
-                  key: str = "label") -> go.Figure:
+                  key: str = "label", why: str | None = None) -> go.Figure:
     """One panel per metric against batch (log x), one line per method with CI bars; (method,
     batch) pairs that failed (``status`` ``failed: OOM``) are listed under the panels."""
     present = [m for m in metrics if _has(summary, m, "batch")]
     if not present or summary["batch"].nunique() < 2:
-        return empty_figure(title, "fewer than two batch sizes at one context: no batch scaling to show")
+        return empty_figure(title, why or "fewer than two batch sizes at one context: no batch scaling to show")
     cols = 2 if len(present) > 1 else 1
     rows = math.ceil(len(present) / cols)
     fig = make_subplots(rows=rows, cols=cols, subplot_titles=[metrics[m] for m in present],

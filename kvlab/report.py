@@ -60,6 +60,7 @@ from kvlab.reporting.stats import (
     format_ci,
     method_summary,
     ratio_ci,
+    runs_text,
 )
 from kvlab.reporting.study import (
     Study,
@@ -75,6 +76,7 @@ from kvlab.reporting.summaries import (
     STUDY_METRICS,
     VERDICT_WORDS,
     batch_summary,
+    captioned,
     compression_pays,
     context_summary,
     energy_answer,
@@ -83,17 +85,23 @@ from kvlab.reporting.summaries import (
     pays_metric,
     pays_table,
     pays_verdict,
+    pays_why,
     pick_batch_ctx,
     quality_summary,
     relative_to_baseline,
     rows_or_none,
     rows_or_say,
+    say,
     study_summary,
     sweep_summary,
     tenhz_gap,
 )
 
 __all__ = [
+    "runs_text",
+    "pays_why",
+    "say",
+    "captioned",
     "rows_or_say",
     "pays_metric",
     "energy_missing",

@@ -64,11 +64,11 @@ def anatomy_categories(table: pd.DataFrame) -> pd.DataFrame:
     return category_table(table)
 
 
-def anatomy_lines(table: pd.DataFrame, baseline: str = "full", top: int = 3) -> list[str]:
+def anatomy_lines(table: pd.DataFrame, baseline: str = "full", top: int = 3, hint: bool = True) -> list[str]:
     """Why a method's decode step is slower or faster than the full cache's, in ms per step: the
     wall-time difference and the ``top`` categories that differ most (e.g. dequantize for int4)."""
     if table is None or table.empty or not {"label", "category", "ms"} <= set(table.columns):
-        return [ANATOMY_HINT]
+        return [ANATOMY_HINT] if hint else []  # hint=False: the figure's note says it
     groups = table.groupby("source", sort=False) if "source" in table.columns else [(None, table)]
     lines = []
     for _, part in groups:

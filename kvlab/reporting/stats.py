@@ -12,6 +12,7 @@ import pandas as pd
 
 from kvlab.metrics import bootstrap_ci
 from kvlab.plots import ci_text, is_baseline_label
+from kvlab.reporting.frames import contended_mask
 
 
 def ratio_ci(values: Sequence[float], baseline: Sequence[float], n_boot: int = 2000,
@@ -35,20 +36,34 @@ def ratio_ci(values: Sequence[float], baseline: Sequence[float], n_boot: int = 2
 
 def method_summary(records: pd.DataFrame, metrics: Sequence[str], by: Sequence[str] = ("label",),
                    n_boot: int = 2000, level: float = 0.95, seed: int = 0) -> pd.DataFrame:
-    """One row per group: ``n`` runs and, per metric, the mean with ``_lo``/``_hi`` bootstrap bounds."""
+    """One row per group: ``n`` runs and, per metric, the mean with ``_lo``/``_hi`` bootstrap bounds;
+    ``n_contended`` counts runs flagged contended when the records say (their times are suspect)."""
     by = list(by)
     metrics = [m for m in metrics if m in records.columns]
+    busy = contended_mask(records) if "contended" in records.columns else None
     rows = []
     for keys, part in records.groupby(by, sort=False, dropna=False):
         keys = keys if isinstance(keys, tuple) else (keys,)
         row: dict[str, Any] = dict(zip(by, keys, strict=True))
         row["n"] = len(part)
+        if busy is not None:
+            row["n_contended"] = int(busy[part.index].sum())
         for m in metrics:
             row[m], row[f"{m}_lo"], row[f"{m}_hi"] = bootstrap_ci(
                 pd.to_numeric(part[m], errors="coerce"), n_boot, level, seed)
         rows.append(row)
-    cols = by + ["n"] + [f"{m}{s}" for m in metrics for s in ("", "_lo", "_hi")]
+    cols = by + ["n"] + (["n_contended"] if busy is not None else []) + [
+        f"{m}{s}" for m in metrics for s in ("", "_lo", "_hi")]
     return _ordered(pd.DataFrame(rows, columns=cols))
+
+
+def runs_text(summary: pd.DataFrame) -> list:
+    """The runs column: ``n``, or '3 (2 contended)' where runs were measured under contention."""
+    busy = summary["n_contended"] if "n_contended" in summary.columns else pd.Series(0, index=summary.index)
+    if not busy.fillna(0).astype(int).gt(0).any():
+        return summary["n"].tolist()
+    return [f"{int(n)} ({int(c)} contended)" if c else str(int(n)) for n, c in zip(summary["n"], busy.fillna(0),
+                                                                                   strict=True)]
 
 
 def _ordered(df: pd.DataFrame) -> pd.DataFrame:
@@ -77,7 +92,7 @@ def format_ci(summary: pd.DataFrame, columns: dict[str, str], key: str | None = 
     for k in keys:
         if k in summary.columns:
             out[k] = summary[k].to_numpy()
-    out["runs"] = summary["n"].to_numpy()
+    out["runs"] = runs_text(summary)
     records = summary.to_dict("records")
     failed = [r["n"] == 0 and str(r.get("status", "")).startswith("failed") for r in records]
     if "status" in summary.columns and any(str(v) != "ok" for v in summary["status"]):

@@ -251,6 +251,31 @@ def pays_metric(pays: pd.DataFrame) -> tuple[str, str]:
     return "itl_median_ms", "time between tokens"
 
 
+def pays_why(pays: pd.DataFrame, no_energy: str | None = None) -> str:
+    """Why the *where compression pays* chart has no ratio to colour: the cells' verdicts (every
+    run contended, failed, no full run), or the missing energy when J/token is the metric."""
+    metric, _ = pays_metric(pays)
+    if metric == "j_per_token" or pays.empty:
+        return no_energy or "no performance records"
+    return "no ratio in any cell: " + "; ".join(dict.fromkeys(str(v) for v in pays["verdict"]))
+
+
+def say(lines: Sequence[str] | str) -> None:
+    """Print the lines there are (nothing for none): a notebook cell then shows no empty output."""
+    lines = [lines] if isinstance(lines, str) else list(lines)
+    if any(lines):
+        print("\n".join(line for line in lines if line))
+
+
+def captioned(table: pd.DataFrame, caption: str) -> pd.DataFrame | None:
+    """Print ``caption`` and return the table when it has rows; None and silence when empty (a
+    figure of the same section already says why)."""
+    if table is None or table.empty:
+        return None
+    print(caption)
+    return table
+
+
 def rows_or_none(table: pd.DataFrame) -> pd.DataFrame | None:
     """The table, or None when it has no rows: a notebook cell then shows nothing under the
     sentence that already said why, instead of an empty header."""
