@@ -600,12 +600,12 @@ def _continuation_task_item(it: ContinuationItem) -> TaskItem:
 
 # Why SnapKV (and PyramidKV, which scores like it) can score 0 on a needle: the method, not a bug.
 SNAPKV_NEEDLE_NOTE = (
-    "SnapKV scores 0 on the needle here, and that is the method, not a bug: question-agnostic SnapKV "
-    "keeps, per KV head, the tokens the last window of the prompt attends to most; on SmolLM2 (3 KV "
-    "heads) the first layers' heads give the needle's digits the lowest window attention of the whole "
-    "prompt and evict them, so the copy breaks (even at keep 0.9). kvlab's SnapKV selections were checked "
-    "independently and are identical to NVIDIA kvpress 0.5.5's at 500-5200 tokens; TOVA, which scores "
-    "with the last token only, keeps the needle."
+    "SnapKV (and PyramidKV, which scores tokens the same way) scores 0 on the needle here, and that is "
+    "the method, not a bug: question-agnostic SnapKV keeps, per KV head, the tokens the last window of "
+    "the prompt attends to most; on SmolLM2 (3 KV heads) the first layers' heads give the needle's digits "
+    "the lowest window attention of the whole prompt and evict them, so the copy breaks (even at keep "
+    "0.9). kvlab's SnapKV selections were checked independently and are identical to NVIDIA kvpress "
+    "0.5.5's at 500-5200 tokens; TOVA, which scores with the last token only, keeps the needle."
 )
 NEEDLE_TASKS = ("niah_single", "niah_multikey", "niah_multivalue")
 SNAPKV_LIKE = ("snapkv", "pyramidkv")

@@ -330,6 +330,6 @@ def _summary_html(views: BudgetViews) -> str:
     i = views.inputs
     warn = "".join(f"<b style='color:#b00'>{html.escape(line)}</b><br>" for line in views.fit)
     return warn + (f"{i.model} at {i.ctx:,} tokens x batch {i.batch}: full cache {full['cache GB']:.2f} GB, "
-            f"{last['format']} {last['cache GB']:.2f} GB ({last['compression']:.2f}x); "
-            f"a decode step reads {full['step reads GB']:.2f} GB -> {last['step reads GB']:.2f} GB "
-            f"(floor {full['step floor ms']:.2f} -> {last['step floor ms']:.2f} ms on {i.gpu}).")
+                   f"{last['format']} {last['cache GB']:.2f} GB ({last['compression']:.2f}x); "
+                   f"a decode step reads {full['step reads GB']:.2f} GB -> {last['step reads GB']:.2f} GB "
+                   f"(floor {full['step floor ms']:.2f} -> {last['step floor ms']:.2f} ms on {i.gpu}).")
