@@ -665,3 +665,10 @@ def test_new_sections_degrade_with_a_sentence(case):
     assert gap.empty and sentence.startswith("no energy measurements")
     summary, caption = report.context_summary(records, n_boot=50)
     assert (summary.empty, caption.startswith("no performance records")) == (case != "cpu-like",) * 2
+
+
+def test_opening_lines_say_whole_numbers_as_ints():
+    from kvlab.reporting.provenance import _unique
+
+    assert _unique(pd.DataFrame({"threads": [2.0, None, 2.0]}), "threads") == "2"
+    assert _unique(pd.DataFrame({"x": [0.5]}), "x") == "0.5"

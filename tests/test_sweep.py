@@ -147,7 +147,8 @@ def test_sweep_records_every_run_once_and_a_rerun_does_nothing(tmp_path):
     df = load_records(tmp_path)
     assert set(df.status) == {"ok"} and set(df.weights) == {"synthetic"} and set(df.kind) == {"perf"}
     assert df.ttft_s.notna().all() and (df.cache_logical_tokens == df.ctx).all()
-    assert df.sdpa_kernel.notna().all()  # from the probed warm-up of each shape
+    # the kernel probe (torch.profiler) runs on GPU warm-ups only: on a CPU it costs 4x a run
+    assert "sdpa_kernel" not in df.columns or df.sdpa_kernel.isna().all()
     assert set(df.label) == {"full", "streamingllm 50%", "quanto int4", "quanto int2"}
     warm = read_jsonl(tmp_path / "warmup.jsonl")
     assert len(warm) == 4 * 2 and {(w["method"], w["ctx"], w["new_tokens"]) for w in warm} == {

@@ -27,7 +27,10 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
 def _unique(records: pd.DataFrame, col: str) -> str | None:
     if col not in records.columns:
         return None
-    vals = [str(v) for v in dict.fromkeys(records[col].dropna())]
+    def text(v: Any) -> str:  # 2, not 2.0: whole numbers turn float next to rows that lack them
+        return str(int(v)) if isinstance(v, float) and v.is_integer() else str(v)
+
+    vals = list(dict.fromkeys(text(v) for v in records[col].dropna()))
     return ", ".join(vals) if vals else None
 
 
