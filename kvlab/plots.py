@@ -185,10 +185,7 @@ def study_table(summary: pd.DataFrame, columns: dict[str, str], title: str,
     """A table figure: one row per method, ``mean [lo, hi]`` per metric (``columns``: col -> header)."""
     if summary is None or summary.empty:
         return empty_figure(title, "no performance records")
-    busy = summary["n_contended"].fillna(0).astype(int) if "n_contended" in summary.columns else None
-    runs = [f"{int(n)} ({c} contended)" if busy is not None and c else str(int(n))
-            for n, c in zip(summary["n"], busy if busy is not None else [0] * len(summary), strict=True)]
-    cells = [summary[key].astype(str).tolist(), runs]
+    cells = [summary[key].astype(str).tolist(), [str(n) for n in runs_text(summary)]]
     for col in columns:
         cells.append([ci_text(r.get(col), r.get(f"{col}_lo"), r.get(f"{col}_hi"))
                       for r in summary.to_dict("records")])
@@ -198,6 +195,16 @@ def study_table(summary: pd.DataFrame, columns: dict[str, str], title: str,
     ))
     fig.update_layout(title=title, height=120 + 28 * len(summary), margin=dict(t=60, b=10))
     return fig
+
+
+def runs_text(summary: pd.DataFrame) -> list:
+    """A summary's runs column: ``n``, or '3 (2 contended)' where runs were measured while other
+    processes took the CPU (``n_contended``)."""
+    busy = summary["n_contended"] if "n_contended" in summary.columns else pd.Series(0, index=summary.index)
+    if not busy.fillna(0).astype(int).gt(0).any():
+        return [int(n) for n in summary["n"]]
+    return [f"{int(n)} ({int(c)} contended)" if c else str(int(n))
+            for n, c in zip(summary["n"], busy.fillna(0), strict=True)]
 
 
 def ci_text(v, lo, hi) -> str:
@@ -299,10 +306,12 @@ def quality_vs_keep(summary: pd.DataFrame, metric: str = "score", key: str | Non
     if not _has(summary, metric, "keep"):
         return empty_figure(title, "no quality records in this folder")
     if key is None:  # a method that ran at several keeps is one line; else its label (quanto int4, int2)
-        several = summary.groupby("method")["keep"].transform("nunique") > 1 if "method" in summary else None
-        summary = summary.assign(series=summary["method"].where(several, summary["label"])
-                                 if "label" in summary.columns and several is not None else summary.get("method"))
         key = "series"
+        if {"method", "label"} <= set(summary.columns):
+            several = summary.groupby("method")["keep"].transform("nunique") > 1
+            summary = summary.assign(series=summary["method"].where(several, summary["label"]))
+        else:
+            summary = summary.assign(series=summary["method" if "method" in summary.columns else "label"])
     tasks = list(dict.fromkeys(summary["task"])) if "task" in summary.columns else [None]
     fig = make_subplots(rows=1, cols=len(tasks), shared_yaxes=True,
                         subplot_titles=[str(t) for t in tasks] if tasks != [None] else None)

@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 
 from kvlab.metrics import bootstrap_ci
-from kvlab.plots import ci_text, is_baseline_label
+from kvlab.plots import ci_text, is_baseline_label, runs_text
 from kvlab.reporting.frames import contended_mask
 
 
@@ -55,15 +55,6 @@ def method_summary(records: pd.DataFrame, metrics: Sequence[str], by: Sequence[s
     cols = by + ["n"] + (["n_contended"] if busy is not None else []) + [
         f"{m}{s}" for m in metrics for s in ("", "_lo", "_hi")]
     return _ordered(pd.DataFrame(rows, columns=cols))
-
-
-def runs_text(summary: pd.DataFrame) -> list:
-    """The runs column: ``n``, or '3 (2 contended)' where runs were measured under contention."""
-    busy = summary["n_contended"] if "n_contended" in summary.columns else pd.Series(0, index=summary.index)
-    if not busy.fillna(0).astype(int).gt(0).any():
-        return summary["n"].tolist()
-    return [f"{int(n)} ({int(c)} contended)" if c else str(int(n)) for n, c in zip(summary["n"], busy.fillna(0),
-                                                                                   strict=True)]
 
 
 def _ordered(df: pd.DataFrame) -> pd.DataFrame:
