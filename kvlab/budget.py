@@ -178,6 +178,27 @@ def free_bytes_for_cache(spec: ModelSpec, memory_bytes: float, reserve_bytes: fl
     return memory_bytes - weight_bytes(spec) - reserve_bytes
 
 
+def fit_problem(spec: ModelSpec, ctx: int, batch: int, memory_bytes: float,
+                reserve_bytes: float = DEFAULT_RESERVE_BYTES, gpu_name: str = "the GPU",
+                **cache_kwargs) -> str | None:
+    """None when the weights, the reserve and this cache fit in ``memory_bytes``; else one sentence
+    saying what does not fit, with the numbers (GB, decimal as GPU vendors count)."""
+    weights = weight_bytes(spec)
+    if weights > memory_bytes:
+        return (f"does not fit: {spec.name}'s weights alone ({weights / 1e9:.1f} GB in {spec.dtype}) exceed "
+                f"{gpu_name}'s {memory_bytes / 1e9:.0f} GB, at any context")
+    free = free_bytes_for_cache(spec, memory_bytes, reserve_bytes)
+    if free <= 0:
+        return (f"does not fit: the weights ({weights / 1e9:.1f} GB) and the {reserve_bytes / 1024**3:.0f} GiB "
+                f"activation reserve leave no room for a cache on {gpu_name}")
+    need = cache_bytes(spec, ctx, batch=batch, **cache_kwargs)
+    if need > free:
+        fit = max_batch(spec, ctx, memory_bytes, reserve_bytes, **cache_kwargs)
+        return (f"does not fit: the cache needs {need / 1e9:,.1f} GB at {ctx:,} tokens x batch {batch}, and "
+                f"{free / 1e9:.1f} GB are free after the weights on {gpu_name} (max batch {fit} at this context)")
+    return None
+
+
 def max_batch(spec: ModelSpec, ctx: int, memory_bytes: float, reserve_bytes: float = DEFAULT_RESERVE_BYTES,
               **cache_kwargs) -> int:
     """Largest batch whose cache fits after the weights and the activation reserve (0: none fits)."""

@@ -78,3 +78,79 @@ def host_delta(before: HostCounters, after: HostCounters) -> dict[str, float | i
         "host_steal_ms": steal * 1000.0 if steal is not None else None,  # summed over the VM's CPUs
         "host_nonvoluntary_switches": diff(before.nonvoluntary_switches, after.nonvoluntary_switches),
     }
+
+
+# A run is contended when other work took the CPU it needed. Thresholds from records: on the lent
+# H200 (95 runs, nothing else running) the main thread was switched out 1-5 times per second of
+# decode and never saw steal above 1.1% of a CPU; on a shared 2-core CPU machine the same smoke
+# configuration ran at 43.5 ms/token with 0-3 switches and a CPU share of 2.0 (both threads busy),
+# and at 850 ms/token with 300-1764 switches and a share of 1.0 (issue 15).
+MAX_SWITCHES_PER_S = 20.0
+MIN_CPU_SHARE_OF_THREADS = 0.7  # CPU only: a compute-bound decode keeps its torch threads busy...
+MIN_SWITCHES_PER_S_WITH_LOW_SHARE = 5.0  # ...unless its code is serial: a low share counts with switches
+MAX_STEAL_SHARE = 0.1  # steal summed over the VM's CPUs, per second of decode
+
+
+def contention(host: dict, decode_s: float | None, threads: int | None = None,
+               device: str = "cpu") -> tuple[bool | None, str]:
+    """Was a run measured while other work took its CPU? ``(contended, why)`` from the decode's host
+    counters (:func:`host_delta` fields, without the ``decode_`` prefix); None when they are missing.
+
+    Rules: involuntary switches above ``MAX_SWITCHES_PER_S`` per second of decode; steal above
+    ``MAX_STEAL_SHARE``; on CPU, a process CPU share below ``MIN_CPU_SHARE_OF_THREADS`` x threads
+    together with at least ``MIN_SWITCHES_PER_S_WITH_LOW_SHARE`` switches per second (a serial code
+    path, e.g. a quantizer, leaves threads idle on a quiet machine too; on a GPU the host thread
+    waits on kernels, so its share says nothing).
+    """
+    if not decode_s or decode_s <= 0:
+        return None, "no decode interval"
+    reasons = []
+    switches = host.get("host_nonvoluntary_switches")
+    if switches is not None and switches / decode_s > MAX_SWITCHES_PER_S:
+        reasons.append(f"{switches / decode_s:.0f} involuntary switches/s")
+    steal = host.get("host_steal_ms")
+    if steal is not None and steal / (decode_s * 1000.0) > MAX_STEAL_SHARE:
+        reasons.append(f"steal {steal / (decode_s * 10.0):.0f}% of a CPU")
+    share = host.get("host_process_cpu_share")
+    rate = switches / decode_s if switches is not None else 0.0
+    if not str(device).startswith("cuda") and share is not None and threads:
+        if share < MIN_CPU_SHARE_OF_THREADS * threads and rate >= MIN_SWITCHES_PER_S_WITH_LOW_SHARE:
+            reasons.append(f"CPU share {share:.2f} with {threads} threads")
+    if switches is None and steal is None and share is None:
+        return None, "no host counters"
+    return bool(reasons), "; ".join(reasons)
+
+
+def cpu_threads() -> int:
+    """The torch thread count a CPU sweep pins: the cores this process may run on (stable per
+    machine, unlike torch's default that follows physical cores and environment variables)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def parse_peak_rss(proc_status: str) -> int | None:
+    """``VmHWM`` (peak resident set size) from /proc/<pid>/status, in bytes."""
+    for line in proc_status.splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+def reset_peak_rss() -> bool:
+    """Start a new peak-RSS window (Linux: writing 5 to /proc/self/clear_refs resets VmHWM to the
+    current RSS). False where it cannot: the peak then spans the process's life, so callers drop it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def peak_rss_bytes() -> int | None:
+    """The process's peak RSS since :func:`reset_peak_rss` (CPU runs' "peak memory": weights, cache,
+    activations and the interpreter), or None off Linux."""
+    status = _read("/proc/self/status")
+    return parse_peak_rss(status) if status else None

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvlab.energy import NullSampler, Sampler, WindowResult
-from kvlab.hostload import host_delta, read_counters
+from kvlab.hostload import contention, host_delta, peak_rss_bytes, read_counters, reset_peak_rss
 
 SDPA_BACKENDS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION",
                  "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
@@ -291,6 +291,7 @@ def measure_generation(
     policy.prepare(model)
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
+    rss_window = not cuda and reset_peak_rss()  # CPU: the process's peak RSS over this run
     clock = StepClock(cuda)
     probe_prefill = KernelProbe(cuda) if probe else None
     probe_decode = KernelProbe(cuda) if probe and new_tokens > 1 else None
@@ -360,7 +361,10 @@ def measure_generation(
         **itl_stats(itl),
         "gpu_busy_ms": clock.elapsed_ms(2, len(clock.marks) - 1) if cuda and new_tokens > 1 else None,
         "tokens_per_s": batch * (new_tokens - 1) / decode_s if new_tokens > 1 and decode_s > 0 else None,
-        "peak_mem_bytes": int(torch.cuda.max_memory_allocated(device)) if cuda else None,
+        "peak_mem_bytes": (int(torch.cuda.max_memory_allocated(device)) if cuda
+                           else peak_rss_bytes() if rss_window else None),
+        "peak_mem_source": ("torch.cuda.max_memory_allocated" if cuda
+                            else "process peak RSS (VmHWM)" if rss_window else None),
         "peak_mem_reserved_bytes": int(torch.cuda.max_memory_reserved(device)) if cuda else None,
         "peak_mem_nvml_bytes": res.peak_mem_nvml_bytes,
         "cache_bytes": stats.get("bytes"),
@@ -391,6 +395,9 @@ def measure_generation(
     if decoder is not None:
         record.update(kv_format=stats["kv_format"], fast_attention=stats["attention"],
                       cuda_graph=stats["graph"], cache_bytes_allocated=stats["bytes_allocated"])
+    threads = torch.get_num_threads()
+    contended, why = contention(host, decode_s, threads, device)
+    record.update(threads=threads, contended=contended, contention=why or None)
     if probe:
         record["sdpa_kernel"] = _kernel_label(probe_prefill.kernels, probe_decode.kernels if probe_decode else [])
         record["decode_kernel_ms"] = (probe_decode.device_ms / n_probe

@@ -261,14 +261,18 @@ def context_utility(nll_none: float, nll_compressed: float, nll_full: float) -> 
 
 def bootstrap_ci(values: Sequence[float], n_boot: int = 2000, ci: float = 0.95,
                  seed: int = 0) -> tuple[float, float, float]:
-    """Mean and percentile bootstrap confidence interval of ``values`` (NaNs dropped)."""
+    """Mean and percentile bootstrap confidence interval of ``values`` (NaNs dropped).
+
+    One value has no interval: ``(x, nan, nan)``, never a zero-width ``(x, x, x)`` that would read
+    as certainty (tables then show the mean alone and verdicts say "no CI"). None: all NaN.
+    """
     import numpy as np
 
     x = np.asarray([v for v in values if v is not None and not math.isnan(v)], dtype=float)
     if x.size == 0:
         return (math.nan, math.nan, math.nan)
     if x.size == 1:
-        return (float(x[0]), float(x[0]), float(x[0]))
+        return (float(x[0]), math.nan, math.nan)
     rng = np.random.default_rng(seed)
     means = x[rng.integers(0, x.size, size=(n_boot, x.size))].mean(axis=1)
     alpha = (1 - ci) / 2

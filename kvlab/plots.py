@@ -104,8 +104,9 @@ def fmt_ctx(ctx: float) -> str:
 
 
 def cache_vs_context(table: pd.DataFrame, free_bytes: float | None = None,
-                     gpu_name: str | None = None) -> go.Figure:
-    """Cache GB against context, one line per format; optional line: memory left after weights."""
+                     gpu_name: str | None = None, note: str | None = None) -> go.Figure:
+    """Cache GB against context, one line per format; optional line: memory left after weights
+    (only when some is left: ``note`` says why not, e.g. the weights alone exceed the GPU)."""
     fig = go.Figure()
     colors = color_map(table["format"])
     for name, part in table.groupby("format", sort=False):
@@ -115,6 +116,9 @@ def cache_vs_context(table: pd.DataFrame, free_bytes: float | None = None,
         label = f"free after weights{' on ' + gpu_name if gpu_name else ''}: {free_bytes / GB:.1f} GB"
         fig.add_hline(y=free_bytes / GB, line=dict(dash="dot", color="#c00"), annotation_text=label,
                       annotation_position="top left")
+    if note:
+        fig.add_annotation(text=note, x=0, y=1, xref="paper", yref="paper", xanchor="left", yanchor="bottom",
+                           showarrow=False, font=dict(color="#b00"))
     fig.update_layout(title="KV cache size vs context", xaxis_title="context (tokens)",
                       yaxis_title="cache (GB)", legend_title="format", hovermode="x unified")
     fig.update_xaxes(type="log")
@@ -124,10 +128,12 @@ def cache_vs_context(table: pd.DataFrame, free_bytes: float | None = None,
 def capacity(table: pd.DataFrame, gpu_name: str, ctx: int) -> go.Figure:
     """Max batch (sequences that fit) per format on one GPU at one context."""
     colors = color_map(table["format"])
-    fig = go.Figure(go.Bar(x=table["format"], y=table["max_batch"], text=table["max_batch"],
-                           textposition="outside", marker_color=[colors[str(f)] for f in table["format"]]))
+    text = [str(b) if b > 0 else "0: not one sequence fits" for b in table["max_batch"]]
+    fig = go.Figure(go.Bar(x=table["format"], y=table["max_batch"], text=text, textposition="outside",
+                           cliponaxis=False, marker_color=[colors[str(f)] for f in table["format"]]))
     fig.update_layout(title=f"Capacity on {gpu_name} at {fmt_ctx(ctx)} context",
                       xaxis_title="cache format", yaxis_title="max batch (sequences)", showlegend=False)
+    fig.update_yaxes(range=[0, max(1, float(table["max_batch"].max())) * 1.2])  # room for the labels
     return fig
 
 
@@ -145,7 +151,8 @@ def decode_split(table: pd.DataFrame, gpu_name: str | None = None) -> go.Figure:
     if with_floor:
         fig.add_trace(go.Bar(x=table["format"], y=table["floor_ms"], name="roofline time",
                              text=[f"{v:.2f} ms" for v in table["floor_ms"]], textposition="outside",
-                             marker_color="#54a24b", showlegend=False), row=1, col=2)
+                             cliponaxis=False, marker_color="#54a24b", showlegend=False), row=1, col=2)
+        fig.update_yaxes(range=[0, float(table["floor_ms"].max()) * 1.2], row=1, col=2)
         fig.update_yaxes(title_text=f"ms per step{' on ' + gpu_name if gpu_name else ''}", row=1, col=2)
     fig.update_layout(barmode="stack", title="What a decode step must read")
     return fig
@@ -178,7 +185,7 @@ def study_table(summary: pd.DataFrame, columns: dict[str, str], title: str,
     """A table figure: one row per method, ``mean [lo, hi]`` per metric (``columns``: col -> header)."""
     if summary is None or summary.empty:
         return empty_figure(title, "no performance records")
-    cells = [summary[key].astype(str).tolist(), summary["n"].astype(int).tolist()]
+    cells = [summary[key].astype(str).tolist(), [str(n) for n in runs_text(summary)]]
     for col in columns:
         cells.append([ci_text(r.get(col), r.get(f"{col}_lo"), r.get(f"{col}_hi"))
                       for r in summary.to_dict("records")])
@@ -188,6 +195,16 @@ def study_table(summary: pd.DataFrame, columns: dict[str, str], title: str,
     ))
     fig.update_layout(title=title, height=120 + 28 * len(summary), margin=dict(t=60, b=10))
     return fig
+
+
+def runs_text(summary: pd.DataFrame) -> list:
+    """A summary's runs column: ``n``, or '3 (2 contended)' where runs were measured while other
+    processes took the CPU (``n_contended``)."""
+    busy = summary["n_contended"] if "n_contended" in summary.columns else pd.Series(0, index=summary.index)
+    if not busy.fillna(0).astype(int).gt(0).any():
+        return [int(n) for n in summary["n"]]
+    return [f"{int(n)} ({int(c)} contended)" if c else str(int(n))
+            for n, c in zip(summary["n"], busy.fillna(0), strict=True)]
 
 
 def ci_text(v, lo, hi) -> str:
@@ -200,11 +217,12 @@ def ci_text(v, lo, hi) -> str:
 
 
 def relative_to_baseline(rel: pd.DataFrame, metric_title: str = "J/token",
-                         baseline: str = "full") -> go.Figure:
-    """Each method's metric over the baseline's (1.0 = same), with CIs and "+35%" labels."""
+                         baseline: str = "full", why: str | None = None) -> go.Figure:
+    """Each method's metric over the baseline's (1.0 = same), with CIs and "+35%" labels; ``why``
+    says why there is no data (e.g. the recorded energy source), when known."""
     title = f"{metric_title} relative to {baseline}"
     if not _has(rel, "ratio"):
-        return empty_figure(title, f"no {metric_title} data (no energy counter on this device?)")
+        return empty_figure(title, why or f"no {metric_title} data in these records")
     rel = rel.dropna(subset=["ratio"])
     x = rel["label"].astype(str)
     if "ctx" in rel.columns and rel["ctx"].nunique() > 1:
@@ -223,11 +241,11 @@ def relative_to_baseline(rel: pd.DataFrame, metric_title: str = "J/token",
 
 
 def energy_vs_memory(records: pd.DataFrame, energy: str = "j_per_token",
-                     memory: str = "peak_mem_bytes") -> go.Figure:
+                     memory: str = "peak_mem_bytes", why: str | None = None) -> go.Figure:
     """One point per run: peak memory against J/token; good methods sit bottom-left."""
     title = "Energy vs memory per run"
     if not _has(records, energy):
-        return empty_figure(title, f"no {energy} data (no energy counter on this device?)")
+        return empty_figure(title, why or f"no {energy} data in these records")
     if not _has(records, energy, memory):
         return empty_figure(title, f"no {memory} data")
     df = records.dropna(subset=[energy, memory])
@@ -280,15 +298,34 @@ def token_latency_series(records: pd.DataFrame, ctx: int | None = None) -> go.Fi
     return fig
 
 
-def quality_vs_keep(summary: pd.DataFrame, metric: str = "score", key: str = "method") -> go.Figure:
-    """Task score against keep ratio, one line per method, one panel per task."""
+def quality_vs_keep(summary: pd.DataFrame, metric: str = "score", key: str | None = None) -> go.Figure:
+    """Task score against keep ratio, one line per method, one panel per task. When no method ran
+    at two keep ratios, one bar per method instead: lines would stack every method on one or two x
+    positions (the full cache and the quantized caches all keep 1.0)."""
     title = "Quality vs keep ratio"
     if not _has(summary, metric, "keep"):
         return empty_figure(title, "no quality records in this folder")
+    if key is None:  # a method that ran at several keeps is one line; else its label (quanto int4, int2)
+        key = "series"
+        if {"method", "label"} <= set(summary.columns):
+            several = summary.groupby("method")["keep"].transform("nunique") > 1
+            summary = summary.assign(series=summary["method"].where(several, summary["label"]))
+        else:
+            summary = summary.assign(series=summary["method" if "method" in summary.columns else "label"])
     tasks = list(dict.fromkeys(summary["task"])) if "task" in summary.columns else [None]
     fig = make_subplots(rows=1, cols=len(tasks), shared_yaxes=True,
                         subplot_titles=[str(t) for t in tasks] if tasks != [None] else None)
     colors = color_map(summary[key])
+    if summary.groupby(key)["keep"].nunique().max() < 2:
+        for i, task in enumerate(tasks, start=1):
+            part = summary if task is None else summary[summary["task"] == task]
+            fig.add_trace(go.Bar(x=part[key].astype(str), y=part[metric], error_y=_error_y(part, metric),
+                                 marker_color=[colors[str(n)] for n in part[key]], showlegend=False,
+                                 text=[f"{v:.2f}" for v in part[metric]], textposition="outside",
+                                 cliponaxis=False), row=1, col=i)
+        fig.update_yaxes(title_text=metric.replace("_", " "), row=1, col=1)
+        fig.update_layout(title="Quality per method (each at one keep ratio)", margin=dict(t=80))
+        return fig
     for i, task in enumerate(tasks, start=1):
         part_t = summary if task is None else summary[summary["task"] == task]
         for name, part in part_t.sort_values("keep").groupby(key, sort=False):
@@ -303,11 +340,11 @@ def quality_vs_keep(summary: pd.DataFrame, metric: str = "score", key: str = "me
 
 
 def energy_counter_vs_10hz(records: pd.DataFrame, counter: str = "energy_j",
-                           sampled: str = "energy_10hz_j") -> go.Figure:
+                           sampled: str = "energy_10hz_j", why: str | None = None) -> go.Figure:
     """The hardware energy counter against 10 Hz power integration, per run; the line is equality."""
     title = "Energy counter vs 10 Hz power integration"
     if not _has(records, counter, sampled):
-        return empty_figure(title, "no energy measurements (energy_source none on this device)")
+        return empty_figure(title, why or "no energy measurements in these records")
     df = records.dropna(subset=[counter, sampled])
     colors = color_map(df["label"])
     fig = go.Figure()
@@ -322,11 +359,11 @@ def energy_counter_vs_10hz(records: pd.DataFrame, counter: str = "energy_j",
     return fig
 
 
-def anatomy_bars(table: pd.DataFrame, key: str = "label") -> go.Figure:
+def anatomy_bars(table: pd.DataFrame, key: str = "label", why: str | None = None) -> go.Figure:
     """Where a decode step's time goes, per method: stacked ms per category (kvlab.anatomy)."""
     title = "Anatomy of a decode step"
     if not _has(table, "category", "ms"):
-        return empty_figure(title, "no anatomy data")
+        return empty_figure(title, why or "no anatomy data")
     order = [c for c in ANATOMY_ORDER if c in set(table["category"])]
     order += [c for c in dict.fromkeys(table["category"]) if c not in order]
     methods = list(dict.fromkeys(table[key]))
@@ -350,12 +387,12 @@ def anatomy_bars(table: pd.DataFrame, key: str = "label") -> go.Figure:
 
 
 def batch_scaling(summary: pd.DataFrame, metrics: dict[str, str], title: str = "Scaling with batch size",
-                  key: str = "label") -> go.Figure:
+                  key: str = "label", why: str | None = None) -> go.Figure:
     """One panel per metric against batch (log x), one line per method with CI bars; (method,
     batch) pairs that failed (``status`` ``failed: OOM``) are listed under the panels."""
     present = [m for m in metrics if _has(summary, m, "batch")]
     if not present or summary["batch"].nunique() < 2:
-        return empty_figure(title, "fewer than two batch sizes at one context: no batch scaling to show")
+        return empty_figure(title, why or "fewer than two batch sizes at one context: no batch scaling to show")
     cols = 2 if len(present) > 1 else 1
     rows = math.ceil(len(present) / cols)
     fig = make_subplots(rows=rows, cols=cols, subplot_titles=[metrics[m] for m in present],
@@ -386,13 +423,13 @@ def batch_scaling(summary: pd.DataFrame, metrics: dict[str, str], title: str = "
 
 
 def compression_pays(pays: pd.DataFrame, metric: str = "j_per_token", metric_title: str = "J/token",
-                     baseline: str = "full") -> go.Figure:
+                     baseline: str = "full", why: str | None = None) -> go.Figure:
     """Heatmap of each method's ``metric`` over the full cache's per (ctx, batch) cell: blue below
     1 (compression pays), red above; cells show the change with its CI, or why there is none."""
     title = f"Where compression pays: {metric_title} relative to {baseline}"
     col = f"{metric}_ratio"
     if not _has(pays, col):
-        return empty_figure(title, f"no {metric_title} ratios (no energy counter on this device?)")
+        return empty_figure(title, why or f"no {metric_title} ratios in these records")
     df = pays.sort_values(["ctx", "batch"], kind="stable")
     cells = list(dict.fromkeys(zip(df["ctx"], df["batch"], strict=True)))
     x = [f"{fmt_ctx(c)} · b{int(b)}" for c, b in cells]

@@ -415,20 +415,24 @@ def _cells(items: Iterable[TaskItem]) -> dict[tuple[str, int], list[TaskItem]]:
 def run_quality(loaded, policies: Sequence, task_spec: TaskSpec | dict, out_writer=None,
                 base: dict[str, Any] | None = None,
                 progress: Callable[[str], None] | None = None,
-                skip: Collection[str] = frozenset(), engine=None) -> list[dict[str, Any]]:
+                skip: Collection[str] = frozenset(), engine=None,
+                progress_bar: bool = False) -> list[dict[str, Any]]:
     """Run every item of ``task_spec`` under every policy; return (and write) quality records.
 
     The full cache always runs as the reference (its records are emitted only if a ``full``
     policy is among ``policies``). Records of a (task, length) cell are written together once the
     cell is done, with ``no_signal`` set from the full cache's mean score. ``out_writer`` is a
     :class:`kvlab.records.RecordWriter` or any callable taking a record dict; ``base`` adds
-    identity columns (e.g. ``sweep``).
+    identity columns (e.g. ``sweep``); ``progress_bar`` shows a tqdm bar with an ETA over the
+    (item, policy) runs.
 
     Resuming: records whose run id is in ``skip`` (those already written ok) are neither run nor
     written again; a cell with none left is skipped whole, and in a cell with some left only the
     full-cache reference reruns for the items already done (for the cell's mean score).
     ``engine``: a fast engine for the greedy replies (records say ``engine: fast``).
     """
+    from tqdm.auto import tqdm
+
     from kvlab.policies import make_policy
 
     spec = task_spec if isinstance(task_spec, TaskSpec) else TaskSpec(**task_spec)
@@ -443,26 +447,35 @@ def run_quality(loaded, policies: Sequence, task_spec: TaskSpec | dict, out_writ
     items = build_items(spec, enc, getattr(loaded.spec, "max_context", None))
     say = progress or (lambda _msg: None)
     records: list[dict[str, Any]] = []
-    for (task, length), cell_items in _cells(items).items():
-        todo = {id(item): [p for p in policies if quality_run_id(base, p, item, spec.query_aware) not in skip]
-                for item in cell_items}
-        if not any(todo.values()):
-            say(f"{task} L={length}: already recorded")
-            continue
-        cell: list[dict[str, Any]] = []
-        full_scores: list[float] = []
-        for item in cell_items:
-            ref = run_item(loaded, reference, item, enc, spec.query_aware, engine=engine)
-            full_scores.append(item.score(ref.prediction))
-            for policy in todo[id(item)]:
-                cell.append(_item_record(loaded, policy, item, enc, spec, base, ref, reference, engine))
-            say(f"{task} L={length} depth={item.depth} sample={item.sample}: full={full_scores[-1]:.2f}")
-        full_mean = sum(full_scores) / len(full_scores)
-        for rec in cell:
-            rec["no_signal"] = bool(full_mean < spec.no_signal_threshold)
-            rec["full_score"] = full_mean
-            _emit(out_writer, rec)
-        records += cell
+    bar = tqdm(total=len(items) * len(policies), desc="quality", unit="run", disable=not progress_bar,
+               dynamic_ncols=True)
+    try:
+        for (task, length), cell_items in _cells(items).items():
+            todo = {id(item): [p for p in policies if quality_run_id(base, p, item, spec.query_aware) not in skip]
+                    for item in cell_items}
+            if not any(todo.values()):
+                say(f"{task} L={length}: already recorded")
+                bar.update(len(cell_items) * len(policies))
+                continue
+            cell: list[dict[str, Any]] = []
+            full_scores: list[float] = []
+            for item in cell_items:
+                ref = run_item(loaded, reference, item, enc, spec.query_aware, engine=engine)
+                full_scores.append(item.score(ref.prediction))
+                bar.update(len(policies) - len(todo[id(item)]))
+                for policy in todo[id(item)]:
+                    bar.set_postfix_str(f"{policy.label} {task} L={length}", refresh=False)
+                    cell.append(_item_record(loaded, policy, item, enc, spec, base, ref, reference, engine))
+                    bar.update(1)
+                say(f"{task} L={length} depth={item.depth} sample={item.sample}: full={full_scores[-1]:.2f}")
+            full_mean = sum(full_scores) / len(full_scores)
+            for rec in cell:
+                rec["no_signal"] = bool(full_mean < spec.no_signal_threshold)
+                rec["full_score"] = full_mean
+                _emit(out_writer, rec)
+            records += cell
+    finally:
+        bar.close()
     if CONTINUATION in spec.tasks:
         records += run_continuation(loaded, policies, spec, out_writer, base=base, progress=progress, skip=skip)
     return records
@@ -643,6 +656,39 @@ def _continuation_task_item(it: ContinuationItem) -> TaskItem:
                     context_ids=it.context_ids, question_ids=(), answer_prefix_ids=(),
                     answer_ids=it.continuation_ids[1:], references=(), metric="continuation_utility",
                     max_new_tokens=0)
+
+
+# ------------------------------------------------------------------ what a score means
+
+
+# Why SnapKV (and PyramidKV, which scores like it) can score 0 on a needle: the method, not a bug.
+SNAPKV_NEEDLE_NOTE = (
+    "SnapKV (and PyramidKV, which scores tokens the same way) scores 0 on the needle here, and that is "
+    "the method, not a bug: question-agnostic SnapKV keeps, per KV head, the tokens the last window of "
+    "the prompt attends to most; on SmolLM2 (3 KV heads) the first layers' heads give the needle's digits "
+    "the lowest window attention of the whole prompt and evict them, so the copy breaks (even at keep "
+    "0.9). kvlab's SnapKV selections were checked independently and are identical to NVIDIA kvpress "
+    "0.5.5's at 500-5200 tokens; TOVA, which scores with the last token only, keeps the needle."
+)
+NEEDLE_TASKS = ("niah_single", "niah_multikey", "niah_multivalue")
+SNAPKV_LIKE = ("snapkv", "pyramidkv")
+
+
+def quality_notes(records) -> list[str]:
+    """Sentences a quality table needs beside it: the SnapKV note when a SnapKV-scored method
+    (SnapKV, PyramidKV) scored 0 on a needle task where the full cache found it."""
+    import pandas as pd
+
+    df = records if isinstance(records, pd.DataFrame) else pd.DataFrame.from_records(list(records))
+    need = {"method", "task", "score"}
+    if df.empty or not need <= set(df.columns):
+        return []
+    ok = df[df["status"] == "ok"] if "status" in df.columns else df
+    needle = ok[ok["task"].isin(NEEDLE_TASKS)]
+    scores = pd.to_numeric(needle["score"], errors="coerce")
+    full_found = scores[needle["method"] == "full"].mean() > 0 if (needle["method"] == "full").any() else True
+    snap = scores[needle["method"].isin(SNAPKV_LIKE)]
+    return [SNAPKV_NEEDLE_NOTE] if len(snap) and snap.mean() == 0 and full_found else []
 
 
 # ------------------------------------------------------------------ paired summaries

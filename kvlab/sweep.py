@@ -397,10 +397,11 @@ def run_sweep(
     loader = loader or load_model
     sampler_factory = sampler_factory or make_sampler
     variants = check_params(params, check_device=check_device)  # raises before any model loads
-    if params.threads is not None:
+    threads = pinned_threads(params)
+    if threads is not None:
         import torch
 
-        torch.set_num_threads(params.threads)
+        torch.set_num_threads(threads)  # recorded per run (``threads``) by kvlab.measure
     runs = expand(params, variants)
     out = Path(out_dir)
     sweep_name = params.name or out.name
@@ -437,7 +438,8 @@ def run_sweep(
 
         budget = Budget(max_runs=params.max_runs, time_budget_s=params.time_budget_s)
         writers = {name: RecordWriter(out / name) for name in (RECORDS_FILE, WARMUP_FILE, TIMELINES_FILE)}
-        bar = tqdm(total=len(pending), disable=not progress or not pending, unit="run", dynamic_ncols=True)
+        bar = tqdm(total=len(pending) + warmups_planned(pending, params.warmup_runs), desc="sweep",
+                   disable=not progress or not pending, unit="run", dynamic_ncols=True)  # warm-ups count too
         sink = DriverSink(records=writers[RECORDS_FILE], warmups=writers[WARMUP_FILE],
                           timelines=writers[TIMELINES_FILE], errors_path=out / ERRORS_FILE, summary=summary,
                           bar=bar, invocation=invocation, log=log)
@@ -446,7 +448,9 @@ def run_sweep(
                 executor.run(params, pending, sink, budget, sweep_name=sweep_name, loader=loader,
                              sampler_factory=sampler_factory)
             if params.quality is not None and not budget.reason:
-                _quality_pass(params, variants, loader, writers[RECORDS_FILE], sweep_name, manifest, out, log)
+                bar.close()  # the quality pass draws its own bar
+                _quality_pass(params, variants, loader, writers[RECORDS_FILE], sweep_name, manifest, out, log,
+                              progress)
         finally:
             bar.close()
             for w in writers.values():
@@ -463,6 +467,7 @@ def run_sweep(
                               status=summary.status, stopped=budget.reason, env_end=env.snapshot(params.device))
             manifest["status"] = sweep_status(manifest["run_ids"], statuses, q_pending, summary.quality_failed)
             write_manifest(out, manifest)
+            _write_parquet(out, log)
     return summary
 
 
@@ -475,7 +480,20 @@ def _quality_state(params: SweepParams, manifest: dict[str, Any]) -> tuple[int, 
             sum(1 for m in params.models if m in done and done[m] is not True))
 
 
-def _quality_pass(params, variants, loader, writer, sweep_name, manifest, out, log) -> None:
+def _write_parquet(out: Path, log) -> None:
+    """``records.parquet`` next to ``records.jsonl``, rewritten whole at the end of every sweep
+    invocation (JSONL stays the source of truth: it survives a kill mid-run; Parquet is for pandas)."""
+    from kvlab.records import write_parquet
+
+    if not (out / RECORDS_FILE).is_file():
+        return
+    try:
+        write_parquet(out)
+    except Exception as err:  # noqa: BLE001 - a convenience copy must not fail a finished sweep
+        log(f"kvlab sweep: records.parquet not written ({_short_error(err)}); records.jsonl has every run")
+
+
+def _quality_pass(params, variants, loader, writer, sweep_name, manifest, out, log, progress=True) -> None:
     """Quality records for every model and method, resumed per item like the performance runs.
 
     ``manifest["quality_done"][model]`` is True once a model's pass has every record ok (the rerun
@@ -484,7 +502,7 @@ def _quality_pass(params, variants, loader, writer, sweep_name, manifest, out, l
     a pass killed midway (even between its last record and this mark) resumes with no duplicate.
     """
     from kvlab.policies import make_policy
-    from kvlab.quality import TaskSpec, run_quality
+    from kvlab.quality import TaskSpec, quality_notes, run_quality
 
     done = manifest.setdefault("quality_done", {})
     spec = TaskSpec(**params.quality)
@@ -502,7 +520,9 @@ def _quality_pass(params, variants, loader, writer, sweep_name, manifest, out, l
                             seed=params.seed, attn_implementation=params.attn_implementation)
             policies = [make_policy(v.method, **v.kwargs) for _, v in variants]
             records = run_quality(loaded, policies, spec, out_writer=writer, base={"sweep": sweep_name},
-                                  skip=skip)
+                                  skip=skip, progress_bar=progress)
+            for note in quality_notes(records):
+                log(f"kvlab sweep: note: {note}")
         except Exception as err:  # noqa: BLE001 - recorded in the manifest; the sweep says failed_runs
             message = _short_error(err)
             log(f"kvlab sweep: quality pass on {model_name} failed: {message}")
@@ -631,6 +651,7 @@ def _run_shape(params, session, runs: list[RunSpec], sink, budget, sweep_name) -
                 return
             _warm_up(params, session, run, key, w, sink, budget, sweep_name)
             if (key, run.shape) in session.broken:
+                sink.skip_warmups(params.warmup_runs - w - 1)  # a broken variant's other warm-ups
                 break
     for run in runs:
         if not budget.allows():
@@ -648,7 +669,11 @@ def _warm_up(params, session, run, key, index, sink, budget, sweep_name) -> None
     try:
         policy = _policy_for(session, run.variant)
         rec = _base_record(session, run, sweep_name, "warmup", policy)
-        m = _measure(params, session, run, policy, probe=index == 0)
+        # The kernel probe (torch.profiler) names the SDPA kernel and times GPU kernels; on a CPU it
+        # has no kernel time to give and made the smoke sweep's warm-ups 4x slower than its runs
+        # (378 s for 20 warm-ups vs 271 s for 60 runs, 2026-12-03), so CPU sweeps skip it.
+        probe = index == 0 and str(session.loaded.device).startswith("cuda")
+        m = _measure(params, session, run, policy, probe=probe)
         rec.update(m.record)
         if index == 0:
             session.probes[(key, run.shape)] = {k: m.record.get(k) for k in ("sdpa_kernel", "decode_kernel_ms")}
@@ -696,6 +721,23 @@ def _measured_run(params, session, run, sink, budget, sweep_name) -> None:
     if timeline is not None:
         sink.timeline(timeline)
     budget.spent(time.monotonic() - started, measured=True)
+
+
+def warmups_planned(pending: list[RunSpec], warmup_runs: int) -> int:
+    """Warm-up runs a sweep will do for its pending runs: ``warmup_runs`` per variant and shape
+    (:func:`_run_shape`), so the progress bar's ETA covers them (minutes on a CPU)."""
+    return warmup_runs * len({(r.shape, r.variant.key()) for r in pending})
+
+
+def pinned_threads(params: SweepParams) -> int | None:
+    """torch's thread count for a sweep: ``threads`` if set, else on CPU a stable number
+    (:func:`kvlab.hostload.cpu_threads`), so runs of one folder compare like with like; on a GPU
+    torch's default (the host thread mostly launches kernels)."""
+    from kvlab.hostload import cpu_threads
+
+    if params.threads is not None:
+        return params.threads
+    return None if str(params.device).startswith("cuda") else cpu_threads()
 
 
 def plan(params: SweepParams, out_dir: str | Path | None = None, check_device: bool = False) -> list[RunSpec]:

@@ -8,6 +8,7 @@ export, so notebooks also show the same figures for preset inputs.
 
 from __future__ import annotations
 
+import html
 from dataclasses import dataclass, field
 
 import pandas as pd
@@ -156,6 +157,7 @@ class BudgetViews:
     tables: dict[str, pd.DataFrame] = field(default_factory=dict)
     figures: dict[str, go.Figure] = field(default_factory=dict)
     summary: pd.DataFrame | None = None
+    fit: list[str] = field(default_factory=list)  # what does not fit on the GPU, in sentences
 
 
 def budget_summary(inputs: BudgetInputs) -> pd.DataFrame:
@@ -165,8 +167,11 @@ def budget_summary(inputs: BudgetInputs) -> pd.DataFrame:
     for f in cache_formats(spec, inputs.bits, inputs.group_size, inputs.residual):
         kw = f.cache_kwargs()
         step = budget.decode_bytes(spec, inputs.ctx, inputs.batch, **kw)
+        problem = budget.fit_problem(spec, inputs.ctx, inputs.batch, gpu.memory_bytes, inputs.reserve_bytes,
+                                     gpu.name, **kw)
         rows.append({
             "format": f.name,
+            f"fits on {gpu.name}": "yes" if problem is None else "NO",
             "bytes/token": budget.kv_bytes_per_token(spec, f.bits, f.group_size),
             "cache GB": budget.cache_bytes(spec, inputs.ctx, inputs.batch, **kw) / GB,
             "compression": budget.compression_ratio(spec, inputs.ctx, batch=inputs.batch, **kw),
@@ -184,6 +189,8 @@ def budget_views(inputs: BudgetInputs) -> BudgetViews:
     formats = cache_formats(spec, inputs.bits, inputs.group_size, inputs.residual)
     ctxs = context_grid(max(inputs.ctx, spec.max_context))
     free = budget.free_bytes_for_cache(spec, gpu.memory_bytes, inputs.reserve_bytes)
+    no_room = None if free > 0 else budget.fit_problem(spec, inputs.ctx, inputs.batch, gpu.memory_bytes,
+                                                       inputs.reserve_bytes, gpu.name)
     tables = {
         "cache": cache_table(spec, formats, ctxs, inputs.batch),
         "capacity": capacity_table(spec, formats, inputs.ctx, gpu, inputs.reserve_bytes),
@@ -191,15 +198,41 @@ def budget_views(inputs: BudgetInputs) -> BudgetViews:
         "compression": compression_table(spec, formats, ctxs, inputs.batch),
     }
     figures = {
-        "cache": plots.cache_vs_context(tables["cache"], free_bytes=free, gpu_name=gpu.name),
-        "capacity": plots.capacity(tables["capacity"], gpu.name, inputs.ctx),
+        "cache": plots.cache_vs_context(tables["cache"], free_bytes=free if free > 0 else None, gpu_name=gpu.name,
+                                        note=no_room),
+        "capacity": (plots.capacity(tables["capacity"], gpu.name, inputs.ctx) if no_room is None
+                     else plots.empty_figure(f"Capacity on {gpu.name} at {plots.fmt_ctx(inputs.ctx)} context",
+                                             no_room)),
         "decode": plots.decode_split(tables["decode"], gpu.name),
         "compression": plots.compression_vs_context(tables["compression"]),
     }
     batch = f" x batch {inputs.batch}" if inputs.batch > 1 else ""
     figures["cache"].update_layout(title=f"{spec.name}: KV cache size vs context{batch}")
     figures["decode"].update_layout(title=f"{spec.name} at {inputs.ctx:,} tokens{batch}: what a decode step reads")
-    return BudgetViews(inputs, tables, figures, budget_summary(inputs))
+    return BudgetViews(inputs, tables, figures, budget_summary(inputs), fit_lines(inputs))
+
+
+def fit_text(views: BudgetViews) -> str:
+    """The fit verdict as text for the notebook: what does not fit, or that every format fits."""
+    i = views.inputs
+    return "\n".join(views.fit) or (f"every cache format fits on {budget.get_gpu(i.gpu).name} at "
+                                    f"{i.ctx:,} tokens x batch {i.batch}")
+
+
+def fit_lines(inputs: BudgetInputs) -> list[str]:
+    """One sentence per cache format that does not fit on the GPU at the chosen setting (the
+    weights-alone case once): what the explorer says above its charts."""
+    spec, gpu = inputs.spec, budget.get_gpu(inputs.gpu)
+    lines = []
+    for f in cache_formats(spec, inputs.bits, inputs.group_size, inputs.residual):
+        problem = budget.fit_problem(spec, inputs.ctx, inputs.batch, gpu.memory_bytes, inputs.reserve_bytes,
+                                     gpu.name, **f.cache_kwargs())
+        if problem is None:
+            continue
+        if "at any context" in problem or "no room" in problem:
+            return [problem]
+        lines.append(f"{f.name}: {problem}")
+    return lines
 
 
 class BudgetExplorer:
@@ -295,7 +328,8 @@ def _summary_html(views: BudgetViews) -> str:
     s = views.summary
     full, last = s.iloc[0], s.iloc[-1]
     i = views.inputs
-    return (f"{i.model} at {i.ctx:,} tokens x batch {i.batch}: full cache {full['cache GB']:.2f} GB, "
-            f"{last['format']} {last['cache GB']:.2f} GB ({last['compression']:.2f}x); "
-            f"a decode step reads {full['step reads GB']:.2f} GB -> {last['step reads GB']:.2f} GB "
-            f"(floor {full['step floor ms']:.2f} -> {last['step floor ms']:.2f} ms on {i.gpu}).")
+    warn = "".join(f"<b style='color:#b00'>{html.escape(line)}</b><br>" for line in views.fit)
+    return warn + (f"{i.model} at {i.ctx:,} tokens x batch {i.batch}: full cache {full['cache GB']:.2f} GB, "
+                   f"{last['format']} {last['cache GB']:.2f} GB ({last['compression']:.2f}x); "
+                   f"a decode step reads {full['step reads GB']:.2f} GB -> {last['step reads GB']:.2f} GB "
+                   f"(floor {full['step floor ms']:.2f} -> {last['step floor ms']:.2f} ms on {i.gpu}).")

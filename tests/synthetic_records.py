@@ -49,7 +49,7 @@ def fake_perf_records(ctxs=(1024, 4096, 16384), repeats=3, new_tokens=48, residu
                     itl_max_ms=float(itl.max()), gpu_busy_ms=float(itl.sum() * 0.8),
                     tokens_per_s=float(1e3 / itl.mean()), peak_mem_bytes=16.1e9 + cache,
                     peak_mem_nvml_bytes=16.6e9 + cache, cache_bytes=cache, cache_logical_tokens=ctx,
-                    cache_physical_tokens=int(ctx * (keep or 1)), energy_source="counter" if energy else "none",
+                    cache_physical_tokens=int(ctx * (keep or 1)), energy_source="counter" if energy else "none: no NVML counter (fake)",
                     energy_j=j * new_tokens if energy else None, prefill_j=None, decode_j=j * new_tokens if energy else None,
                     idle_w=None, net_energy_j=None, j_per_token=j if energy else None, net_j_per_token=None,
                     energy_10hz_j=j * new_tokens * (1 + 0.05 * rng.standard_normal()) if energy else None,

@@ -42,3 +42,47 @@ def test_reading_this_machine():
     delta = host_delta(before, read_counters())
     assert delta["host_process_cpu_ms"] > 0 and delta["host_process_cpu_share"] > 0
     assert delta["host_steal_ms"] is not None and delta["host_nonvoluntary_switches"] is not None
+
+
+def test_contention_flags_the_busy_runs_of_issue_15_and_not_the_quiet_ones():
+    from kvlab.hostload import contention
+
+    quiet_cpu = {"host_process_cpu_share": 2.0, "host_nonvoluntary_switches": 3, "host_steal_ms": 0.0}
+    busy_cpu = {"host_process_cpu_share": 1.0, "host_nonvoluntary_switches": 1764, "host_steal_ms": 0.0}
+    assert contention(quiet_cpu, decode_s=0.3, threads=2) == (False, "")
+    flagged, why = contention(busy_cpu, decode_s=6.0, threads=2)
+    assert flagged and "switches/s" in why and "CPU share 1.00 with 2 threads" in why
+    # a half-busy CPU counts with some preemption, never on a GPU (the host thread waits on kernels),
+    # and not alone: a serial code path leaves a thread idle on a quiet machine too
+    half = {"host_process_cpu_share": 1.0, "host_nonvoluntary_switches": 8, "host_steal_ms": 0.0}
+    assert contention(half, decode_s=1.0, threads=2) == (True, "CPU share 1.00 with 2 threads")
+    assert contention(half, decode_s=1.0, threads=2, device="cuda")[0] is False
+    assert contention({**half, "host_nonvoluntary_switches": 1}, decode_s=1.0, threads=2)[0] is False
+    # an H200 run of 2026-12-02: 42 switches over 21 s, 1.3 CPU share, a little steal
+    h200 = {"host_process_cpu_share": 1.3, "host_nonvoluntary_switches": 42, "host_steal_ms": 23.0}
+    assert contention(h200, decode_s=21.0, threads=16, device="cuda") == (False, "")
+    assert contention({"host_steal_ms": 500.0}, decode_s=1.0)[0] is True
+    assert contention({}, decode_s=1.0) == (None, "no host counters")
+    assert contention(quiet_cpu, decode_s=None)[0] is None
+
+
+def test_cpu_threads_is_a_positive_stable_number():
+    from kvlab.hostload import cpu_threads
+
+    assert cpu_threads() >= 1 and cpu_threads() == cpu_threads()
+
+
+def test_peak_rss_is_read_from_vmhwm_and_resets_to_the_current_rss():
+    from kvlab.hostload import parse_peak_rss, peak_rss_bytes, reset_peak_rss
+
+    assert parse_peak_rss("VmPeak:\t 999 kB\nVmHWM:\t  2048 kB\nVmRSS:\t 1024 kB\n") == 2048 * 1024
+    assert parse_peak_rss("Name: x\n") is None
+    if not reset_peak_rss():
+        pytest.skip("no /proc/self/clear_refs here")
+    before = peak_rss_bytes()
+    block = bytearray(64 * 1024 * 1024)  # touch 64 MiB
+    block[::4096] = b"x" * len(block[::4096])
+    grown = peak_rss_bytes()
+    del block
+    assert grown - before >= 60 * 1024 * 1024
+    assert reset_peak_rss() and peak_rss_bytes() < grown

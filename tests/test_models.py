@@ -16,6 +16,23 @@ def test_param_count_matches_a_meta_model(name):
     assert count_params(config) == sum(p.numel() for p in model.parameters())
 
 
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_preset_spec_without_transformers_matches_the_transformers_config(name):
+    from kvlab.models import spec_from_config
+
+    assert get_spec(name) == spec_from_config(preset_config(name), name=name)
+
+
+def test_kvlab_budget_imports_neither_torch_nor_transformers_nor_pandas():
+    import subprocess
+    import sys
+
+    code = ("import sys; from kvlab.cli import main; main(['budget', '--model', 'llama-3.1-8b', '--ctx', '16384', "
+            "'--gpu', 'h200']); print(sorted(m for m in ('torch', 'transformers', 'pandas') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().endswith("[]")
+
+
 def test_llama8b_spec():
     spec = get_spec("llama-3.1-8b")
     assert (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.num_attention_heads) == (32, 8, 128, 32)
@@ -66,3 +83,35 @@ def test_smollm2_answers_offline(smollm2):
     out = smollm2.model.generate(**ids, max_new_tokens=8, do_sample=False)
     assert "Paris" in tok.decode(out[0, ids["input_ids"].shape[1]:])
     assert smollm2.spec.num_kv_heads == 3 and smollm2.weights == "real"
+
+
+def test_cache_root_follows_kvlab_cache_then_xdg(monkeypatch, tmp_path):
+    from kvlab.models import cache_root
+
+    monkeypatch.setenv("KVLAB_CACHE", str(tmp_path / "k"))
+    assert cache_root() == tmp_path / "k"
+    monkeypatch.delenv("KVLAB_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
+    assert cache_root() == tmp_path / "x" / "kvlab"
+
+
+@pytest.mark.slow
+def test_the_converted_gguf_holds_exactly_what_transformers_reads_from_the_gguf(monkeypatch, tmp_path):
+    """SmolLM2 loads from a safetensors copy after its first load: same weights, same tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvlab.models import converted_gguf, smollm2_gguf_path
+
+    monkeypatch.setenv("KVLAB_CACHE", str(tmp_path))
+    gguf = smollm2_gguf_path()
+    assert converted_gguf(gguf, convert=False) is None
+    folder = converted_gguf(gguf)
+    assert folder is not None and folder.parent == tmp_path / "gguf"
+    assert converted_gguf(gguf, convert=False) == folder  # the second load reads the copy
+    kwargs = {"gguf_file": gguf.name, "local_files_only": True}
+    direct = AutoModelForCausalLM.from_pretrained(str(gguf.parent), dtype=torch.float32, **kwargs)
+    copy = load_model("smollm2-135m")
+    ref, got = direct.state_dict(), copy.model.state_dict()
+    assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
+    text = "The KV cache grows with every token: 12345 tokens later."
+    assert AutoTokenizer.from_pretrained(str(gguf.parent), **kwargs).encode(text) == copy.tokenizer.encode(text)

@@ -50,6 +50,16 @@ def test_papermill_sees_the_parameters(path):
     assert all(p["help"] for p in params.values()), "each parameter has a trailing comment"
 
 
+def test_sweep_notebook_declares_every_sweep_key():
+    """papermill warns "Passed unknown parameter" for a -f/-p key the notebook does not declare."""
+    import papermill as pm
+
+    from kvlab.params import SweepParams
+
+    declared = set(pm.inspect_notebook(str(ROOT / "notebooks" / "sweep.ipynb")))
+    assert set(SweepParams.model_fields) <= declared
+
+
 def execute(name, dest, **parameters):
     out = dest / f"{name}.ipynb"
     return report.execute_notebook(ROOT / "notebooks" / f"{name}.ipynb", out, parameters, cwd=ROOT,

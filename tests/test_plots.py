@@ -214,3 +214,15 @@ def test_relative_bars_name_the_batch_when_several():
 def test_show_prints_the_note_of_an_empty_figure(capsys):
     plots.show(plots.empty_figure("Scaling with batch size", "only batch 1 measured"))
     assert capsys.readouterr().out == "Scaling with batch size: only batch 1 measured\n"
+
+
+def test_quality_with_one_keep_per_method_draws_every_method_as_a_bar():
+    labels = {"full": ("full", 1.0), "snapkv": ("snapkv 25%", 0.25), "tova": ("tova 25%", 0.25),
+              "quanto": ("quanto int4", 1.0), "hqq": ("hqq int4", 1.0), "fp8": ("fp8", 1.0)}
+    q = pd.DataFrame([{"task": "niah_single", "method": m, "label": lab, "keep": k, "n": 1, "score": s}
+                      for (m, (lab, k)), s in zip(labels.items(), [1, 0, 1, 1, 1, 1], strict=True)])
+    fig = plots.quality_vs_keep(q)
+    assert len(fig.data) == 1 and fig.data[0].type == "bar"
+    assert list(fig.data[0].x) == [lab for lab, _ in labels.values()]  # all six, none hidden
+    two = pd.concat([q, q.assign(label="quanto int2", score=0.5).iloc[[3]]], ignore_index=True)
+    assert "quanto int2" in list(plots.quality_vs_keep(two).data[0].x)

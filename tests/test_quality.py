@@ -346,3 +346,18 @@ def test_smollm2_continuation_on_python_text(smollm2):
     mean_u = {m: sum(r["score"] for r in rs) / len(rs) for m, rs in by.items()}
     assert mean_u["streamingllm"] < mean_u["quanto"] <= 1.05
     assert all(r["text_source"] == "pydoc_data.topics" for r in records)
+
+
+def test_the_snapkv_needle_note_appears_only_when_snapkv_misses_what_full_found():
+    from kvlab.quality import SNAPKV_NEEDLE_NOTE, quality_notes
+
+    def rec(method, score, task="niah_single"):
+        return {"method": method, "task": task, "score": score, "status": "ok"}
+
+    assert quality_notes([rec("full", 1.0), rec("snapkv", 0.0)]) == [SNAPKV_NEEDLE_NOTE]
+    assert "kvpress 0.5.5" in SNAPKV_NEEDLE_NOTE and "not a bug" in SNAPKV_NEEDLE_NOTE
+    assert quality_notes([rec("full", 1.0), rec("snapkv", 1.0)]) == []
+    assert quality_notes([rec("full", 0.0), rec("snapkv", 0.0)]) == []  # no signal: nothing to explain
+    assert quality_notes([rec("full", 1.0), rec("tova", 0.0)]) == []
+    assert quality_notes([rec("full", 1.0, "vt"), rec("snapkv", 0.0, "vt")]) == []
+    assert quality_notes([]) == []

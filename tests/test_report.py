@@ -4,6 +4,7 @@ HTML export: code hidden, no CDN script, plotly.js embedded, an index of reports
 import json
 import math
 import re
+from pathlib import Path
 
 import nbformat
 import numpy as np
@@ -19,7 +20,7 @@ from synthetic_records import (
     write_fake_sweep,
 )
 
-from kvlab import report, viz
+from kvlab import plots, report, viz
 from kvlab.records import PERF_COLUMNS
 
 OOM = "RuntimeError: warm-up failed: OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
@@ -54,6 +55,12 @@ def test_bootstrap_ci_edge_cases():
     assert mean == 4.0 and math.isnan(lo) and math.isnan(hi)
     assert report.bootstrap_ci([2.0, float("nan"), 4.0])[0] == 3.0
     assert report.bootstrap_ci([5.0, 5.0, 5.0])[1:] == (5.0, 5.0)
+
+
+def test_one_bootstrap_ci_for_report_and_quality():
+    from kvlab import metrics
+
+    assert report.bootstrap_ci is metrics.bootstrap_ci
 
 
 def test_ratio_ci_of_exact_groups():
@@ -173,8 +180,8 @@ def test_project_path_resolves_from_anywhere(tmp_path, monkeypatch):
     monkeypatch.chdir(root / "notebooks")
     assert report.project_path("params/x.yaml") == root / "params/x.yaml"
     monkeypatch.chdir(tmp_path)
-    assert report.project_path(".") == report.Path(".")
-    assert report.project_path("/abs/path") == report.Path("/abs/path")
+    assert report.project_path(".") == Path(".")
+    assert report.project_path("/abs/path") == Path("/abs/path")
 
 
 def test_notebook_sweep_params_file_then_overrides(tmp_path):
@@ -185,6 +192,41 @@ def test_notebook_sweep_params_file_then_overrides(tmp_path):
     assert p.ctx == [512] and p.methods == ["full"] and p.name == "base"
     with pytest.raises(report.ReportError, match="not found"):
         report.notebook_sweep_params(str(tmp_path / "missing.yaml"))
+
+
+def test_sweep_defaults_on_cuda_run_the_study_at_the_asked_context():
+    d = report.sweep_defaults({"ctx": 16384}, cuda_available=True)
+    assert d.params_file is None and d.values["device"] == "cuda"
+    assert d.values["models"] == ["llama-3.1-8b"] and d.values["weights"] == "synthetic"
+    assert d.values["time_budget_s"] <= 600 and "16384" in d.note
+    from kvlab.params import check_params, parse_params
+
+    params = parse_params({**d.values, "ctx": 16384})
+    assert params.ctx == [16384]
+    assert {v.method for _, v in check_params(params, check_device=False)} >= {"full", "snapkv", "quanto", "fp8"}
+
+
+def test_sweep_defaults_on_cpu_run_the_smoke_sweep_or_say_what_to_run():
+    d = report.sweep_defaults({"ctx": 1024}, cuda_available=False)
+    assert d.params_file == "params/smoke.yaml" and d.values == {"device": "cpu"}
+    with pytest.raises(report.ReportError, match=r"-p device cpu -p ctx 1024"):
+        report.sweep_defaults({"ctx": 16384}, cuda_available=False)
+    with pytest.raises(report.ReportError, match="needs a GPU"):  # cpu asked on a GPU machine
+        report.sweep_defaults({"ctx": 16384, "device": "cpu"}, cuda_available=True)
+    # the user's own models are theirs to size: no refusal
+    assert report.sweep_defaults({"ctx": 16384, "models": ["tiny-llama"]}, cuda_available=False).params_file
+
+
+def test_notebook_sweep_params_without_a_file_on_this_cpu(monkeypatch, capsys):
+    from kvlab.reporting import notebook_params
+
+    monkeypatch.setattr(notebook_params, "_cuda_available", lambda: False)
+    p = report.notebook_sweep_params(None, {"ctx": 512, "params_file": None})
+    assert p.models == ["smollm2-135m"] and p.device == "cpu" and p.ctx == [512] and p.name == "smoke"
+    assert "smoke sweep" in capsys.readouterr().out
+    monkeypatch.setattr(notebook_params, "_cuda_available", lambda: True)
+    p = report.notebook_sweep_params(None, {"ctx": 32768})
+    assert p.device == "cuda" and p.ctx == [32768] and p.models == ["llama-3.1-8b"]
 
 
 # --- HTML ---------------------------------------------------------------------------------
@@ -349,8 +391,8 @@ def test_load_study_collects_the_sweeps_of_a_campaign(campaign):
 def test_provenance_has_one_column_per_sweep(campaign):
     prov = report.study_provenance(campaign)
     assert list(prov.columns) == ["h200-16k", "h200-batch"]
-    assert prov.loc["runs", "h200-16k"] == "47 ok, 1 failed"
-    assert prov.loc["runs", "h200-batch"] == "8 ok, 1 failed"
+    assert prov.loc["runs", "h200-16k"] == "27 performance runs ok, 20 quality records ok, 1 failed"
+    assert prov.loc["runs", "h200-batch"] == "8 performance runs ok, 1 failed"
     assert prov.loc["manifest: params.batch", "h200-batch"] == "[4, 16, 32]"
     assert prov.loc["manifest: params.batch", "h200-16k"] == ""  # that sweep has no such param
     assert prov.loc["weights", "h200-batch"].startswith("synthetic")
@@ -504,6 +546,22 @@ def test_compression_pays_per_cell():
                                                                                        "1.300 [1.300, 1.300]")
 
 
+def test_contended_runs_are_left_out_of_where_compression_pays():
+    records = pays_records()
+    records["contended"] = False
+    busy = pd.DataFrame([perf_row("quanto", "quanto int4", 16384, 1, j=13.0, itl=849.9, tps=1.0)]).assign(
+        contended=True)
+    pays = report.compression_pays(pd.concat([records, busy], ignore_index=True), n_boot=200)
+    int4 = pays[(pays["label"] == "quanto int4") & (pays["batch"] == 1)].iloc[0]
+    assert int4["j_per_token_ratio"] == pytest.approx(1.3) and int4["n"] == 2 and int4["n_contended"] == 1
+    assert "contended runs left out" in report.pays_table(pays).columns
+    only_busy = pd.DataFrame([perf_row("full", "full", 512, 1, j=1.0), perf_row("hqq", "hqq int4", 512, 1, j=1.0)]
+                             ).assign(contended=[False, True])
+    verdict = report.compression_pays(only_busy, n_boot=50)["verdict"].iloc[0]
+    assert verdict.startswith("every run contended")
+    assert "contended runs left out" not in report.pays_table(report.compression_pays(records, n_boot=50)).columns
+
+
 def test_energy_answer_one_sentence_per_cell():
     lines = report.energy_answer(report.compression_pays(pays_records(), n_boot=200))
     assert lines == [
@@ -515,7 +573,7 @@ def test_energy_answer_one_sentence_per_cell():
     ]
     no_energy = pays_records().assign(j_per_token=None)
     assert report.energy_answer(report.compression_pays(no_energy, n_boot=50))[0] == \
-        "quanto int4 at 16k, batch 1: no J/token (no energy counter?)"
+        "quanto int4 at 16k, batch 1: no J/token recorded"
     assert report.energy_answer(report.compression_pays(pays_records(), n_boot=50), "int2") == \
         ["no 'int2' runs in this folder"]
 
@@ -595,7 +653,11 @@ def test_new_sections_degrade_with_a_sentence(case):
     if case == "cpu-like":
         assert set(pays["verdict"]) == {"no J/token data", "failed: OOM"}  # ITL and tokens/s ratios still there
         assert pays["itl_median_ms_ratio"].notna().sum() == 6
-        assert lines[0] == "quanto int4 at 1k, batch 1: no J/token (no energy counter?)"
+        why = report.energy_missing(records)
+        assert why == "no energy measured: no NVML counter (fake)"  # the reason the runs recorded
+        assert report.energy_answer(pays, why=why)[0] == f"quanto int4 at 1k, batch 1: {why}"
+        assert report.pays_metric(pays) == ("itl_median_ms", "time between tokens")
+        assert not plots.is_empty(plots.compression_pays(pays, *report.pays_metric(pays)))
     else:
         assert pays.empty and report.rows_or_none(report.pays_table(pays)) is None
         assert lines == ["no 'int4' runs in this folder"]
@@ -603,3 +665,10 @@ def test_new_sections_degrade_with_a_sentence(case):
     assert gap.empty and sentence.startswith("no energy measurements")
     summary, caption = report.context_summary(records, n_boot=50)
     assert (summary.empty, caption.startswith("no performance records")) == (case != "cpu-like",) * 2
+
+
+def test_opening_lines_say_whole_numbers_as_ints():
+    from kvlab.reporting.provenance import _unique
+
+    assert _unique(pd.DataFrame({"threads": [2.0, None, 2.0]}), "threads") == "2"
+    assert _unique(pd.DataFrame({"x": [0.5]}), "x") == "0.5"

@@ -112,3 +112,40 @@ def test_explorer_is_displayable():
     ex = widgets.budget_explorer()
     bundle = ex._repr_mimebundle_()
     assert "application/vnd.jupyter.widget-view+json" in bundle
+
+
+def test_a_model_whose_weights_exceed_the_gpu_says_so_and_draws_no_negative_room():
+    from kvlab import plots
+
+    views = widgets.budget_views(widgets.BudgetInputs(model="llama-3.1-70b", gpu="rtx-a6000"))
+    assert views.fit == ["does not fit: llama-3.1-70b's weights alone (141.1 GB in bfloat16) exceed "
+                         "RTX A6000's 48 GB, at any context"]
+    assert set(views.summary["fits on RTX A6000"]) == {"NO"}
+    assert plots.is_empty(views.figures["capacity"])  # one sentence, not bars of 0
+    cache = views.figures["cache"]
+    assert not cache.layout.shapes  # no "free after weights: -95.3 GB" line
+    assert "weights alone" in cache.layout.annotations[0].text
+    assert "does not fit" in widgets._summary_html(views)
+
+
+def test_a_cache_larger_than_free_memory_says_which_formats_do_not_fit():
+    views = widgets.budget_views(widgets.BudgetInputs(model="llama-3.1-8b", gpu="h200", batch=256))
+    assert [line.split(":")[0] for line in views.fit] == ["bfloat16 (full)", "int8 g64 r128", "int4 g64 r128"]
+    assert "549.8 GB" in views.fit[0] and "max batch 57" in views.fit[0]
+    assert list(views.summary["fits on H200"]) == ["NO", "NO", "NO", "yes"]
+    ok = widgets.budget_views(widgets.BudgetInputs())
+    assert ok.fit == [] and widgets.fit_text(ok).startswith("every cache format fits")
+
+
+def test_bar_labels_have_room_above_the_bars():
+    views = widgets.budget_views(widgets.BudgetInputs(model="llama-3.1-8b", gpu="h200"))
+    cap = views.figures["capacity"]
+    assert cap.data[0].cliponaxis is False and cap.layout.yaxis.range[1] > max(cap.data[0].y)
+    floor = views.figures["decode"].data[-1]
+    assert floor.cliponaxis is False
+
+
+def test_fit_problem_is_none_when_everything_fits(llama8b):
+    gpu = budget.get_gpu("h200")
+    assert budget.fit_problem(llama8b, 16384, 1, gpu.memory_bytes) is None
+    assert "no room" in budget.fit_problem(llama8b, 16384, 1, 17e9, gpu_name="a 17 GB GPU")

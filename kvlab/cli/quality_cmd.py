@@ -113,7 +113,7 @@ def check_args(args):
 def run(args) -> int:
     from kvlab.cli import EXIT_FAILED_RUNS, EXIT_OK
     from kvlab.models import load_model
-    from kvlab.quality import run_quality, summarize
+    from kvlab.quality import quality_notes, run_quality, summarize
     from kvlab.records import RECORDS_FILE, RecordWriter, load_records, recorded_run_ids, write_manifest
 
     spec, policies, out = check_args(args)  # before the model loads
@@ -128,9 +128,8 @@ def run(args) -> int:
 
         engine = FastEngine(loaded)
     with RecordWriter(out / RECORDS_FILE) as writer:
-        records = run_quality(loaded, policies, spec, writer, base={"sweep": out.name},
-                              progress=lambda msg: print(msg, file=sys.stderr, flush=True), skip=skip,
-                              engine=engine)
+        records = run_quality(loaded, policies, spec, writer, base={"sweep": out.name}, skip=skip,
+                              engine=engine, progress_bar=True)
     failed = [r for r in records if r["status"] != "ok"]
     write_manifest(out, {**manifest, "status": "failed_runs" if failed else "complete"})
     summary = summarize(load_records(out, kind="quality"))
@@ -139,6 +138,8 @@ def run(args) -> int:
         cols = [c for c in ("task", "length", "label", "n", "no_signal", "score", "score_diff", "gold_nll",
                             "kl", "top1_agree") if c in summary.columns]
         print(summary[cols].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    for note in quality_notes(records):
+        print(f"note: {note}")
     for r in failed[:5]:
         print(f"failed: {r['label']} {r['task']} L={r['length']}: {r['error']}", file=sys.stderr)
     print(f"{len(records)} new quality records ({len(failed)} failed; items already recorded ok were skipped) "

@@ -81,7 +81,7 @@ def charged_runs(group: _InFlight) -> tuple[list[RunSpec], list[RunSpec], str]:
 def drive(groups: list[list[RunSpec]], transport: Transport, *, slots: int, params, sink, budget,
           sweep_name: str, loader, sampler_factory) -> None:
     """Run every group on workers, at most ``slots`` at a time, until done or the budget stops it."""
-    from kvlab.sweep import _identity_record
+    from kvlab.sweep import FAILED_ENERGY_SOURCE, _identity_record
 
     todo = deque(groups)
     inbox: queue.Queue = queue.Queue()
@@ -117,7 +117,7 @@ def drive(groups: list[list[RunSpec]], transport: Transport, *, slots: int, para
             sink.error_log(f"--- {utc_now()} worker died ({len(failed)} run(s) recorded as failed)\n{args[0]}")
             for run in failed:
                 rec = _identity_record(run, sweep_name)
-                rec.update(status="failed", error=cause[:2000])
+                rec.update(status="failed", error=cause[:2000], energy_source=FAILED_ENERGY_SOURCE)
                 sink.record(rec)
             if rest:
                 todo.appendleft(rest)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-SINK_METHODS = ("begin", "record", "warmup", "timeline", "error_log", "idle", "worker", "log")
+SINK_METHODS = ("begin", "record", "warmup", "skip_warmups", "timeline", "error_log", "idle", "worker", "log")
 
 
 class DriverSink:
@@ -47,6 +47,12 @@ class DriverSink:
 
     def warmup(self, rec: dict[str, Any]) -> None:
         self.warmups.append(rec)
+        self.bar.set_postfix_str(f"warm-up {rec.get('method')} ctx={rec.get('ctx')} b={rec.get('batch')}",
+                                 refresh=False)
+        self.bar.update(1)  # the bar counts warm-ups too (kvlab.sweep.warmups_planned)
+
+    def skip_warmups(self, n: int) -> None:
+        self.bar.update(n)
 
     def timeline(self, timeline: dict[str, Any]) -> None:
         self.timelines.append(timeline)
@@ -88,6 +94,9 @@ class ForwardingSink:
 
     def warmup(self, rec: dict[str, Any]) -> None:
         self._send(("warmup", rec))
+
+    def skip_warmups(self, n: int) -> None:
+        self._send(("skip_warmups", n))
 
     def timeline(self, timeline: dict[str, Any]) -> None:
         self._send(("timeline", timeline))

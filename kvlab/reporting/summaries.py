@@ -1,0 +1,421 @@
+"""The report's answers as pure functions of the records: the study table, per context, per batch,
+where compression pays, the int4 energy sentences, the 10 Hz gap and the quality summary."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import pandas as pd
+
+from kvlab.metrics import bootstrap_ci
+from kvlab.plots import ci_text, fmt_ctx
+from kvlab.reporting.frames import (
+    DEFAULT_CTX,
+    _ok,
+    all_perf_records,
+    contended_mask,
+    perf_records,
+    pick_ctx,
+    smallest_batch,
+)
+from kvlab.reporting.stats import _ordered, format_ci, method_summary, ratio_ci
+
+STUDY_METRICS = {
+    "peak_mem_gb": "peak memory (GB)",
+    "cache_gb": "KV cache (GB)",
+    "j_per_token": "J/token",
+    "itl_median_ms": "time between tokens (ms, median)",
+    "tokens_per_s": "tokens/s",
+}
+
+
+def relative_to_baseline(records: pd.DataFrame, metric: str = "j_per_token", baseline: str = "full",
+                         ctx: int | None = None, within: Sequence[str] = ("model", "ctx", "batch"),
+                         n_boot: int = 2000,
+                         level: float = 0.95, seed: int = 0) -> pd.DataFrame:
+    """Each label's mean ``metric`` over the baseline method's, within the same model, ctx and
+    batch (only at ``ctx`` when given).
+
+    ``change_pct`` is the headline number: +35 means 35% more J/token than the full cache.
+    """
+    within = [w for w in within if w in records.columns]
+    cols = ["label", *within, "ratio", "ratio_lo", "ratio_hi", "change_pct"]
+    if ctx is not None and "ctx" in records.columns:
+        records = records[records["ctx"] == ctx]
+    if records.empty or metric not in records.columns or "method" not in records.columns:
+        return pd.DataFrame(columns=cols)
+    rows = []
+    groups = records.groupby(within, sort=True) if within else [((), records)]
+    for keys, part in groups:
+        keys = keys if isinstance(keys, tuple) else (keys,)
+        base = pd.to_numeric(part.loc[part["method"] == baseline, metric], errors="coerce")
+        if base.notna().sum() == 0:
+            continue
+        for label, g in part[part["method"] != baseline].groupby("label", sort=False):
+            r, lo, hi = ratio_ci(pd.to_numeric(g[metric], errors="coerce"), base, n_boot, level, seed)
+            rows.append({"label": label, **dict(zip(within, keys, strict=True)), "ratio": r,
+                         "ratio_lo": lo, "ratio_hi": hi, "change_pct": (r - 1) * 100})
+    return _ordered(pd.DataFrame(rows, columns=cols))
+
+
+def headline(rel: pd.DataFrame, metric_title: str = "J/token", baseline: str = "full") -> list[str]:
+    """One sentence per method: '+35% J/token vs full at ctx 16384 (95% CI +30% to +41%)'; the batch
+    is named too when ``rel`` holds several (a folder of sweeps), so no two lines read the same."""
+    lines = []
+    several_batches = "batch" in rel.columns and rel["batch"].nunique() > 1
+    for r in rel.dropna(subset=["ratio"]).to_dict("records"):
+        where = f" at ctx {int(r['ctx'])}" if "ctx" in r else ""
+        if several_batches:
+            where += f", batch {int(r['batch'])}"
+        ci = ""
+        if not math.isnan(r["ratio_lo"]):
+            ci = f" (95% CI {(r['ratio_lo'] - 1) * 100:+.0f}% to {(r['ratio_hi'] - 1) * 100:+.0f}%)"
+        lines.append(f"{r['label']}: {r['change_pct']:+.0f}% {metric_title} vs {baseline}{where}{ci}")
+    return lines
+
+
+
+def study_summary(records: pd.DataFrame, ctx: int | None = None, metrics: dict[str, str] | None = None,
+                  **boot) -> tuple[pd.DataFrame, int | None, str]:
+    """The study table at one context (nearest measured if absent, smallest batch measured there):
+    the summary frame, the context used and a caption saying which."""
+    perf = perf_records(records)
+    chosen, caption = pick_ctx(perf, ctx)
+    if chosen is None:
+        return method_summary(perf, []), None, caption
+    at = perf[perf["ctx"] == chosen]
+    if "batch" in at.columns and at["batch"].nunique() > 1:
+        b = int(at["batch"].min())
+        at = at[at["batch"] == b]
+        caption += f", batch {b}"
+    return method_summary(at, list(metrics or STUDY_METRICS), **boot), chosen, caption
+
+
+def quality_summary(quality: pd.DataFrame, metric: str = "score", **boot) -> pd.DataFrame:
+    """Mean task score per (task, method, keep) with CIs; the full cache counts as keep 1.0."""
+    if quality.empty or metric not in quality.columns:
+        return pd.DataFrame(columns=["task", "method", "keep", "n", metric, f"{metric}_lo", f"{metric}_hi"])
+    q = quality.copy()
+    q["keep"] = pd.to_numeric(q["keep"], errors="coerce").fillna(1.0) if "keep" in q.columns else 1.0
+    by = [c for c in ("task", "method", "label", "keep") if c in q.columns]  # label: int4 apart from int2
+    return method_summary(q, [metric], by=by, **boot)
+
+
+def sweep_summary(records: pd.DataFrame, **boot) -> pd.DataFrame:
+    """The end-of-sweep table: per method, context and batch, the headline metrics as text."""
+    perf = perf_records(records)
+    metrics = {"itl_median_ms": "ms/token (median)", "tokens_per_s": "tokens/s", "peak_mem_gb": "peak GB",
+               "j_per_token": "J/token"}
+    summary = method_summary(perf, list(metrics), by=[c for c in ("label", "ctx", "batch") if c in perf.columns],
+                             **boot)
+    table = format_ci(summary, metrics)
+    for col in ("ctx", "batch"):
+        if col in summary.columns:
+            table.insert(1, col, summary[col].to_numpy())
+    return table
+
+
+# ---------------------------------------------------------------------------------------------
+# a folder of sweeps: contexts, batches, where compression pays, the int4 answer
+
+
+CONTEXT_METRICS = {
+    "peak_mem_gb": "peak memory (GB)",
+    "j_per_token": "J/token",
+    "itl_median_ms": "time between tokens (ms, median)",
+}
+BATCH_METRICS = {
+    "tokens_per_s": "decode tokens/s (whole batch)",
+    "j_per_token": "J/token",
+    "decode_j_per_token": "decode J/token",
+    "itl_median_ms": "time between tokens (ms, median)",
+    "peak_mem_gb": "peak memory (GB)",
+}
+PAYS_METRICS = {
+    "j_per_token": "J/token",
+    "itl_median_ms": "time between tokens",
+    "tokens_per_s": "tokens/s",
+}
+# The verdicts of `pays_verdict`, in words for the int4 sentences.
+VERDICT_WORDS = {
+    "pays": "less energy than the full cache",
+    "costs": "more energy than the full cache",
+    "no clear difference": "no clear difference from the full cache",
+}
+
+
+def failure_text(errors: Sequence[Any]) -> str:
+    """``failed: OOM`` when a run ran out of GPU memory, else ``failed:`` and the first error, short:
+    what a table cell says instead of a number."""
+    texts = [str(e) for e in errors if e is not None and not (isinstance(e, float) and math.isnan(e))]
+    if any("out of memory" in t.lower() or "outofmemory" in t.lower() for t in texts):
+        return "failed: OOM"
+    if not texts:
+        return "failed"
+    first = texts[0].splitlines()[0]
+    return f"failed: {first[:77] + '...' if len(first) > 80 else first}"
+
+
+
+
+def context_summary(records: pd.DataFrame, metrics: Sequence[str] | None = None, batch: int | None = None,
+                    **boot) -> tuple[pd.DataFrame, str]:
+    """Per method and context at one batch (the smallest measured unless given), with CIs: contexts
+    compare like with like only at the same batch, and a folder of sweeps mixes batches at 16k."""
+    perf = perf_records(records)
+    metrics = list(metrics or CONTEXT_METRICS)
+    batch = smallest_batch(perf) if batch is None else batch
+    if perf.empty or "ctx" not in perf.columns or batch is None:
+        return pd.DataFrame(columns=["label", "ctx", "n"]), "no performance records"
+    at = perf[perf["batch"] == batch]
+    ctxs = sorted(int(c) for c in at["ctx"].dropna().unique())
+    caption = f"batch {batch}, ctx {', '.join(map(str, ctxs))}" if ctxs else f"no runs at batch {batch}"
+    return method_summary(at, metrics, by=["label", "ctx"], **boot), caption
+
+
+def pick_batch_ctx(records: pd.DataFrame, ctx: int | None = None) -> tuple[int | None, str]:
+    """The context of the batch section: ``ctx`` if several batches ran there, else the context
+    with the most batch sizes (nearest to ``ctx`` on ties); None and why when no context has two."""
+    if records.empty or not {"ctx", "batch"} <= set(records.columns):
+        return None, "no performance records"
+    counts = records.dropna(subset=["ctx", "batch"]).groupby("ctx")["batch"].nunique()
+    several = {int(c): int(n) for c, n in counts.items() if n > 1}
+    if not several:
+        batches = sorted(int(b) for b in records["batch"].dropna().unique())
+        return None, (f"one batch size per context (batch {', '.join(map(str, batches))}): "
+                      f"no batch scaling in this folder")
+    target = DEFAULT_CTX if ctx is None else ctx
+    if target in several:
+        return target, f"ctx {target}"
+    best = min(several, key=lambda c: (-several[c], abs(math.log(c / target)), -c))
+    if ctx is None:
+        return best, f"ctx {best} (the context with the most batch sizes)"
+    return best, f"ctx {best} (the context with the most batch sizes; {ctx} has fewer than two)"
+
+
+def batch_summary(records: pd.DataFrame, ctx: int | None = None, metrics: Sequence[str] | None = None,
+                  **boot) -> tuple[pd.DataFrame, int | None, str]:
+    """Per (method, batch) at one context (:func:`pick_batch_ctx`), mean and CI per metric, with
+    a ``status``: methods measured at one batch only are left out, and a (method, batch) whose runs
+    all failed stays as a row with ``n`` 0 and ``status`` ``failed: OOM``."""
+    metrics = list(metrics or BATCH_METRICS)
+    perf = all_perf_records(records)
+    chosen, caption = pick_batch_ctx(perf, ctx)
+    if chosen is None:
+        present = [m for m in metrics if m in perf.columns]
+        empty = pd.DataFrame(columns=["label", "batch", "n", *[f"{m}{s}" for m in present for s in ("", "_lo", "_hi")],
+                                      "status"])
+        return empty, None, caption
+    at = perf[perf["ctx"] == chosen]
+    scaled = at.groupby("label")["batch"].nunique()
+    at = at[at["label"].isin(scaled[scaled > 1].index)]
+    ok = _ok(at)
+    summary = method_summary(at[ok], metrics, by=["label", "batch"], **boot)
+    summary["status"] = "ok"
+    fails = {key: failure_text(g["error"] if "error" in g.columns else [])
+             for key, g in at[~ok].groupby(["label", "batch"])}
+    extra = []
+    for (label, batch), text in fails.items():
+        hit = (summary["label"] == label) & (summary["batch"] == batch)
+        if hit.any():
+            n_failed = int(((at["label"] == label) & (at["batch"] == batch) & ~ok).sum())
+            summary.loc[hit, "status"] = f"ok ({n_failed} {text})"
+        else:
+            extra.append({"label": label, "batch": batch, "n": 0, "status": text})
+    if extra:
+        summary = pd.concat([summary, pd.DataFrame(extra)], ignore_index=True)
+    caption = f"Batch sizes at {caption}: mean [95% CI]"
+    if "new_tokens" in at.columns and at["new_tokens"].nunique() > 1:
+        per_batch = at.groupby("batch")["new_tokens"].agg(lambda v: "/".join(map(str, sorted(set(v.dropna())))))
+        caption += ("; new tokens per sequence differ (" + ", ".join(f"batch {b}: {t}" for b, t in per_batch.items())
+                    + "): J/token includes the prefill, so compare decode J/token across batches")
+    return _ordered(summary), chosen, caption
+
+
+def rows_or_say(table: pd.DataFrame, sentence: str) -> pd.DataFrame | None:
+    """The table, or (printed) ``sentence`` when it has no rows: no empty header in the report."""
+    if table is None or table.empty:
+        print(sentence)
+        return None
+    return table
+
+
+def pays_metric(pays: pd.DataFrame) -> tuple[str, str]:
+    """The metric the *where compression pays* chart colours: J/token where energy was measured,
+    else time between tokens (a CPU run has no energy counter)."""
+    col = "j_per_token_ratio"
+    if col in pays.columns and pd.to_numeric(pays[col], errors="coerce").notna().any():
+        return "j_per_token", "J/token"
+    return "itl_median_ms", "time between tokens"
+
+
+def pays_why(pays: pd.DataFrame, no_energy: str | None = None) -> str:
+    """Why the *where compression pays* chart has no ratio to colour: the cells' verdicts (every
+    run contended, failed, no full run), or the missing energy when J/token is the metric."""
+    metric, _ = pays_metric(pays)
+    if metric == "j_per_token" or pays.empty:
+        return no_energy or "no performance records"
+    return "no ratio in any cell: " + "; ".join(dict.fromkeys(str(v) for v in pays["verdict"]))
+
+
+def say(lines: Sequence[str] | str) -> None:
+    """Print the lines there are (nothing for none): a notebook cell then shows no empty output."""
+    lines = [lines] if isinstance(lines, str) else list(lines)
+    if any(lines):
+        print("\n".join(line for line in lines if line))
+
+
+def captioned(table: pd.DataFrame, caption: str) -> pd.DataFrame | None:
+    """Print ``caption`` and return the table when it has rows; None and silence when empty (a
+    figure of the same section already says why)."""
+    if table is None or table.empty:
+        return None
+    print(caption)
+    return table
+
+
+def rows_or_none(table: pd.DataFrame) -> pd.DataFrame | None:
+    """The table, or None when it has no rows: a notebook cell then shows nothing under the
+    sentence that already said why, instead of an empty header."""
+    return None if table is None or table.empty else table
+
+
+def pays_verdict(ratio: float, lo: float, hi: float) -> str:
+    """Does compression pay in energy? On the J/token ratio to the full cache and its 95% CI."""
+    if ratio is None or math.isnan(ratio):
+        return "no J/token data"
+    if lo is None or hi is None or math.isnan(lo) or math.isnan(hi):
+        return "no CI (one run each)"
+    if hi < 1:
+        return "pays"
+    if lo > 1:
+        return "costs"
+    return "no clear difference"
+
+
+def compression_pays(records: pd.DataFrame, baseline: str = "full", metrics: Sequence[str] | None = None,
+                     n_boot: int = 2000, level: float = 0.95, seed: int = 0) -> pd.DataFrame:
+    """For every measured (ctx, batch) cell, each method's metrics over the full cache's in the same
+    cell: ratio of means with a bootstrap CI (``{metric}_ratio``, ``_lo``, ``_hi``) and a
+    ``verdict`` on J/token (:func:`pays_verdict`). A method that failed in a cell, or ran where the
+    full cache failed (that is where compression pays in capacity), gets a row saying so. Runs
+    flagged ``contended`` (measured while other work took the CPU: :func:`kvlab.hostload.contention`)
+    are left out of every ratio and counted in ``n_contended``."""
+    metrics = list(metrics or PAYS_METRICS)
+    perf = all_perf_records(records)
+    within = [c for c in ("model", "ctx", "batch") if c in perf.columns]
+    ratio_cols = [f"{m}_ratio{s}" for m in metrics for s in ("", "_lo", "_hi")]
+    if perf.empty or "method" not in perf.columns or not {"ctx", "batch"} <= set(within):
+        return pd.DataFrame(columns=["label", "ctx", "batch", "n", "n_base", "n_contended", *ratio_cols, "verdict"])
+    cols = ["label", *within, "n", "n_base", "n_contended", *ratio_cols, "verdict"]
+    rows = []
+    for keys, cell in perf.groupby(within, sort=True):
+        where = dict(zip(within, keys if isinstance(keys, tuple) else (keys,), strict=True))
+        ok = _ok(cell)
+        busy = contended_mask(cell)
+        is_base = cell["method"] == baseline
+        base = cell[is_base & ok & ~busy]
+        base_failed = cell[is_base & ~ok]
+        for label, g in cell[~is_base].groupby("label", sort=False):
+            g_ok = g[_ok(g) & ~busy[g.index]]
+            n_busy = int((busy[g.index] & _ok(g)).sum() + (busy & is_base & ok).sum())
+            row: dict[str, Any] = {"label": label, **where, "n": len(g_ok), "n_base": len(base),
+                                   "n_contended": n_busy}
+            row.update(dict.fromkeys(ratio_cols, math.nan))
+            if g_ok.empty and n_busy and _ok(g).any():
+                row["verdict"] = "every run contended (other processes took the CPU): left out"
+            elif g_ok.empty:
+                row["verdict"] = failure_text(g["error"] if "error" in g.columns else [])
+            elif base.empty and (busy & is_base & ok).any():
+                row["verdict"] = f"every {baseline} run contended (other processes took the CPU): no ratio"
+            elif base.empty:
+                row["verdict"] = (f"ran where {baseline} " + failure_text(base_failed.get("error", []))
+                                  if not base_failed.empty else f"no {baseline} run in this cell")
+            else:
+                for m in metrics:
+                    if m in cell.columns:
+                        r = ratio_ci(pd.to_numeric(g_ok[m], errors="coerce"),
+                                     pd.to_numeric(base[m], errors="coerce"), n_boot, level, seed)
+                        row[f"{m}_ratio"], row[f"{m}_ratio_lo"], row[f"{m}_ratio_hi"] = r
+                row["verdict"] = pays_verdict(row.get("j_per_token_ratio", math.nan),
+                                              row.get("j_per_token_ratio_lo", math.nan),
+                                              row.get("j_per_token_ratio_hi", math.nan))
+            rows.append(row)
+    return _ordered(pd.DataFrame(rows, columns=cols))
+
+
+def pays_table(pays: pd.DataFrame, metrics: dict[str, str] | None = None) -> pd.DataFrame:
+    """:func:`compression_pays` as display text: ``ratio [lo, hi]`` per metric, 1.0 = the full cache."""
+    metrics = metrics or PAYS_METRICS
+    out = pd.DataFrame({"ctx": pays["ctx"].to_numpy(), "batch": pays["batch"].to_numpy(),
+                        "method": pays["label"].astype(str).to_numpy(),
+                        "runs (method/full)": [f"{int(a)}/{int(b)}" for a, b in zip(pays["n"], pays["n_base"],
+                                                                                     strict=True)]})
+    if "model" in pays.columns and pays["model"].nunique() > 1:
+        out.insert(0, "model", pays["model"].to_numpy())
+    for m, title in metrics.items():
+        if f"{m}_ratio" in pays.columns:
+            out[f"{title} / full"] = [ci_text(r[f"{m}_ratio"], r[f"{m}_ratio_lo"], r[f"{m}_ratio_hi"])
+                                      for r in pays.to_dict("records")]
+    if "n_contended" in pays.columns and pays["n_contended"].fillna(0).astype(int).gt(0).any():
+        out["contended runs left out"] = pays["n_contended"].fillna(0).astype(int).to_numpy()
+    out["verdict (J/token)"] = pays["verdict"].to_numpy()
+    return out.sort_values(["ctx", "batch"], kind="stable").reset_index(drop=True)
+
+
+def energy_answer(pays: pd.DataFrame, pattern: str = "int4", baseline: str = "full",
+                  why: str | None = None) -> list[str]:
+    """The int4-vs-full-cache question in sentences, one per (ctx, batch) cell, from
+    :func:`compression_pays`: 'quanto int4 used +35% J/token vs full at 16k, batch 1 (95% CI +30%
+    to +41%, 3 vs 3 runs): more energy than the full cache'. ``pattern`` picks the labels."""
+    rows = pays[pays["label"].astype(str).str.contains(pattern, regex=False)] if not pays.empty else pays
+    if rows.empty:
+        return [f"no '{pattern}' runs in this folder"]
+    lines = []
+    for r in rows.sort_values(["ctx", "batch"], kind="stable").to_dict("records"):
+        where = f"at {fmt_ctx(r['ctx'])}, batch {int(r['batch'])}"
+        ratio, lo, hi = r["j_per_token_ratio"], r["j_per_token_ratio_lo"], r["j_per_token_ratio_hi"]
+        if ratio is None or math.isnan(ratio):
+            reason = r["verdict"] if r["verdict"] != "no J/token data" else (why or "no J/token recorded")
+            lines.append(f"{r['label']} {where}: {reason}")
+            continue
+        runs = f"{int(r['n'])} vs {int(r['n_base'])} runs"
+        ci = (f"95% CI {(lo - 1) * 100:+.0f}% to {(hi - 1) * 100:+.0f}%, {runs}" if not math.isnan(lo)
+              else f"{runs}, no CI")
+        tail = f": {VERDICT_WORDS[r['verdict']]}" if r["verdict"] in VERDICT_WORDS else ""
+        lines.append(f"{r['label']} used {(ratio - 1) * 100:+.0f}% J/token vs {baseline} {where} ({ci}){tail}")
+    return lines
+
+
+def tenhz_gap(records: pd.DataFrame, **boot) -> tuple[pd.DataFrame, str]:
+    """How far the study's 10 Hz power integration is from the energy counter: per (ctx, batch),
+    ``gap_pct`` = (10 Hz energy / counter energy - 1) x 100 with a CI over runs, and the energy
+    window's length (the gap scales with 1 / window); plus one sentence over all runs."""
+    perf = perf_records(records)
+    cols = ["ctx", "batch", "n", "gap_pct", "gap_pct_lo", "gap_pct_hi", "window_s", "window_s_lo", "window_s_hi"]
+    if not {"energy_j", "energy_10hz_j"} <= set(perf.columns):
+        return pd.DataFrame(columns=cols), "no energy measurements (energy_source none on this device)"
+    counter = pd.to_numeric(perf["energy_j"], errors="coerce")
+    sampled = pd.to_numeric(perf["energy_10hz_j"], errors="coerce")
+    d = perf[(counter > 0) & sampled.notna()].copy()
+    if d.empty:
+        return pd.DataFrame(columns=cols), "no energy measurements (energy_source none on this device)"
+    d["gap_pct"] = (sampled[d.index] / counter[d.index] - 1) * 100
+    if "window_s" in d.columns and d["window_s"].notna().any():
+        d["window_s"] = pd.to_numeric(d["window_s"], errors="coerce")
+    elif {"prefill_s", "decode_s"} <= set(d.columns):
+        d["window_s"] = pd.to_numeric(d["prefill_s"], errors="coerce") + pd.to_numeric(d["decode_s"], errors="coerce")
+    else:
+        d["window_s"] = math.nan
+    summary = method_summary(d, ["gap_pct", "window_s"], by=["ctx", "batch"], **boot)
+    mean, lo, hi = bootstrap_ci(d["gap_pct"], boot.get("n_boot", 2000), boot.get("level", 0.95), boot.get("seed", 0))
+    ci = f" (95% CI {lo:+.1f}% to {hi:+.1f}%)" if not math.isnan(lo) else ""
+    w = d["window_s"].dropna()
+    span = f", energy windows {w.min():.1f} to {w.max():.1f} s" if not w.empty else ""
+    sentence = (f"Over {len(d)} runs the 10 Hz power integration read {mean:+.1f}% of the counter's "
+                f"energy{ci}{span}.")
+    return summary, sentence
+
+
