@@ -18,16 +18,21 @@ def cpu_loader(name, **kw):
 
 def crashing_loader(name, *, method, prompt_id, signum=signal.SIGKILL, **kw):
     """Loads normally, then makes this worker process die by ``signum`` in the measured run of
-    ``method`` on ``prompt_id`` (not its warm-up), as a segfault or the OOM killer would. Only a
-    model this loader loaded crashes, so a reused worker process stays sane for other loaders."""
+    ``method`` on ``prompt_id`` (not its warm-up: the method's first call in a worker, with one
+    warm-up per variant and shape), as a segfault or the OOM killer would. Only a model this loader loaded crashes, so a
+    reused worker process stays sane for other loaders."""
     import kvlab.measure as measure
     from kvlab.models import load_model
 
     real = getattr(measure.measure_generation, "real", measure.measure_generation)
 
+    calls: dict[tuple, int] = {}
+
     def measure_or_die(loaded, policy, **m):
         crash = getattr(loaded, "crash_on", None)
-        if crash == (policy.name, m["prompt_id"]) and not m.get("probe"):
+        shape = (policy.name, m["ctx"], m["batch"])
+        calls[shape] = calls.get(shape, 0) + 1
+        if crash == (policy.name, m["prompt_id"]) and calls[shape] > 1:  # the first call is the warm-up
             os.kill(os.getpid(), signum)
             time.sleep(60)  # the signal lands first
         return real(loaded, policy, **m)
