@@ -94,6 +94,12 @@ class KVQLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self.stored_tokens
 
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:  # spelled out: DynamicLayer's varies by release
+        return self.stored_tokens + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
