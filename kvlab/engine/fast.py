@@ -64,6 +64,7 @@ class FastDecoder:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(CAPTURE_WARMUP_STEPS):
+                self.store.step.zero_()  # every warm-up writes slot kept+0: fits any new_tokens >= 1
                 self._step()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
@@ -122,14 +123,17 @@ class FastEngine:
 
     ``capture``: ``None`` = on CUDA only. ``attention``: the dense store's kernel (``auto``, ``flash``,
     ``sdpa``); ``quant_attention``: a quantized store's (``fused`` Triton kernel or ``dequantize``
-    then attend). ``max_decoders`` bounds how many layouts keep their
-    buffers and graphs alive at once (a sweep interleaves a shape's methods; each has its layout).
+    then attend). ``max_decoders`` bounds how many layouts keep their buffers and graphs alive at
+    once (a sweep interleaves a shape's methods; each has its layout), and on CUDA so does
+    ``keep_fraction``: the buffers kept alive for reuse stay under that share of the device's memory
+    (at batch 16 and 16k a full cache's buffers alone are 34 GB; a layout evicted here is simply
+    built and captured again when next asked for, outside any measured window).
     """
 
     name = "fast"
 
     def __init__(self, model, attention: str = "auto", capture: bool | None = None, max_decoders: int = 4,
-                 quant_attention: str = "auto"):
+                 quant_attention: str = "auto", keep_fraction: float = 0.25):
         from kvlab.policies.base import hf_model
 
         self.model = hf_model(model)
@@ -141,6 +145,8 @@ class FastEngine:
         self.quant_attention = quant_attention
         self.capture = self.device.type == "cuda" if capture is None else capture
         self.max_decoders = max_decoders
+        self.max_kept_bytes = (keep_fraction * torch.cuda.get_device_properties(self.device).total_memory
+                               if self.device.type == "cuda" else None)
         self._decoders: OrderedDict[tuple, FastDecoder] = OrderedDict()
 
     def layout(self, policy, batch: int, ctx: int, new_tokens: int) -> Layout:
@@ -171,6 +177,11 @@ class FastEngine:
             return self._decoders[key]
         while len(self._decoders) >= self.max_decoders:
             self._decoders.popitem(last=False)
+        if self.max_kept_bytes is not None:
+            while self._decoders and sum(d.store.bytes_allocated() for d in self._decoders.values()) \
+                    > self.max_kept_bytes:
+                self._decoders.popitem(last=False)
+            torch.cuda.empty_cache()
         store = self._store(layout, kv_format)
         decoder = FastDecoder(self.model, self.step, store, layout, prefill_policy, self.device, self.capture)
         self._decoders[key] = decoder
