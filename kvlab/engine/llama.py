@@ -55,22 +55,23 @@ def _fuse_linears(linears: list) -> tuple[torch.Tensor, torch.Tensor | None]:
     cached = getattr(linears[0], "_kvlab_fused", None)
     if cached is not None and cached[2] == len(linears):
         return cached[0], cached[1]
-    fused_w = torch.cat([lin.weight.detach() for lin in linears])
-    offset = 0
-    for lin in linears:
-        n = lin.weight.shape[0]
-        lin.weight = torch.nn.Parameter(fused_w[offset:offset + n], requires_grad=False)
-        offset += n
-    fused_b = None
-    if linears[0].bias is not None:
-        fused_b = torch.cat([lin.bias.detach() for lin in linears])
-        offset = 0
-        for lin in linears:
-            n = lin.bias.shape[0]
-            lin.bias = torch.nn.Parameter(fused_b[offset:offset + n], requires_grad=False)
-            offset += n
+    fused_w, fused_b = _concat_into_views(linears, "weight"), _concat_into_views(linears, "bias")
     linears[0]._kvlab_fused = (fused_w, fused_b, len(linears))
     return fused_w, fused_b
+
+
+def _concat_into_views(linears: list, attr: str) -> torch.Tensor | None:
+    """Concatenate ``attr`` (weight or bias) of ``linears`` and make each module's a view into it."""
+    parts = [getattr(lin, attr) for lin in linears]
+    if parts[0] is None:
+        return None
+    fused = torch.cat([p.detach() for p in parts])
+    offset = 0
+    for lin, part in zip(linears, parts, strict=True):
+        n = part.shape[0]
+        setattr(lin, attr, torch.nn.Parameter(fused[offset:offset + n], requires_grad=False))
+        offset += n
+    return fused
 
 
 def rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
