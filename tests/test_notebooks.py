@@ -96,7 +96,7 @@ def test_report_executes_on_cpu_like_records(tmp_path):
     nb, _ = execute("report", tmp_path, records_dir=str(folder), ctx=4096, n_boot=200)
     text = outputs_text(nb)
     assert "weights: synthetic" in text
-    assert "no energy data" in text  # the J/token headline says why it is empty
+    assert "no energy measure" in text  # the J/token headline says why it is empty
 
 
 @pytest.mark.slow
@@ -139,6 +139,7 @@ def test_smoke_sweep_report_draws_offline_in_chromium(smoke_sweep):
     assert main(["report", str(tmp / "records"), "-o", str(tmp / "site" / "smoke.html")]) == 0
     dom = dump_dom(tmp / "site" / "smoke.html", tmp / "chromium-profile")
     counts = drawn_plots(dom)
-    assert counts["graph_divs"] == 7 and counts["drawn"] == 7, counts
-    assert counts["main_svg"] >= 7
+    # a CPU smoke has no energy: those sections are one sentence each, every figure left draws
+    assert counts["graph_divs"] >= 4 and counts["drawn"] == counts["graph_divs"], counts
+    assert counts["main_svg"] >= counts["graph_divs"]
     assert 'href="smoke.html"' in (tmp / "site" / "index.html").read_text()
