@@ -240,15 +240,12 @@ def apply_overrides(data: dict[str, Any], sets: Iterable[str]) -> dict[str, Any]
 
 def load_params(path: str | Path, sets: Iterable[str] = ()) -> SweepParams:
     """Read a params YAML, apply ``--set`` overrides and validate types (not yet against models)."""
+    from kvlab.preflight import read_text_file
+
     path = Path(path)
-    if not path.is_file():
+    if not path.is_file():  # its own words: a missing params file is the commonest first mistake
         raise ParamsError(f"params file {path} not found: pass a YAML file such as params/smoke.yaml")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise ParamsError(f"params file {path} is not UTF-8 text: pass a YAML file") from None
-    except OSError as err:
-        raise ParamsError(f"params file {path} cannot be read ({err.strerror or err})") from None
+    text = read_text_file(path, f"params file {path}", "pass a YAML file", ParamsError)
     data = _yaml_value(text, f"params file {path}")
     if data is None:
         raise ParamsError(f"params file {path} is empty: give at least models, methods and ctx "

@@ -169,6 +169,18 @@ def shape_problems(spec: ModelSpec, device: str, dtype: str | None, ctx: int, ba
     return problems
 
 
+def read_text_file(path: Path, where: str, fix: str, error: type[UserError] = UserError) -> str:
+    """A user's text file (prompt, params), or one ``error`` line naming ``where`` and ``fix``."""
+    if not path.is_file():
+        raise error(f"{where} does not exist or is not a file: {fix}")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise error(f"{where} is not UTF-8 text: {fix}") from None
+    except OSError as err:
+        raise error(f"{where} cannot be read ({err.strerror or err})") from None
+
+
 def check_out_dir(path: str | Path, flag: str = "-o", create: bool = True) -> Path:
     """An output folder that exists (created if needed) and takes a new file; or a :class:`UserError`
     naming ``flag``. With ``create=False`` (dry runs) only a path that is a file is refused."""

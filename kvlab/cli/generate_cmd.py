@@ -97,16 +97,11 @@ def _prompt_text(args) -> str | None:
         text = args.prompt
         where = "--prompt"
     else:
+        from kvlab.preflight import read_text_file
+
         path = Path(args.prompt_file)
         where = f"--prompt-file {path}"
-        if not path.is_file():
-            raise UserError(f"{where} does not exist or is not a file: pass a text file")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            raise UserError(f"{where} is not UTF-8 text: pass a text file") from None
-        except OSError as err:
-            raise UserError(f"{where} cannot be read ({err.strerror or err})") from None
+        text = read_text_file(path, where, "pass a text file")
     if not text.strip():
         raise UserError(f"{where} is empty: give the prompt text (or --prompt-tokens N for random tokens)")
     return text
