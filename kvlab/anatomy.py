@@ -302,13 +302,10 @@ def method_anatomy(loaded, method: str, ctx: int, steps: int = 8, warmup: int = 
 
     policy = make_policy(method, **policy_params)
     model = loaded.model
-    policy.check(model)
-    policy.prepare(model)
-    policy.warmup(model)
     ids = synthetic_prompt(loaded.spec.vocab_size, ctx, batch, seed, loaded.device)
     sp = StepProfiler(loaded.device, steps, warmup)
     try:
-        with torch.inference_mode():
+        with policy.attach(model), torch.inference_mode():
             cache = policy.make_cache(model)
             first = prefill(model, ids, cache)[:, -1].argmax(dim=-1, keepdim=True)
             with instrument(model, cache):

@@ -431,9 +431,8 @@ def run_quality(loaded, policies: Sequence, task_spec: TaskSpec | dict, out_writ
     full-cache reference reruns for the items already done (for the cell's mean score).
     ``engine``: a fast engine for the greedy replies (records say ``engine: fast``).
     """
-    from tqdm.auto import tqdm
-
     from kvlab.policies import make_policy
+    from kvlab.policies.base import attached
 
     spec = task_spec if isinstance(task_spec, TaskSpec) else TaskSpec(**task_spec)
     enc = Encoder(loaded.tokenizer)
@@ -441,9 +440,16 @@ def run_quality(loaded, policies: Sequence, task_spec: TaskSpec | dict, out_writ
             "engine": "hf" if engine is None else "fast"}
     policies = list(policies)
     reference = next((p for p in policies if _is_full(p)), None) or make_policy("full")
-    for p in policies:
-        p.check(loaded.model)
-        p.prepare(loaded.model)
+    with attached([*policies, reference], loaded.model):
+        return _run_cells(loaded, policies, reference, spec, enc, base, out_writer, progress, skip, engine,
+                          progress_bar)
+
+
+def _run_cells(loaded, policies, reference, spec, enc, base, out_writer, progress, skip, engine,
+               progress_bar) -> list[dict[str, Any]]:
+    """:func:`run_quality`'s cells, with its policies attached to the model."""
+    from tqdm.auto import tqdm
+
     items = build_items(spec, enc, getattr(loaded.spec, "max_context", None))
     say = progress or (lambda _msg: None)
     records: list[dict[str, Any]] = []

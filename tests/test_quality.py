@@ -11,6 +11,7 @@ import torch
 from toy_tokenizer import ToyTokenizer
 
 from kvlab.policies import POLICIES, QuantizedPolicy, make_policy
+from kvlab.policies.base import Policy
 from kvlab.quality import (
     QUALITY_COLUMNS,
     TaskSpec,
@@ -150,7 +151,7 @@ def test_no_signal_is_false_when_the_full_cache_scores(toy, enc, monkeypatch):
     assert all(r["no_signal"] is False for r in records)
 
 
-class _Broken:
+class _Broken(Policy):
     name, label, keep, bits = "broken", "broken", 1.0, None
 
     def params(self):

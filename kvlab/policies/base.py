@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, ClassVar
 
@@ -68,6 +68,15 @@ def model_shape(model) -> ModelShape:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     name = name or getattr(config, "name_or_path", "") or config.model_type
     return ModelShape(name, head_dim, config.num_hidden_layers, tuple(_layer_types(config)))
+
+
+@contextmanager
+def attached(policies, model, warm: bool = False) -> Iterator[None]:
+    """:meth:`Policy.attach` for several policies at once (undone in reverse order on exit)."""
+    with ExitStack() as stack:
+        for policy in policies:
+            stack.enter_context(policy.attach(model, warm=warm))
+        yield
 
 
 def check_keep(keep: Any) -> float:
