@@ -144,6 +144,7 @@ def snapshot(device: str | None = None, nvml=None, uuid: str | None = None) -> d
         "hostname": socket.gethostname(),
         "cpu": platform.processor() or platform.machine(),
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),  # set by kvlab/__init__ (CPU runs)
         "packages": package_versions(),
         **torch_info(device),
         "gpu": gpu_state(device, nvml=nvml, uuid=uuid),
