@@ -312,6 +312,9 @@ def converted_gguf(gguf: Path, convert: bool = True) -> Path | None:
 
     print(f"kvlab: converting {gguf.name} once to {target} (about 30 s; later loads take a second)",
           file=sys.stderr, flush=True)
+    import time
+
+    started = time.monotonic()
     try:
         with quiet_loading():
             kwargs = {"gguf_file": gguf.name, "local_files_only": True}
@@ -323,6 +326,7 @@ def converted_gguf(gguf: Path, convert: bool = True) -> Path | None:
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
         tmp.rename(target)  # atomic; another process may have won the race
+        print(f"kvlab: converted {gguf.name} in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
     except OSError:
         pass
     finally:

@@ -385,11 +385,13 @@ def run_sweep(
     progress: bool = True,
     loader: Callable[..., Any] | None = None,
     sampler_factory: Callable[..., Any] | None = None,
-    log: Callable[[str], None] = print,
+    log: Callable[[str], None] | None = None,
 ) -> SweepSummary:
-    """Run (or resume) a sweep into ``out_dir``; returns what was done and what is left."""
+    """Run (or resume) a sweep into ``out_dir``; returns what was done and what is left. ``log``
+    defaults to ``tqdm.write``: a line printed under a live progress bar, not into it."""
     from tqdm.auto import tqdm
 
+    log = log or tqdm.write
     from kvlab import env
     from kvlab.energy import make_sampler
     from kvlab.models import load_model
@@ -514,6 +516,7 @@ def _quality_pass(params, variants, loader, writer, sweep_name, manifest, out, l
             log("kvlab sweep: quality on synthetic weights is meaningless (mechanics only); "
                 "its records say weights: synthetic")
         skip = recorded_run_ids(out, statuses={"ok"})
+        started = time.monotonic()
         loaded = None
         try:
             loaded = loader(model_name, weights=params.weights, device=params.device, dtype=params.dtype,
@@ -532,6 +535,8 @@ def _quality_pass(params, variants, loader, writer, sweep_name, manifest, out, l
         else:
             failed = sum(1 for r in records if r.get("status") != "ok")
             done[model_name] = True if not failed else {"failed": failed, "error": None}
+            log(f"kvlab sweep: quality pass on {model_name}: {len(records)} records in "
+                f"{time.monotonic() - started:.0f} s")
         finally:
             del loaded
             _release_memory(params.device)
@@ -566,6 +571,7 @@ def run_group(params: SweepParams, runs: list[RunSpec], sink, budget: Budget, *,
 def _open_model(params, model_name, loader, sampler, model_runs, sink, sweep_name) -> _ModelSession | None:
     """Load a model and take its idle baseline; on failure record every pending run of it."""
     sink.begin("load", model_runs[0].run_id)
+    started = time.monotonic()
     try:
         loaded = loader(model_name, weights=params.weights, device=params.device, dtype=params.dtype,
                         seed=params.seed, attn_implementation=params.attn_implementation)
@@ -576,6 +582,7 @@ def _open_model(params, model_name, loader, sampler, model_runs, sink, sweep_nam
             _write_failure(sink, run, sweep_name, message, {})
         _release_memory(params.device)
         return None
+    sink.log(f"kvlab sweep: loaded {model_name} in {time.monotonic() - started:.1f} s")
     idle_w = sampler.measure_idle(params.idle_s) if params.idle_s > 0 else None
     sink.idle(model_name, idle_w)
     gpu_name = getattr(sampler, "gpu", {}).get("gpu_name")

@@ -121,7 +121,7 @@ echo "README block 1 (phases marked in the script): wall ${block1_wall} s, CPU $
 if [ -n "$sweep_log" ]; then
   echo
   echo "inside the sweep (its own log lines):"
-  tr '\r' '\n' < "$sweep_log" | grep -E '^kvlab(: converting| sweep: (loaded|quality|measured|outputs))|converted' || true
+  tr '\r' '\n' < "$sweep_log" | grep -E '^kvlab(: convert| sweep: (loaded|quality))' || true
   python - <<'EOF' || true
 import json
 from pathlib import Path
