@@ -86,3 +86,21 @@ def test_peak_rss_is_read_from_vmhwm_and_resets_to_the_current_rss():
     del block
     assert grown - before >= 60 * 1024 * 1024
     assert reset_peak_rss() and peak_rss_bytes() < grown
+
+
+def _omp_wait_policy_after(code: str, **env: str) -> str:
+    import os
+    import subprocess
+    import sys
+
+    clean = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", f"{code}; import os; print(os.environ.get('OMP_WAIT_POLICY'))"],
+                         env={**clean, **env}, capture_output=True, text=True, check=True)
+    return out.stdout.strip()
+
+
+def test_importing_kvlab_before_torch_makes_openmp_threads_wait_passively_unless_the_user_chose():
+    assert _omp_wait_policy_after("import kvlab") == "PASSIVE"
+    assert _omp_wait_policy_after("import kvlab", OMP_WAIT_POLICY="ACTIVE") == "ACTIVE"
+    # torch already loaded libgomp: setting it now would claim a policy that is not in force
+    assert _omp_wait_policy_after("import torch; import kvlab") == "None"
