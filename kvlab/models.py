@@ -309,11 +309,12 @@ def converted_gguf(gguf: Path, convert: bool = True) -> Path | None:
     except OSError:
         return None
     import shutil
-
-    print(f"kvlab: converting {gguf.name} once to {target} (about 30 s; later loads take a second)",
-          file=sys.stderr, flush=True)
     import time
 
+    from tqdm import tqdm  # its write() prints above a live progress bar (the sweep's), not into it
+
+    tqdm.write(f"kvlab: converting {gguf.name} once to {target} (about 30 s; later loads take a second)",
+               file=sys.stderr)
     started = time.monotonic()
     try:
         with quiet_loading():
@@ -326,7 +327,7 @@ def converted_gguf(gguf: Path, convert: bool = True) -> Path | None:
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
         tmp.rename(target)  # atomic; another process may have won the race
-        print(f"kvlab: converted {gguf.name} in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+        tqdm.write(f"kvlab: converted {gguf.name} in {time.monotonic() - started:.0f} s", file=sys.stderr)
     except OSError:
         pass
     finally:

@@ -618,8 +618,10 @@ def _policy_for(session: _ModelSession, variant: MethodVariant):
                 make_policy(variant.method, **variant.kwargs).attach(session.loaded.model))
             took = time.perf_counter() - started
             if took > 5:
-                print(f"kvlab sweep: {policy.label} one-off warm-up (kernel builds) took {took:.0f} s",
-                      file=sys.stderr, flush=True)
+                from tqdm import tqdm
+
+                tqdm.write(f"kvlab sweep: {policy.label} one-off warm-up (kernel builds) took {took:.0f} s",
+                           file=sys.stderr)
         except Exception as err:
             session.broken[key] = f"policy setup failed: {_short_error(err)}"
             raise RuntimeError(session.broken[key]) from None
