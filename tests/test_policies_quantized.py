@@ -150,3 +150,16 @@ def test_fp8_saturates_tokens_beyond_the_prefill_scale(lm, monkeypatch):
     m = layer.fp8_max  # unclamped, the loud token would reach 10 * 448
     torch.testing.assert_close(keys, torch.tensor([m] * 4 + [-m]).view(1, 1, 5, 1).expand(1, 1, 5, 8))
     torch.testing.assert_close(values.amax(), torch.tensor(m))
+
+
+def test_quanto_cpu_build_is_pending_until_its_build_folder_has_a_version_file(monkeypatch, tmp_path):
+    from types import SimpleNamespace
+
+    import optimum.quanto.library.extensions as quanto_ext
+
+    from kvlab.policies.quantized import quanto_cpu_build_pending
+
+    monkeypatch.setattr(quanto_ext, "get_extension", lambda name: SimpleNamespace(build_directory=str(tmp_path)))
+    assert quanto_cpu_build_pending()  # a fresh install: quanto will compile on the first CPU run
+    (tmp_path / "pytorch_version.txt").write_text("2.13.0")
+    assert not quanto_cpu_build_pending()

@@ -69,7 +69,7 @@ def test_scalars_become_lists_and_files_validate():
     assert smoke.name == "smoke" and smoke.device == "cpu" and smoke.new_tokens == 8
     assert len(plan(smoke)) == 24 and smoke.repeats == 3  # 4 methods x 2 contexts x 3 repeats (an interval)
     # README block 1's report compares the full cache with eviction and with quantization
-    assert {"full", "snapkv", "quanto"} <= set(smoke.methods) and smoke.quality is not None
+    assert {"full", "snapkv", "kvq-int4"} <= set(smoke.methods) and smoke.quality is not None
     seed = load_params(REPO / "params" / "seed-16k.yaml")
     runs = plan(seed)  # validated without a GPU (check_device=False)
     assert len(runs) == 15 * 3 * 5 * 3

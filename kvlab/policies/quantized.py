@@ -371,12 +371,33 @@ class QuantSpec:
         model = hf_model(model)
         param = next(model.parameters())
         shape = model_shape(model)
+        if self.backend == "quanto" and param.device.type == "cpu" and quanto_cpu_build_pending():
+            import sys
+
+            from tqdm import tqdm  # prints above a live progress bar
+
+            tqdm.write("kvlab: optimum-quanto compiles its C++ extension for the CPU once per install (about "
+                       "2.5 minutes on 2 busy cores, 2026-12-03); later runs load it", file=sys.stderr)
         layer = self.layer_class()(**self.layer_kwargs())
         x = torch.randn(1, 1, 4, shape.head_dim, device=param.device, dtype=param.dtype)
         layer.update(x, x)
         layer.update(x[:, :, :1], x[:, :, :1])
         if param.device.type == "cuda":
             torch.cuda.synchronize(param.device)
+
+
+def quanto_cpu_build_pending() -> bool:
+    """Whether quanto's first CPU (de)quantize will JIT-compile its C++ extension (a fresh install):
+    its build folder inside site-packages has no ``pytorch_version.txt`` yet. False when unsure."""
+    import os
+
+    try:
+        from optimum.quanto.library.extensions import get_extension
+
+        build = get_extension("quanto_cpp").build_directory
+    except Exception:  # noqa: BLE001 - a quanto without this layout: say nothing
+        return False
+    return not os.path.isfile(os.path.join(build, "pytorch_version.txt"))
 
 
 @functools.cache
