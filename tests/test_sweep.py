@@ -67,7 +67,7 @@ def test_scalars_become_lists_and_files_validate():
     assert p.ctx == [16384] and p.models == ["tiny-llama"] and p.keep == [0.5]
     smoke = load_params(REPO / "params" / "smoke.yaml")
     assert smoke.name == "smoke" and smoke.device == "cpu" and smoke.new_tokens == 8
-    assert len(plan(smoke)) == 24 and smoke.repeats == 3  # 4 methods x 2 contexts x 3 repeats (an interval)
+    assert len(plan(smoke)) == 18 and smoke.repeats == 3  # 3 methods x 2 contexts x 3 repeats (an interval)
     # README block 1's report compares the full cache with eviction and with quantization
     assert {"full", "snapkv", "kvq-int4"} <= set(smoke.methods) and smoke.quality is not None
     seed = load_params(REPO / "params" / "seed-16k.yaml")
