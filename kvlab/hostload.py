@@ -87,12 +87,20 @@ def host_delta(before: HostCounters, after: HostCounters) -> dict[str, float | i
 # and at 850 ms/token with 300-1764 switches and a share of 1.0 (issue 15).
 MAX_SWITCHES_PER_S = 20.0
 MIN_CPU_SHARE_OF_THREADS = 0.7  # CPU only: a compute-bound decode keeps its torch threads busy...
+# ...when they spin. Waiting passively (kvlab's default, kvlab/__init__), a batch-1 decode keeps one
+# thread busy: 0.95-1.01 CPU share with 2 threads on a quiet 2-core machine, 0.48-0.65 under load
+# (2026-12-03), so the expected share is then one thread's.
 MIN_SWITCHES_PER_S_WITH_LOW_SHARE = 5.0  # ...unless its code is serial: a low share counts with switches
 MAX_STEAL_SHARE = 0.1  # steal summed over the VM's CPUs, per second of decode
 
 
+def openmp_waits_passively() -> bool:
+    """Whether torch's OpenMP threads sleep between parallel regions (``OMP_WAIT_POLICY=PASSIVE``)."""
+    return os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE"
+
+
 def contention(host: dict, decode_s: float | None, threads: int | None = None,
-               device: str = "cpu") -> tuple[bool | None, str]:
+               device: str = "cpu", waits_passively: bool | None = None) -> tuple[bool | None, str]:
     """Was a run measured while other work took its CPU? ``(contended, why)`` from the decode's host
     counters (:func:`host_delta` fields, without the ``decode_`` prefix); None when they are missing.
 
@@ -100,7 +108,8 @@ def contention(host: dict, decode_s: float | None, threads: int | None = None,
     ``MAX_STEAL_SHARE``; on CPU, a process CPU share below ``MIN_CPU_SHARE_OF_THREADS`` x threads
     together with at least ``MIN_SWITCHES_PER_S_WITH_LOW_SHARE`` switches per second (a serial code
     path, e.g. a quantizer, leaves threads idle on a quiet machine too; on a GPU the host thread
-    waits on kernels, so its share says nothing).
+    waits on kernels, so its share says nothing). Threads that wait passively (``waits_passively``,
+    default: :func:`openmp_waits_passively`) count as one busy thread.
     """
     if not decode_s or decode_s <= 0:
         return None, "no decode interval"
@@ -114,8 +123,11 @@ def contention(host: dict, decode_s: float | None, threads: int | None = None,
     share = host.get("host_process_cpu_share")
     rate = switches / decode_s if switches is not None else 0.0
     if not str(device).startswith("cuda") and share is not None and threads:
-        if share < MIN_CPU_SHARE_OF_THREADS * threads and rate >= MIN_SWITCHES_PER_S_WITH_LOW_SHARE:
-            reasons.append(f"CPU share {share:.2f} with {threads} threads")
+        passive = openmp_waits_passively() if waits_passively is None else waits_passively
+        busy = 1 if passive else threads
+        if share < MIN_CPU_SHARE_OF_THREADS * busy and rate >= MIN_SWITCHES_PER_S_WITH_LOW_SHARE:
+            reasons.append(f"CPU share {share:.2f} with {threads} threads"
+                           + (" (waiting passively: one busy)" if passive and threads > 1 else ""))
     if switches is None and steal is None and share is None:
         return None, "no host counters"
     return bool(reasons), "; ".join(reasons)

@@ -45,25 +45,41 @@ def test_reading_this_machine():
 
 
 def test_contention_flags_the_busy_runs_of_issue_15_and_not_the_quiet_ones():
+    from functools import partial
+
     from kvlab.hostload import contention
 
+    spinning = partial(contention, waits_passively=False)  # libgomp's default: idle threads spin
     quiet_cpu = {"host_process_cpu_share": 2.0, "host_nonvoluntary_switches": 3, "host_steal_ms": 0.0}
     busy_cpu = {"host_process_cpu_share": 1.0, "host_nonvoluntary_switches": 1764, "host_steal_ms": 0.0}
-    assert contention(quiet_cpu, decode_s=0.3, threads=2) == (False, "")
-    flagged, why = contention(busy_cpu, decode_s=6.0, threads=2)
+    assert spinning(quiet_cpu, decode_s=0.3, threads=2) == (False, "")
+    flagged, why = spinning(busy_cpu, decode_s=6.0, threads=2)
     assert flagged and "switches/s" in why and "CPU share 1.00 with 2 threads" in why
     # a half-busy CPU counts with some preemption, never on a GPU (the host thread waits on kernels),
     # and not alone: a serial code path leaves a thread idle on a quiet machine too
     half = {"host_process_cpu_share": 1.0, "host_nonvoluntary_switches": 8, "host_steal_ms": 0.0}
-    assert contention(half, decode_s=1.0, threads=2) == (True, "CPU share 1.00 with 2 threads")
-    assert contention(half, decode_s=1.0, threads=2, device="cuda")[0] is False
-    assert contention({**half, "host_nonvoluntary_switches": 1}, decode_s=1.0, threads=2)[0] is False
+    assert spinning(half, decode_s=1.0, threads=2) == (True, "CPU share 1.00 with 2 threads")
+    assert spinning(half, decode_s=1.0, threads=2, device="cuda")[0] is False
+    assert spinning({**half, "host_nonvoluntary_switches": 1}, decode_s=1.0, threads=2)[0] is False
     # an H200 run of 2026-12-02: 42 switches over 21 s, 1.3 CPU share, a little steal
     h200 = {"host_process_cpu_share": 1.3, "host_nonvoluntary_switches": 42, "host_steal_ms": 23.0}
     assert contention(h200, decode_s=21.0, threads=16, device="cuda") == (False, "")
     assert contention({"host_steal_ms": 500.0}, decode_s=1.0)[0] is True
     assert contention({}, decode_s=1.0) == (None, "no host counters")
     assert contention(quiet_cpu, decode_s=None)[0] is None
+
+
+def test_threads_that_wait_passively_count_as_one_busy_thread():
+    from kvlab.hostload import contention
+
+    # block 1 on a fresh clone, 2026-12-03 (OMP_WAIT_POLICY=PASSIVE, 2 threads): a quiet run keeps one
+    # thread busy; a run whose CPU other processes took keeps half of one
+    quiet = {"host_process_cpu_share": 0.98, "host_nonvoluntary_switches": 3, "host_steal_ms": 0.0}
+    assert contention(quiet, decode_s=0.4, threads=2, waits_passively=True) == (False, "")
+    assert contention(quiet, decode_s=0.4, threads=2, waits_passively=False)[0] is True  # the old rule's false alarm
+    starved = {"host_process_cpu_share": 0.5, "host_nonvoluntary_switches": 3, "host_steal_ms": 0.0}
+    assert contention(starved, decode_s=0.4, threads=2, waits_passively=True) == (
+        True, "CPU share 0.50 with 2 threads (waiting passively: one busy)")
 
 
 def test_cpu_threads_is_a_positive_stable_number():
