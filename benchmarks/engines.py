@@ -25,6 +25,14 @@ import traceback
 
 import torch
 
+# fast-engine variants: FastEngine keyword arguments
+FAST_VARIANTS = {
+    "fast": {},
+    "fast-deq": {"quant_attention": "dequantize"},
+    "fast-layers": {"compile": "layers"},
+    "fast-ro": {"compile": "reduce-overhead"},
+}
+
 METHODS = {
     "full": ("full", {}),
     "snapkv10": ("snapkv", {"keep": 0.1}),
@@ -80,8 +88,13 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    ap.add_argument("--engines", nargs="+", default=["hf", "fast"], choices=["hf", "fast", "fast-deq"],
-                    help="fast-deq: the fast engine with quantized stores dequantized before attention")
+    ap.add_argument("--engines", nargs="+", default=["hf", "fast"], choices=list(FAST_VARIANTS) + ["hf"],
+                    help="fast-deq: the fast engine with quantized stores dequantized before attention; "
+                         "fast-layers: the layers compiled by torch.compile inside kvlab's graph; "
+                         "fast-ro: the whole step compiled with mode='reduce-overhead' (torch's graphs)")
+    ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                    help="also profile STEPS replays of each fast variant's full-cache step (kernels by "
+                         "category and the top kernels)")
     ap.add_argument("--attention", default="auto", help="fast engine attention: auto, flash, sdpa")
     ap.add_argument("--max-decoders", type=int, default=8, help="fast-engine layouts kept alive (1 at large batch)")
     ap.add_argument("--compare-steps", type=int, default=32, help="teacher-forced steps for the logit check")
@@ -107,10 +120,11 @@ def main() -> int:
     for batch in args.batch:
         loaded = load_model(args.model, weights=args.weights, device=args.device)
         weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
-        engines = {"hf": None,
-                   "fast": FastEngine(loaded, attention=args.attention, max_decoders=args.max_decoders),
-                   "fast-deq": FastEngine(loaded, attention=args.attention, max_decoders=args.max_decoders,
-                                          quant_attention="dequantize")}
+        engines = {"hf": None}
+        for name in args.engines:
+            if name in FAST_VARIANTS:
+                engines[name] = FastEngine(loaded, attention=args.attention, max_decoders=args.max_decoders,
+                                           **FAST_VARIANTS[name])
         policies = {}
         for name in args.methods:
             method, kw = METHODS[name]
@@ -133,6 +147,14 @@ def main() -> int:
             for name, engine in order:
                 row = {"method": name, "engine": engine, "batch": batch, "ctx": args.ctx, "repeat": rep}
                 try:
+                    if rep < 0 and engine != "hf":  # capture (or compile) time, outside any window
+                        t0 = time.perf_counter()
+                        engines[engine].decoder(policies[name], batch, args.ctx, args.new_tokens)
+                        torch.cuda.synchronize() if cuda else None
+                        setup_s = time.perf_counter() - t0
+                        result.setdefault("setup", []).append({"method": name, "engine": engine, "batch": batch,
+                                                               "decoder_build_s": setup_s})
+                        print(f"b{batch} {name} {engine}: decoder built in {setup_s:.1f} s", flush=True)
                     m = measure_generation(loaded, policies[name], ctx=args.ctx, batch=batch,
                                            new_tokens=args.new_tokens, sampler=sampler, input_ids=ids,
                                            engine=engines[engine])
@@ -163,6 +185,8 @@ def main() -> int:
                           f"[{time.time() - t_start:.0f}s]", flush=True)
                 else:
                     print(f"b{batch} {label} {name} {engine}: {row['error']}", flush=True)
+        if args.profile:
+            profile_variants(result, loaded, policies, engines, args, batch)
         if "fast" in args.engines and args.compare_steps:
             for name, p in policies.items():
                 try:
@@ -181,6 +205,33 @@ def main() -> int:
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     return 0
+
+
+def profile_variants(result: dict, loaded, policies: dict, engines: dict, args, batch: int) -> None:
+    """Where each fast variant's step goes: kernels by category, then the largest kernels."""
+    from kvlab.engine.anatomy import fast_anatomy
+
+    for engine in [e for e in args.engines if e in FAST_VARIANTS and e != "fast-deq"]:
+        try:
+            a = fast_anatomy(loaded, policies["full"], args.ctx, batch, steps=args.profile, engine=engines[engine])
+        except Exception as err:
+            result.setdefault("profiles", []).append({"engine": engine, "batch": batch, "error": repr(err)})
+            print(f"profile {engine}: {err!r}", flush=True)
+            continue
+        top = a.top_ops(20)
+        kernels_per_step = float(a.ops["calls"].sum())
+        result.setdefault("profiles", []).append({
+            "engine": engine, "batch": batch, "label": a.label, "wall_ms": a.wall_ms, "busy_ms": a.busy_ms,
+            "by_category": a.by_category, "kernels_per_step": kernels_per_step,
+            "top": top.to_dict(orient="records")})
+        print(f"\nprofile b{batch} {a.label}: wall {a.wall_ms:.2f} ms/step, kernels busy {a.busy_ms:.2f} ms, "
+              f"{kernels_per_step:.0f} kernels/step", flush=True)
+        for cat, ms in a.by_category.items():
+            print(f"  {cat:24s} {ms:7.3f} ms")
+        for r in top.itertuples():
+            print(f"  {r.ms:7.3f} ms {r.calls:6.1f}x  {r.category:20s} {r.op[:90]}")
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
 
 
 def summarize(result: dict) -> None:
@@ -211,7 +262,11 @@ def summarize(result: dict) -> None:
             if js(method, "fast") and js(method, "hf"):
                 ratios.append({"batch": batch, "what": f"{method}: fast / hf",
                                "ratio": ratio_ci(js(method, "fast"), js(method, "hf"))})
-            for engine in ("hf", "fast"):
+            for variant in ("fast-layers", "fast-ro"):
+                if js(method, variant) and js(method, "fast"):
+                    ratios.append({"batch": batch, "what": f"{method}: {variant} / fast",
+                                   "ratio": ratio_ci(js(method, variant), js(method, "fast"))})
+            for engine in ("hf", "fast", "fast-layers"):
                 if method != "full" and js(method, engine) and js("full", engine):
                     ratios.append({"batch": batch, "what": f"{engine}: {method} / full",
                                    "ratio": ratio_ci(js(method, engine), js("full", engine))})

@@ -181,3 +181,37 @@ def test_quality_on_the_fast_engine_replies_as_hf_does(smollm2):
     assert [r["prediction"] for r in hf] == [r["prediction"] for r in fast]
     assert {r["engine"] for r in fast} == {"fast"} and {r["engine"] for r in hf} == {"hf"}
     assert not {r["run_id"] for r in hf} & {r["run_id"] for r in fast}
+
+
+def test_step_slots_are_per_layer_and_advance_on_the_device():
+    from kvlab.engine.kvstore import StepSlots
+
+    slots = StepSlots((5, 3, 7), batch=2, device="cpu")
+    slots.begin()
+    assert [int(slots.slot(i)) for i in range(3)] == [5, 3, 7]
+    slots.advance()
+    slots.advance()
+    slots.begin()
+    assert [int(slots.slot(i)) for i in range(3)] == [7, 5, 9]
+    assert slots.used(1).tolist() == [6, 6] and slots.used(1).dtype == torch.int32
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["full", "pyramidkv"])
+def test_the_compiled_layer_functions_give_the_eager_tokens(tiny, method):
+    """compile="layers" (what the GPU may run) against the eager step, on CPU through inductor's C++."""
+    import shutil
+
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("torch.compile on CPU needs a C compiler")
+    policy = make_policy(method, **_kwargs(method))
+    prompt = ids(batch=2, n=48)
+    out = {}
+    with policy.attach(tiny, warm=False):
+        for compile in ("none", "layers"):
+            decoder = FastEngine(tiny, compile=compile).decoder(policy, 2, 48, 12)
+            cache = decoder.prefill_cache()
+            first = prefill(tiny.model, prompt, cache)[:, -1].argmax(-1)
+            decoder.load(cache)
+            out[compile] = decoder.decode(first, 12, 48)
+    assert torch.equal(out["none"], out["layers"])

@@ -35,6 +35,20 @@ def classify_kernel(name: str, chain: tuple[str, ...] = ()) -> str:
     return "other ops"
 
 
+def kernel_table(kernels: list[tuple], steps: int):
+    """Per kernel (or op) name: category, launches and ms per step, largest first."""
+    import pandas as pd
+
+    rows: dict[str, list] = {}
+    for name, us, *chain in kernels:
+        row = rows.setdefault(name, [classify_kernel(name, tuple(chain[0]) if chain else ()), 0, 0.0])
+        row[1] += 1
+        row[2] += us / 1e3
+    table = pd.DataFrame([{"op": n, "category": c, "calls": k / steps, "ms": ms / steps}
+                          for n, (c, k, ms) in rows.items()], columns=["op", "category", "calls", "ms"])
+    return table.sort_values("ms", ascending=False).reset_index(drop=True)
+
+
 def step_breakdown(kernels: list[tuple], wall_s: float, steps: int) -> tuple[dict[str, float], float]:
     """``(name, us[, parent names])`` over ``steps`` steps -> (ms per step by category incl. the gap,
     busy ms)."""
@@ -98,7 +112,10 @@ def fast_anatomy(loaded, policy, ctx: int, batch: int = 1, steps: int = 8, warmu
             decoder.store.__dict__.pop("attend", None)
     if profiler.t1 is None:
         raise RuntimeError(f"the profiler saw {profiler.count} of {profiler.total_steps} steps")
-    by, busy = step_breakdown(_kernels(profiler.profiler, profiler.on_device), profiler.t1 - profiler.t0, steps)
+    kernels = _kernels(profiler.profiler, profiler.on_device)
+    by, busy = step_breakdown(kernels, profiler.t1 - profiler.t0, steps)
     wall_ms = (profiler.t1 - profiler.t0) * 1e3 / steps
-    label = f"{policy.label} (fast{', graph' if decoder.graph is not None else ''})"
-    return Anatomy(label, policy.name, str(loaded.device), steps, wall_ms, busy, by)
+    how = [s for s in (("graph" if decoder.graph is not None else ""),
+                       ("" if engine.step.compile == "none" else f"compile {engine.step.compile}")) if s]
+    label = f"{policy.label} (fast{''.join(', ' + h for h in how)})"
+    return Anatomy(label, policy.name, str(loaded.device), steps, wall_ms, busy, by, kernel_table(kernels, steps))
