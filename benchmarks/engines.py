@@ -27,8 +27,9 @@ import torch
 
 # fast-engine variants: FastEngine keyword arguments
 FAST_VARIANTS = {
-    "fast": {},
+    "fast": {},  # the engine's defaults (on CUDA: layers compiled, inside kvlab's graph)
     "fast-deq": {"quant_attention": "dequantize"},
+    "fast-eager": {"compile": "none"},
     "fast-layers": {"compile": "layers"},
     "fast-ro": {"compile": "reduce-overhead"},
 }
@@ -90,7 +91,8 @@ def main() -> int:
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     ap.add_argument("--engines", nargs="+", default=["hf", "fast"], choices=list(FAST_VARIANTS) + ["hf"],
                     help="fast-deq: the fast engine with quantized stores dequantized before attention; "
-                         "fast-layers: the layers compiled by torch.compile inside kvlab's graph; "
+                         "fast-eager / fast-layers: the step's layers eager / compiled by torch.compile, "
+                         "inside kvlab's graph (fast: the engine's default); "
                          "fast-ro: the whole step compiled with mode='reduce-overhead' (torch's graphs)")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="also profile STEPS replays of each fast variant's full-cache step (kernels by "
@@ -262,7 +264,7 @@ def summarize(result: dict) -> None:
             if js(method, "fast") and js(method, "hf"):
                 ratios.append({"batch": batch, "what": f"{method}: fast / hf",
                                "ratio": ratio_ci(js(method, "fast"), js(method, "hf"))})
-            for variant in ("fast-layers", "fast-ro"):
+            for variant in ("fast-eager", "fast-layers", "fast-ro"):
                 if js(method, variant) and js(method, "fast"):
                     ratios.append({"batch": batch, "what": f"{method}: {variant} / fast",
                                    "ratio": ratio_ci(js(method, variant), js(method, "fast"))})
