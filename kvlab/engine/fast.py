@@ -96,6 +96,11 @@ class FastDecoder:
             self._compiled()
         torch.cuda.synchronize(self.device)
 
+    @property
+    def replays(self) -> bool:
+        """Whether steps are graph replays (kvlab's own capture or torch.compile's), not eager ops."""
+        return self.graph is not None or self._compiled is not None
+
     # -- a generation ------------------------------------------------------------------------
     def prefill_cache(self):
         """A fresh transformers cache to prefill into: the policy's own, minus any quantization."""
@@ -140,7 +145,7 @@ class FastDecoder:
                 "bytes": sum(held) * self.layout.batch * self.store.bytes_per_slot(),
                 "bytes_allocated": self.store.bytes_allocated(),
                 "kv_format": self.store.kv_format, "attention": self.store.attention,
-                "graph": self.graph is not None or self._compiled is not None,
+                "graph": self.replays,
                 "step_compile": self.step_fn.compile}
 
 

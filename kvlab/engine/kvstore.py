@@ -12,6 +12,7 @@ that kernel (``flash``, CUDA) or SDPA with a length mask (``sdpa``, any device, 
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -80,6 +81,20 @@ def cumulative_offsets(batch: int, capacity: int, device) -> tuple[torch.Tensor,
     return cu_q, cu_q * capacity
 
 
+class ProfileScope:
+    """``profile_scope``: a profiler scope name around every ``attend`` (None: none). The hook
+    :mod:`kvlab.engine.anatomy` sets on eager steps so that attention's ops are named as such."""
+
+    profile_scope: str | None = None
+
+    def _scope(self):
+        if self.profile_scope is None:
+            return nullcontext()
+        from torch.profiler import record_function
+
+        return record_function(self.profile_scope)
+
+
 class StepSlots:
     """Where each layer writes this step's token and how many slots it then attends over.
 
@@ -112,7 +127,7 @@ class StepSlots:
         return self.step, self._slots, self._used
 
 
-class DenseStore:
+class DenseStore(ProfileScope):
     """Per-layer K/V at the model dtype, ``[B, C_l, Hkv, D]``, attended with ``flash`` or ``sdpa``."""
 
     kv_format = "model dtype"
@@ -163,6 +178,10 @@ class DenseStore:
         self.slots.begin()
 
     def attend(self, layer: int, q, k, v) -> torch.Tensor:
+        with self._scope():
+            return self._attend(layer, q, k, v)
+
+    def _attend(self, layer: int, q, k, v) -> torch.Tensor:
         slot = self.slots.slot(layer)
         self.keys[layer].index_copy_(1, slot, k.transpose(1, 2))
         self.values[layer].index_copy_(1, slot, v.transpose(1, 2))
@@ -186,7 +205,7 @@ def parse_kv_format(kv_format: str):
     return make_format(name, int(group)) if group else make_format(name)
 
 
-class QuantizedStore:
+class QuantizedStore(ProfileScope):
     """Per-layer K/V in a :mod:`kvlab.kernels` format (``[B, Hkv, C_l, ...]`` codes and scales).
 
     The new token is quantized on write (one Triton launch per tensor on CUDA). Attention is
@@ -238,6 +257,10 @@ class QuantizedStore:
         self.step.zero_()
 
     def attend(self, layer: int, q, k, v) -> torch.Tensor:
+        with self._scope():
+            return self._attend(layer, q, k, v)
+
+    def _attend(self, layer: int, q, k, v) -> torch.Tensor:
         from kvlab.kernels import decode_attention, quantize_write
 
         slot = self.slots.slot(layer)
