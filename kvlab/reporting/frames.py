@@ -40,7 +40,8 @@ def failed_records(records: pd.DataFrame) -> pd.DataFrame:
     failed = records[records["status"] != "ok"]
     if "method" in failed.columns and not failed.empty:
         failed = failed.assign(label=fill_labels(records)[failed.index])
-    cols = [c for c in ("sweep_dir", "method", "label", "ctx", "batch", "repeat", "error") if c in failed.columns]
+    cols = [c for c in ("sweep_dir", "method", "label", "engine", "ctx", "batch", "repeat", "error")
+            if c in failed.columns]
     return _int_columns(failed[cols].copy())
 
 
@@ -52,6 +53,10 @@ def with_derived(df: pd.DataFrame) -> pd.DataFrame:
         df["label"] = "?"
     else:
         df["label"] = fill_labels(df)
+    if "engine" in df.columns:
+        df["engine"] = df["engine"].fillna("hf")  # records from before the engine column
+    if "engine" in df.columns and df["engine"].nunique() > 1:  # hf and fast: a method on each is two rows
+        df["label"] = [f"{lab} · {eng}" for lab, eng in zip(df["label"].astype(str), df["engine"], strict=True)]
     if "model" in df.columns and df["model"].nunique() > 1:  # a sweep over models: keep them apart
         prefix = df["model"].astype(str) + " · "
         labels = df["label"].astype(str)
