@@ -49,3 +49,11 @@ def test_mixed_engines_keep_their_baselines_apart():
     rel = report.relative_to_baseline(report.perf_records(records), "decode_j_per_token")
     by_engine = dict(zip(rel["engine"], rel["ratio"], strict=True))
     assert by_engine["hf"] == pytest.approx(0.9) and by_engine["fast"] == pytest.approx(0.85)
+
+
+def test_a_quantized_store_on_fast_says_what_it_ran():
+    from kvlab.reporting.frames import engine_tag
+
+    assert engine_tag({"engine": "fast", "kv_format": "int4-g64", "fast_attention": "fused"}) == "fast int4-g64 fused"
+    assert engine_tag({"engine": "fast", "kv_format": "model dtype", "fast_attention": "flash"}) == "fast"
+    assert engine_tag({"engine": None}) == "hf"

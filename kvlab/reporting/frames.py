@@ -56,7 +56,8 @@ def with_derived(df: pd.DataFrame) -> pd.DataFrame:
     if "engine" in df.columns:
         df["engine"] = df["engine"].fillna("hf")  # records from before the engine column
     if "engine" in df.columns and df["engine"].nunique() > 1:  # hf and fast: a method on each is two rows
-        df["label"] = [f"{lab} · {eng}" for lab, eng in zip(df["label"].astype(str), df["engine"], strict=True)]
+        df["label"] = [f"{lab} · {engine_tag(row)}" for lab, row in zip(df["label"].astype(str),
+                                                                          df.to_dict("records"), strict=True)]
     if "model" in df.columns and df["model"].nunique() > 1:  # a sweep over models: keep them apart
         prefix = df["model"].astype(str) + " · "
         labels = df["label"].astype(str)
@@ -67,6 +68,16 @@ def with_derived(df: pd.DataFrame) -> pd.DataFrame:
     if any(c in df.columns for c in ("tokens_per_s", "decode_s")):
         df["tokens_per_s"] = decode_throughput(df)
     return _int_columns(df)
+
+
+def engine_tag(record: dict) -> str:
+    """``hf``, ``fast``, or for a quantized store on ``fast`` what it really ran (e.g. ``fast int4-g64
+    fused``: quanto's method label, kvlab's format and kernel)."""
+    engine = record.get("engine") or "hf"
+    fmt = record.get("kv_format")
+    if engine == "fast" and isinstance(fmt, str) and fmt != "model dtype":
+        return f"fast {fmt} {record.get('fast_attention') or ''}".strip()
+    return engine
 
 
 def _int_columns(df: pd.DataFrame, cols: Sequence[str] = ("ctx", "batch", "new_tokens", "repeat")) -> pd.DataFrame:
