@@ -32,6 +32,7 @@ FAST_VARIANTS = {
     "fast-eager": {"compile": "none"},
     "fast-layers": {"compile": "layers"},
     "fast-ro": {"compile": "reduce-overhead"},
+    "fast-triton": {"attention": "triton"},  # bf16 cache read by kvlab's split-K kernel, not flash
 }
 
 METHODS = {
@@ -264,7 +265,7 @@ def summarize(result: dict) -> None:
             if js(method, "fast") and js(method, "hf"):
                 ratios.append({"batch": batch, "what": f"{method}: fast / hf",
                                "ratio": ratio_ci(js(method, "fast"), js(method, "hf"))})
-            for variant in ("fast-eager", "fast-layers", "fast-ro"):
+            for variant in ("fast-eager", "fast-layers", "fast-ro", "fast-triton"):
                 if js(method, variant) and js(method, "fast"):
                     ratios.append({"batch": batch, "what": f"{method}: {variant} / fast",
                                    "ratio": ratio_ci(js(method, variant), js(method, "fast"))})

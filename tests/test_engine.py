@@ -215,3 +215,27 @@ def test_the_compiled_layer_functions_give_the_eager_tokens(tiny, method):
             decoder.load(cache)
             out[compile] = decoder.decode(first, 12, 48)
     assert torch.equal(out["none"], out["layers"])
+
+
+def test_triton_attention_stores_bf16_and_follows_the_flash_path(tiny):
+    """attention='triton' (the bf16 baseline of the fused kernels): the reference kernel on CPU,
+    against the dense store on the same bf16 model."""
+    from kvlab.models import load_model
+
+    lm = load_model("tiny-llama", weights="synthetic", device="cpu", seed=0, dtype="bfloat16")
+    policy = make_policy("snapkv", keep=0.5, window_size=8)
+    prompt = ids(batch=2, n=48)
+    out = {}
+    with policy.attach(lm, warm=False):
+        for attention in ("sdpa", "triton"):
+            decoder = FastEngine(lm, attention=attention).decoder(policy, 2, 48, 8)
+            cache = decoder.prefill_cache()
+            first = prefill(lm.model, prompt, cache)[:, -1].argmax(-1)
+            decoder.load(cache)
+            out[attention] = decoder.decode(first, 8, 48)
+            assert decoder.stats()["kv_format"] == ("bf16" if attention == "triton" else "model dtype")
+    assert (out["sdpa"] == out["triton"]).float().mean() >= 0.9
+    with pytest.raises(EngineError, match="bfloat16"):
+        FastEngine(tiny, attention="triton").decoder(make_policy("full"), 1, 16, 4)
+    with pytest.raises(EngineError, match="use one of"):
+        FastEngine(tiny, attention="cuda-magic")

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from kvlab.engine import EngineError
-from kvlab.engine.kvstore import DenseStore, Layout, QuantizedStore
+from kvlab.engine.kvstore import ATTENTION, DenseStore, Layout, QuantizedStore
 from kvlab.engine.llama import LlamaFamilyStep, check_model
 
 CAPTURE_WARMUP_STEPS = 3
@@ -153,7 +153,8 @@ class FastEngine:
     """Builds and keeps :class:`FastDecoder` s for one loaded model (captured graphs are reused).
 
     ``capture``: ``None`` = on CUDA only. ``attention``: the dense store's kernel (``auto``, ``flash``,
-    ``sdpa``); ``quant_attention``: a quantized store's (``fused`` Triton kernel or ``dequantize``
+    ``sdpa``, or ``triton``: the cache in kvlab's bf16 format read by the same split-K kernel as the
+    quantized formats, the like-for-like baseline of the fused kernels); ``quant_attention``: a quantized store's (``fused`` Triton kernel or ``dequantize``
     then attend). ``compile``: how the step is compiled (:data:`~kvlab.engine.llama.STEP_COMPILE`;
     ``None``: :data:`DEFAULT_COMPILE` for the device). ``max_decoders`` bounds how many layouts keep their buffers and graphs alive at
     once (a sweep interleaves a shape's methods; each has its layout), and on CUDA so does
@@ -173,6 +174,8 @@ class FastEngine:
         param = next(self.model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.step = LlamaFamilyStep(self.model, compile or DEFAULT_COMPILE.get(self.device.type, "none"))
+        if attention not in (*ATTENTION, "triton"):
+            raise EngineError(f"attention={attention!r}: use one of {', '.join((*ATTENTION, 'triton'))}")
         self.attention = attention
         self.quant_attention = quant_attention
         self.capture = self.device.type == "cuda" if capture is None else capture
@@ -220,6 +223,11 @@ class FastEngine:
         return decoder
 
     def _store(self, layout: Layout, kv_format: str):
+        if kv_format == "model" and self.attention == "triton":  # bf16 read by kvlab's split-K kernel
+            if self.dtype != torch.bfloat16:
+                raise EngineError("attention='triton' stores the cache in bf16: load the model in bfloat16")
+            return QuantizedStore(layout, "bf16", self.step.num_heads, self.dtype, self.device, self.step.scaling,
+                                  "fused")
         if kv_format == "model":
             return DenseStore(layout, self.dtype, self.device, self.step.scaling, self.attention)
         return QuantizedStore(layout, kv_format, self.step.num_heads, self.dtype, self.device, self.step.scaling,
