@@ -19,7 +19,7 @@
 #             keep that build, run `bash scripts/device/campaign.sh quanto-build` in a device call
 #             (it packs $OUT/quanto_cuda_build.tgz and checks it restores), then copy the returned
 #             file into .device/ here; later calls carrying it skip the build.
-#   .whl-ray/ ray-site.tar.xz (about 14 MB): ray 2.60.0's cp312 wheel (79 MB, over one call's
+#   .whl-ray/ ray-site.tar.xz (15.3 MB): ray 2.60.0's cp312 wheel (79 MB, over one call's
 #             64 MiB) unpacked, minus what `ray.init()`, tasks and actors on one machine never load
 #             (scripts/device/ray-prune.txt: Java jars, rllib, tune, train, serve, data, llm, air,
 #             the dashboard's web frontend, cloud autoscaler providers), its ELF files stripped of
@@ -33,7 +33,7 @@
 #
 # The folders are git-ignored (.gitignore); those carried in one call must stay under the device
 # tool's 64 MiB (67.1 MB) with the rest of the working tree: .whl, .whl-tf and the tree came to
-# about 50 MB on 2026-12-03, and 64 MB with .whl-ray. Rerunning replaces .whl/ and .whl-tf/ (or
+# about 49.6 MB on 2026-12-03, and 65 MB with .whl-ray. Rerunning replaces .whl/ and .whl-tf/ (or
 # with `ray`, .whl-ray/) and keeps .device/. Versions below are those the H200 campaign ran with.
 set -euo pipefail
 cd "$(dirname "$0")/../.."

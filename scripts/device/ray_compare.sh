@@ -8,9 +8,9 @@
 #   bash scripts/device/ray_compare.sh [--set KEY=VALUE ...]     # carry [".whl", ".whl-tf", ".whl-ray"]
 #
 # .whl-ray is built here by `bash scripts/device/build-carry.sh ray` (ray 2.60's cp312 wheel
-# pruned, 14 MB; the wheel itself, 79 MB, is over one call's 64 MiB). The three folders and the
-# working tree come to about 64 MB; full, streamingllm and snapkv also run on the machine's
-# transformers 5.17, so without .whl-tf (13.5 MB) it still works.
+# pruned, 15.3 MB; the wheel itself, 79 MB, is over one call's 64 MiB). The three folders and the
+# working tree come to about 65 MB of the 67.1 MB (64 MiB) a call carries; full, streamingllm and
+# snapkv also run on the machine's transformers 5.17, so without .whl-tf (13.5 MB) it still works.
 # Both sweeps get one time_budget_s, about half the time left before KVLAB_DEADLINE_S (default
 # 410 s from the start), so a slow machine stops both cleanly at the same point and the comparison
 # covers what both measured (expected: both complete, about 2 minutes each).
