@@ -75,3 +75,10 @@ def test_main_says_which_folder_is_missing(tmp_path, capsys):
     fake_pair(tmp_path)
     assert main([str(tmp_path), "--target", "0.5"]) == 0
     assert "within the 50% target" in capsys.readouterr().out
+
+
+def test_missing_wall_times_are_said_not_guessed(tmp_path):
+    fake_pair(tmp_path)
+    (tmp_path / "walls.jsonl").unlink()
+    text = compare(tmp_path)
+    assert "overhead: unknown (walls.jsonl lacks a wall time)" in text and "configurations agree" in text

@@ -124,9 +124,12 @@ def render(table, walls: dict, base: str, other: str, target: float = TARGET, ex
     b, o = walls[base], walls[other]
     lines.append(f"wall time of the sweep process: {base} {_num(b['wall_s'], 4)} s (rc {b['rc']}, {b['runs']} runs), "
                  f"{other} {_num(o['wall_s'], 4)} s (rc {o['rc']}, {o['runs']} runs)")
-    verdict = "within" if walls["overhead"] <= target else "over"
-    lines.append(f"{other} overhead: {walls['overhead_s']:+.1f} s = {100 * walls['overhead']:+.1f}% of {base}'s wall "
-                 f"time ({verdict} the {100 * target:.0f}% target)")
+    if math.isnan(walls["overhead"]):
+        lines.append(f"{other} overhead: unknown (walls.jsonl lacks a wall time)")
+    else:
+        verdict = "within" if walls["overhead"] <= target else "over"
+        lines.append(f"{other} overhead: {walls['overhead_s']:+.1f} s = {100 * walls['overhead']:+.1f}% of {base}'s "
+                     f"wall time ({verdict} the {100 * target:.0f}% target)")
     if "startup_overhead_s" in walls:
         lines.append(f"  before the first record: {base} {b['before_first_s']:.0f} s, {other} {o['before_first_s']:.0f} s "
                      f"({walls['startup_overhead_s']:+.0f} s: starting {other}, its worker, imports, model load)")
