@@ -16,6 +16,7 @@ from kvlab.kernels.triton_decode import (
     DecodeWorkspace,
     LaunchConfig,
     decode_attention,
+    kernel_variant,
     make_workspace,
     plan_splits,
 )
@@ -23,5 +24,5 @@ from kvlab.kernels.triton_write import quantize_write
 
 __all__ = [
     "FORMATS", "FormatError", "KVFormat", "KVStore", "make_format", "decode_attention_reference",
-    "DecodeWorkspace", "LaunchConfig", "decode_attention", "make_workspace", "plan_splits", "quantize_write",
+    "DecodeWorkspace", "LaunchConfig", "decode_attention", "kernel_variant", "make_workspace", "plan_splits", "quantize_write",
 ]

@@ -1,0 +1,229 @@
+"""The ``fold`` split kernel of :mod:`kvlab.kernels.triton_decode` (imports triton; import lazily).
+
+Same contract as ``_decode_split_kernel`` in :mod:`kvlab.kernels._decode_kernels` (grid
+``(B * Hkv, num_splits)``, normalized partial outputs and base-2 log-sum-exps merged by its reduce
+kernel), but nothing is dequantized: the group scales and zeros are folded into the small operands.
+
+Rows. A program's ``BLOCK_M`` rows are ``r = g * GP + h``: query head ``h`` of the KV head's ``G``
+(``GP`` = ``G`` rounded up to a power of two) for quantization group ``g`` of the head dim (``NG``
+groups for int formats, one otherwise). Every row of head ``h`` computes the same scores; the
+copies cost nothing while ``NG * GP <= 16``, the rows ``tl.dot`` needs anyway (Llama's GQA 4 with
+group >= 32 at head dim 128), and they let each row own one group of the output.
+
+Keys, int: ``score = sum_g s_g * (q_g . c_g) + z_g * sum(q_g)``. Each group's bytes are loaded as a
+``[BLOCK_N, GW]`` tile, its ``PACK`` planes (bits ``[p * BITS, (p + 1) * BITS)``: elements
+``j * PACK + p``) go from codes to float16 with one OR and one subtraction (exact for codes below
+1024) straight into ``tl.dot`` with the matching strided slice of q, and the per-token scale and
+zero of the group multiply the ``[BLOCK_M, BLOCK_N]`` result: ``PACK * NG`` products of depth
+``GW = group / PACK`` (>= 16, so int2 needs group >= 64) that together are one product of depth
+``D / PACK``. fp8: the key scale multiplies the score (as before).
+
+Values, int: ``out[d] = sum_t p_t * s_{t,g(d)} * c_{t,d} + sum_t p_t * z_{t,g(d)}``. Row ``r`` scales
+its probabilities by its group's scale (divided by the tile's largest, so the float16 products
+stay normal; the largest multiplies the product's float32 result), multiplies them with the whole
+code tile of each plane, and keeps only its group's columns at the end; the zero term is a float32
+row sum. fp8: the same with the per-token scale. So each byte is loaded once and unpacked once, and
+no scale or zero is gathered per element.
+
+Both products run on float16 operands with float32 accumulation (``|q|, |k|, |v| < 6.5e4``).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _codes_f16(raw, P: tl.constexpr, BITS: tl.constexpr):
+    """Plane ``P`` of packed uint8 codes as float16: ``0x6400 | c`` is ``1024 + c`` exactly."""
+    if P * BITS + BITS == 8:
+        codes = raw >> (P * BITS)
+    else:
+        codes = (raw >> (P * BITS)) & ((1 << BITS) - 1)
+    magic = (codes.to(tl.int16) | 0x6400).to(tl.int16)  # a literal may widen the OR to int32
+    return (magic.to(tl.float16, bitcast=True) - 1024.0).to(tl.float16)
+
+
+@triton.jit
+def _load_q_slot(q_rows, mask_r, SLOT: tl.constexpr, PACK: tl.constexpr, GW: tl.constexpr):
+    """Query elements ``(g * GW + j) * PACK + p`` for ``g, p = divmod(SLOT, PACK)``, as float16."""
+    offs = tl.arange(0, GW)
+    d = ((SLOT // PACK) * GW + offs) * PACK + SLOT % PACK
+    return tl.load(q_rows[:, None] + d[None, :], mask=mask_r[:, None], other=0.0).to(tl.float16)
+
+
+@triton.jit
+def _key_group(kc_ptr, ks_ptr, kz_ptr, slots, mask_n, qa, qb, qc, qd, qsum, qk_scale,
+               GI: tl.constexpr, NG: tl.constexpr, DP: tl.constexpr, GW: tl.constexpr,
+               PACK: tl.constexpr, BITS: tl.constexpr):
+    """Scaled scores of group ``GI`` (planes in ``qa..qd``; ``qsum`` = the group's sum of q, pre-scaled)."""
+    offs = tl.arange(0, GW)
+    raw = tl.load(kc_ptr + slots[:, None] * DP + (GI * GW + offs)[None, :], mask=mask_n[:, None], other=0)
+    part = tl.dot(qa, tl.trans(_codes_f16(raw, 0, BITS)))
+    part += tl.dot(qb, tl.trans(_codes_f16(raw, 1, BITS)))
+    if PACK == 4:
+        part += tl.dot(qc, tl.trans(_codes_f16(raw, 2, BITS)))
+        part += tl.dot(qd, tl.trans(_codes_f16(raw, 3, BITS)))
+    sc = tl.load(ks_ptr + slots * NG + GI, mask=mask_n, other=0.0).to(tl.float32) * qk_scale
+    zr = tl.load(kz_ptr + slots * NG + GI, mask=mask_n, other=0.0).to(tl.float32)
+    return part * sc[None, :] + qsum[:, None] * zr[None, :]
+
+
+@triton.jit
+def _store_rows(rows, offs_j, keep, acc, zacc, inv_l, P: tl.constexpr, PACK: tl.constexpr):
+    tl.store(rows[:, None] + offs_j[None, :] * PACK + P, (acc + zacc[:, None]) * inv_l[:, None], mask=keep)
+
+
+@triton.jit(do_not_specialize=["Hq", "Hkv", "T", "split_len", "num_splits", "G"])
+def _decode_fold_kernel(
+    q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, len_ptr, part_out_ptr, part_lse_ptr,
+    qk_scale, Hq, Hkv, T, split_len, num_splits, G,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr,
+    FMT: tl.constexpr, BITS: tl.constexpr, PACK: tl.constexpr, QGROUP: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = bh // Hkv
+    h = bh % Hkv
+    length = tl.minimum(tl.maximum(tl.load(len_ptr + b).to(tl.int32), 0), T)
+    start = split * split_len
+    end = tl.minimum(start + split_len, length)
+
+    DP: tl.constexpr = D // PACK  # bytes (int) or elements (bf16/fp8) of one row
+    NG: tl.constexpr = D // QGROUP if FMT == 2 else 1  # groups, each owning GP rows
+    GW: tl.constexpr = DP // NG  # bytes of one group of one row
+    offs_r = tl.arange(0, BLOCK_M)
+    row_g = offs_r // GP
+    row_h = offs_r % GP
+    mask_r = (row_h < G) & (row_g < NG)
+    heads = h * G + row_h
+    q_rows = q_ptr + (b * Hq + heads) * D
+    offs_j = tl.arange(0, DP)
+
+    # Query slices, one per (group, plane) slot: slot i is group i // PACK, plane i % PACK.
+    q0 = _load_q_slot(q_rows, mask_r, 0, PACK, GW)
+    q1 = q0
+    q2 = q0
+    q3 = q0
+    q4 = q0
+    q5 = q0
+    q6 = q0
+    q7 = q0
+    if NG * PACK >= 2:
+        q1 = _load_q_slot(q_rows, mask_r, 1, PACK, GW)
+    if NG * PACK >= 4:
+        q2 = _load_q_slot(q_rows, mask_r, 2, PACK, GW)
+        q3 = _load_q_slot(q_rows, mask_r, 3, PACK, GW)
+    if NG * PACK == 8:
+        q4 = _load_q_slot(q_rows, mask_r, 4, PACK, GW)
+        q5 = _load_q_slot(q_rows, mask_r, 5, PACK, GW)
+        q6 = _load_q_slot(q_rows, mask_r, 6, PACK, GW)
+        q7 = _load_q_slot(q_rows, mask_r, 7, PACK, GW)
+    # Each group's sum of q (for the zero term), times the softmax scale, which the group scale
+    # also carries (folded into the score below).
+    qs0 = (tl.sum(q0.to(tl.float32), 1) + tl.sum(q1.to(tl.float32), 1)) * qk_scale
+    qs1 = qs0
+    qs2 = qs0
+    qs3 = qs0
+    if PACK == 4:
+        qs0 += (tl.sum(q2.to(tl.float32), 1) + tl.sum(q3.to(tl.float32), 1)) * qk_scale
+        qs1 = (tl.sum(q4.to(tl.float32), 1) + tl.sum(q5.to(tl.float32), 1)
+               + tl.sum(q6.to(tl.float32), 1) + tl.sum(q7.to(tl.float32), 1)) * qk_scale
+    else:
+        qs1 = (tl.sum(q2.to(tl.float32), 1) + tl.sum(q3.to(tl.float32), 1)) * qk_scale
+        qs2 = (tl.sum(q4.to(tl.float32), 1) + tl.sum(q5.to(tl.float32), 1)) * qk_scale
+        qs3 = (tl.sum(q6.to(tl.float32), 1) + tl.sum(q7.to(tl.float32), 1)) * qk_scale
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    zacc = tl.zeros([BLOCK_M], tl.float32)
+    acc0 = tl.zeros([BLOCK_M, DP], tl.float32)
+    acc1 = tl.zeros([BLOCK_M, DP], tl.float32)
+    acc2 = tl.zeros([BLOCK_M, DP], tl.float32)
+    acc3 = tl.zeros([BLOCK_M, DP], tl.float32)
+    row0 = bh.to(tl.int64) * T  # first slot of this (b, h) in [B, Hkv, T, ...] buffers
+
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        slots = row0 + offs_n
+        if FMT == 2:
+            if PACK == 2:
+                s = _key_group(kc_ptr, ks_ptr, kz_ptr, slots, mask_n, q0, q1, q0, q0, qs0, qk_scale, 0, NG, DP, GW, PACK, BITS)
+                if NG >= 2:
+                    s += _key_group(kc_ptr, ks_ptr, kz_ptr, slots, mask_n, q2, q3, q0, q0, qs1, qk_scale, 1, NG, DP, GW,
+                                    PACK, BITS)
+                if NG == 4:
+                    s += _key_group(kc_ptr, ks_ptr, kz_ptr, slots, mask_n, q4, q5, q0, q0, qs2, qk_scale, 2, NG, DP, GW,
+                                    PACK, BITS)
+                    s += _key_group(kc_ptr, ks_ptr, kz_ptr, slots, mask_n, q6, q7, q0, q0, qs3, qk_scale, 3, NG, DP, GW,
+                                    PACK, BITS)
+            else:
+                s = _key_group(kc_ptr, ks_ptr, kz_ptr, slots, mask_n, q0, q1, q2, q3, qs0, qk_scale, 0, NG, DP, GW, PACK, BITS)
+                if NG == 2:
+                    s += _key_group(kc_ptr, ks_ptr, kz_ptr, slots, mask_n, q4, q5, q6, q7, qs1, qk_scale, 1, NG, DP, GW,
+                                    PACK, BITS)
+        elif FMT == 1:
+            k_raw = tl.load(kc_ptr + slots[:, None] * DP + offs_j[None, :], mask=mask_n[:, None], other=0)
+            k = k_raw.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+            k_sc = tl.load(ks_ptr + slots, mask=mask_n, other=0.0)
+            s = tl.dot(q0, tl.trans(k)) * (k_sc * qk_scale)[None, :]
+        else:
+            k = tl.load(kc_ptr + slots[:, None] * DP + offs_j[None, :], mask=mask_n[:, None], other=0.0)
+            s = tl.dot(q0, tl.trans(k.to(tl.float16))) * qk_scale
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+
+        tile = slots[:, None] * DP + offs_j[None, :]
+        if FMT == 2:
+            # Each row's group scale and zero per token, chosen among the NG loaded vectors.
+            v_sc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            v_zr = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for gi in tl.static_range(NG):
+                pick = (row_g == gi)[:, None]
+                v_sc = tl.where(pick, tl.load(vs_ptr + slots * NG + gi, mask=mask_n, other=0.0).to(tl.float32)[None, :],
+                                v_sc)
+                v_zr = tl.where(pick, tl.load(vz_ptr + slots * NG + gi, mask=mask_n, other=0.0).to(tl.float32)[None, :],
+                                v_zr)
+            zacc = zacc * alpha + tl.sum(p * v_zr, 1)
+            top = tl.max(v_sc, 1)
+            top = tl.where(top > 0, top, 1.0)
+            pv = (p * (v_sc * (1.0 / top)[:, None])).to(tl.float16)
+            v_raw = tl.load(vc_ptr + tile, mask=mask_n[:, None], other=0)
+            acc0 = acc0 * alpha[:, None] + tl.dot(pv, _codes_f16(v_raw, 0, BITS)) * top[:, None]
+            acc1 = acc1 * alpha[:, None] + tl.dot(pv, _codes_f16(v_raw, 1, BITS)) * top[:, None]
+            if PACK == 4:
+                acc2 = acc2 * alpha[:, None] + tl.dot(pv, _codes_f16(v_raw, 2, BITS)) * top[:, None]
+                acc3 = acc3 * alpha[:, None] + tl.dot(pv, _codes_f16(v_raw, 3, BITS)) * top[:, None]
+        elif FMT == 1:
+            v_sc = tl.load(vs_ptr + slots, mask=mask_n, other=0.0)
+            top = tl.max(v_sc, 0)
+            top = tl.where(top > 0, top, 1.0)
+            pv = (p * (v_sc * (1.0 / top))[None, :]).to(tl.float16)
+            v_raw = tl.load(vc_ptr + tile, mask=mask_n[:, None], other=0)
+            v = v_raw.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+            acc0 = acc0 * alpha[:, None] + tl.dot(pv, v) * top
+        else:
+            v = tl.load(vc_ptr + tile, mask=mask_n[:, None], other=0.0).to(tl.float16)
+            acc0 = acc0 * alpha[:, None] + tl.dot(p.to(tl.float16), v)
+
+    has = l_i > 0
+    inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    part = (b * Hq + heads) * num_splits + split
+    tl.store(part_lse_ptr + part, lse, mask=mask_r & (row_g == 0))
+    out_rows = part_out_ptr + part.to(tl.int64) * D
+    # Row (g, h) holds head h's output for the columns of group g (bytes j with j // GW == g).
+    keep = mask_r[:, None] & ((offs_j // GW)[None, :] == row_g[:, None])
+    _store_rows(out_rows, offs_j, keep, acc0, zacc, inv_l, 0, PACK)
+    if PACK >= 2:
+        _store_rows(out_rows, offs_j, keep, acc1, zacc, inv_l, 1, PACK)
+    if PACK == 4:
+        _store_rows(out_rows, offs_j, keep, acc2, zacc, inv_l, 2, PACK)
+        _store_rows(out_rows, offs_j, keep, acc3, zacc, inv_l, 3, PACK)
