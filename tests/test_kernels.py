@@ -234,6 +234,18 @@ def test_split_plan_for_one_llama_sequence_at_16k():
     assert plan_splits(1, 8, 16384, sm_count=132) == (64, 256)
 
 
+def test_variant_of_a_config_defaults_to_the_module_constant(monkeypatch):
+    from kvlab.kernels import LaunchConfig, triton_decode
+
+    store = make_format("int4", group=64).alloc(1, 1, 4, 128)
+    monkeypatch.setattr(triton_decode, "DEFAULT_VARIANT", "fold")
+    assert triton_decode.kernel_variant(LaunchConfig(), store) == "fold"
+    assert triton_decode.kernel_variant(LaunchConfig(variant="split"), store) == "split"
+    monkeypatch.setattr(triton_decode, "TUNED_CONFIGS", {"int4-g64": LaunchConfig(block_n=256, variant="split")})
+    assert triton_decode.default_config(store).block_n == 256
+    assert triton_decode.default_config(make_format("fp8").alloc(1, 1, 4, 128)) == LaunchConfig()
+
+
 @pytest.mark.slow  # a fresh interpreter importing torch: several seconds on a loaded machine
 def test_kernels_import_and_run_on_cpu_without_triton():
     code = ("import sys; sys.modules['triton'] = None\n"

@@ -79,8 +79,8 @@ def _store_rows(rows, offs_j, keep, acc, zacc, inv_l, P: tl.constexpr, PACK: tl.
 def _decode_fold_kernel(
     q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, len_ptr, part_out_ptr, part_lse_ptr,
     qk_scale, Hq, Hkv, T, split_len, num_splits, G,
-    D: tl.constexpr, BLOCK_M: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr,
-    FMT: tl.constexpr, BITS: tl.constexpr, PACK: tl.constexpr, QGROUP: tl.constexpr,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, GP: tl.constexpr, NG: tl.constexpr, BLOCK_N: tl.constexpr,
+    FMT: tl.constexpr, BITS: tl.constexpr, PACK: tl.constexpr,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -91,7 +91,7 @@ def _decode_fold_kernel(
     end = tl.minimum(start + split_len, length)
 
     DP: tl.constexpr = D // PACK  # bytes (int) or elements (bf16/fp8) of one row
-    NG: tl.constexpr = D // QGROUP if FMT == 2 else 1  # groups, each owning GP rows
+    # NG: quantization groups of a row (int formats; 1 otherwise), each owning GP rows
     GW: tl.constexpr = DP // NG  # bytes of one group of one row
     offs_r = tl.arange(0, BLOCK_M)
     row_g = offs_r // GP

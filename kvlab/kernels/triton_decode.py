@@ -32,10 +32,10 @@ BACKENDS = ("auto", "triton", "reference")
 
 
 VARIANTS = ("split", "fold")
-# The split kernel the dispatcher runs when a LaunchConfig does not say: "split" dequantizes code
-# tiles to float16 before its products (_decode_kernels), "fold" folds the scales and zeros into
-# the operands instead (_fold_kernels). Flip after benchmarks/quant_attention.py --tune has
-# measured both on the GPU.
+# The split kernel that runs when a LaunchConfig does not name one (read at launch time):
+# "split" dequantizes code tiles to float16 before its products (_decode_kernels), "fold" folds
+# the scales and zeros into the operands instead (_fold_kernels). Flip after
+# benchmarks/quant_attention.py --tune has measured both on the GPU.
 DEFAULT_VARIANT = "split"
 
 
@@ -45,22 +45,23 @@ class LaunchConfig:
 
     Defaults are a known-good flash-decoding shape, not yet tuned on the H200:
     ``benchmarks/quant_attention.py --tune`` times the alternatives (and prints a
-    :data:`TUNED_CONFIGS` to paste). ``variant`` picks the kernel (:data:`VARIANTS`); a store the
-    ``fold`` kernel cannot read (int2 with group 32) runs ``split``.
+    :data:`TUNED_CONFIGS` to paste). ``variant`` picks the kernel (:data:`VARIANTS`; ``None``:
+    :data:`DEFAULT_VARIANT` at launch); a store the ``fold`` kernel cannot read (int2 with group
+    32) runs ``split``.
     """
 
     block_n: int = BLOCK_N
     num_warps: int = 4
     num_stages: int = 2
     programs_per_sm: int = PROGRAMS_PER_SM
-    variant: str = DEFAULT_VARIANT
+    variant: str | None = None
 
     def __post_init__(self):
         if self.block_n not in (16, 32, 64, 128, 256):
             raise FormatError(f"block_n must be a power of two in 16..256, not {self.block_n}")
         if self.num_warps not in (1, 2, 4, 8, 16) or not 1 <= self.num_stages <= 6 or self.programs_per_sm < 1:
             raise FormatError(f"bad launch config {self}: num_warps in 1..16 (power of two), num_stages in 1..6")
-        if self.variant not in VARIANTS:
+        if self.variant is not None and self.variant not in VARIANTS:
             raise FormatError(f"variant must be one of {', '.join(VARIANTS)}, not {self.variant!r}")
 
 
@@ -151,7 +152,8 @@ def fold_supports(k_store: KVStore) -> bool:
 
 def kernel_variant(config: LaunchConfig, k_store: KVStore) -> str:
     """The kernel that runs for ``config`` on ``k_store``: its variant, or ``split`` where fold cannot."""
-    return "fold" if config.variant == "fold" and fold_supports(k_store) else "split"
+    variant = config.variant or DEFAULT_VARIANT
+    return "fold" if variant == "fold" and fold_supports(k_store) else "split"
 
 
 def decode_attention(q: torch.Tensor, k_store: KVStore, v_store: KVStore, lengths: torch.Tensor, scale: float,
@@ -227,8 +229,8 @@ def _launch(q, k_store, v_store, lengths, scale, group, out, workspace):
         gp = triton_next_pow2(group)
         row_groups = head_dim // qgroup if kind == kern.FMT_INT else 1
         fold._decode_fold_kernel[grid](
-            *args, D=head_dim, BLOCK_M=max(16, triton_next_pow2(row_groups * gp)), GP=gp, BLOCK_N=config.block_n,
-            FMT=kind, BITS=bits, PACK=pack, QGROUP=qgroup,
+            *args, D=head_dim, BLOCK_M=max(16, triton_next_pow2(row_groups * gp)), GP=gp, NG=row_groups,
+            BLOCK_N=config.block_n, FMT=kind, BITS=bits, PACK=pack,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
     else:
