@@ -3,24 +3,33 @@
 Not a test: a script to run on the H200 (issue 13). Needs only torch, triton and numpy (kvlab is
 imported from this checkout). From the repository root:
 
-    python benchmarks/quant_attention.py --out quant_attention.json          # about 2-3 minutes
+    python benchmarks/quant_attention.py --tune --out quant_attention.json     # about 4-6 minutes
+
+Both split kernels (``--variants``, default ``split fold``: kvlab.kernels.triton_decode.VARIANTS)
+run side by side on the same stores in every section.
 
 (a) Correctness: the Triton kernels (kvlab.kernels.decode_attention) against the float32 reference
     on a sampled grid: batch 1-32, lengths {1, 7, 1000, 4097, 16384, 32769} (the other rows of a
     batch get random shorter lengths), GQA 1-8, head dim 64 and 128, formats bf16/fp8/int4/int2.
     Reports the max abs error, ||out - ref|| / ||ref||, and whether every output element was
-    written (the output is poisoned with NaN first).
+    written (the output is poisoned with NaN first), per case and worst per variant.
 (b) Performance at the Llama-3.1-8B attention shape (Hq 32, Hkv 8, D 128), 16k tokens, batch
     1/16/32: median kernel time by CUDA events (eager launches, and replays of a captured CUDA
     graph), GB/s on the KV bytes read (codes + scales + zeros of K and V), the ratio to a 4 GiB
-    device-to-device copy measured here (read + write counted), and against bf16 SDPA
-    (``F.scaled_dot_product_attention(..., enable_gqa=True)``) and dequantize-then-SDPA (what
-    transformers' quantized caches do). Inputs rotate over enough copies to exceed the L2 cache.
-
+    device-to-device copy measured here (read + write counted), the error against the reference,
+    and against bf16 SDPA (``F.scaled_dot_product_attention(..., enable_gqa=True)``) and
+    dequantize-then-SDPA (what transformers' quantized caches do); then fold/split time per case.
+    Inputs rotate over enough copies to exceed the L2 cache.
+(tune) With ``--tune``: a grid of launch configs (fold and split; block, warps, stages, split
+    density) for ``--tune-formats`` (fp8 and int4-g64) at batch 1/16/32, then per format the config
+    with the best geometric mean over the batches (relative to the best at each batch; configs
+    whose error exceeds 2e-2 relative are out), printed as a ``TUNED_CONFIGS`` line and a
+    ``DEFAULT_VARIANT`` line to paste into kvlab/kernels/triton_decode.py.
 (c) Quantize-on-write of the token a decode step appends (same shape, batch 1/16/32): the Triton
     kernel vs the torch ops of ``KVFormat.write`` (mismatching elements, time eager and in a graph).
 
 Every case runs in its own try/except: a failure is reported (and lands in the JSON), never aborts.
+The JSON is rewritten after every row, so a run cut short keeps what it measured.
 ``--device cpu --quick --backend triton`` with TRITON_INTERPRET=1 smoke-tests the script on CPU.
 """
 
@@ -366,15 +375,14 @@ def tune_cases(quick: bool, formats):
 
 
 def tune_configs(case, quick: bool):
-    """Launch configs to compare: a fold grid at every batch, a smaller split grid at the middle batch."""
+    """Launch configs to compare at every tuned batch: a fold grid and a smaller split grid (its default inside)."""
     if quick:
         return [LaunchConfig(variant=v, block_n=b) for v in ("split", "fold") for b in (32, 64)]
     configs = [LaunchConfig(variant="fold", block_n=b, num_warps=w, num_stages=st)
-               for b in (64, 128, 256) for w in (4, 8) for st in (2, 3, 4)]
-    configs += [LaunchConfig(variant="fold", block_n=128, num_stages=3, programs_per_sm=p) for p in (1, 2, 8)]
-    if case["batch"] == 16:
-        configs += [LaunchConfig(variant="split", block_n=b, num_warps=w, num_stages=st)
-                    for b in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
+               for b in (64, 128, 256) for w in (4, 8) for st in (2, 3)]
+    configs += [LaunchConfig(variant="fold", block_n=128, num_stages=3, programs_per_sm=p) for p in (2, 8)]
+    configs += [LaunchConfig(variant="split", block_n=b, num_warps=w, num_stages=st)
+                for b in (64, 128) for w in (4, 8) for st in (2, 3)]
     return configs
 
 
@@ -519,7 +527,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--copy-gib", type=float, default=4.0)
     ap.add_argument("--tune", action="store_true",
-                    help="also time launch-config grids (fold at batch 1/16/32, split at 16; ~2 min) and print "
+                    help="also time launch-config grids (fold and split, batch 1/16/32; ~2-3 min) and print "
                          "the winners as TUNED_CONFIGS")
     ap.add_argument("--tune-formats", nargs="+", default=list(TUNE_FORMATS),
                     help=f"format labels to tune (default: {' '.join(TUNE_FORMATS)})")

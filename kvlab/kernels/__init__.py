@@ -4,7 +4,10 @@
   with static-buffer ``alloc``/``write`` and a pure-torch ``quantize``/``dequantize`` reference;
 - :mod:`kvlab.kernels.reference`: float32 decode attention over dequantized stores (ground truth);
 - :mod:`kvlab.kernels.triton_decode`: the split-K Triton kernels reading the codes directly, with a
-  dispatcher that falls back to the reference on CPU tensors;
+  dispatcher that falls back to the reference on CPU tensors; two split kernels, ``split``
+  (:mod:`~kvlab.kernels._decode_kernels`: code tiles dequantized to float16) and ``fold``
+  (:mod:`~kvlab.kernels._fold_kernels`: scales and zeros folded into the operands), picked by
+  ``LaunchConfig.variant``;
 - :mod:`kvlab.kernels.triton_write`: quantize-on-write in one launch (``KVFormat.write`` on CPU).
 
 Nothing here imports triton until a kernel runs.
