@@ -12,18 +12,20 @@ group >= 32 at head dim 128), and they let each row own one group of the output.
 
 Keys, int: ``score = sum_g s_g * (q_g . c_g) + z_g * sum(q_g)``. Each group's bytes are loaded as a
 ``[BLOCK_N, GW]`` tile, its ``PACK`` planes (bits ``[p * BITS, (p + 1) * BITS)``: elements
-``j * PACK + p``) go from codes to float16 with one OR and one subtraction (exact for codes below
-1024) straight into ``tl.dot`` with the matching strided slice of q, and the per-token scale and
-zero of the group multiply the ``[BLOCK_M, BLOCK_N]`` result: ``PACK * NG`` products of depth
-``GW = group / PACK`` (>= 16, so int2 needs group >= 64) that together are one product of depth
-``D / PACK``. fp8: the key scale multiplies the score (as before).
+``j * PACK + p``) become float16 ``u = 1 + c / 2**BITS`` with one shift and one AND-OR (the code
+in the top mantissa bits of 1.0: exact, no conversion instruction) and go straight into ``tl.dot``
+with the matching strided slice of q; ``2**BITS`` times the group's per-token scale multiplies the
+``[BLOCK_M, BLOCK_N]`` result and ``(z - 2**BITS s) * sum(q_g)`` removes the offset: ``PACK * NG``
+products of depth ``GW = group / PACK`` (>= 16, so int2 needs group >= 64) that together are one
+product of depth ``D / PACK``. fp8: the key scale multiplies the score (as before).
 
 Values, int: ``out[d] = sum_t p_t * s_{t,g(d)} * c_{t,d} + sum_t p_t * z_{t,g(d)}``. Row ``r`` scales
 its probabilities by its group's scale (divided by the tile's largest, so the float16 products
 stay normal; the largest multiplies the product's float32 result), multiplies them with the whole
-code tile of each plane, and keeps only its group's columns at the end; the zero term is a float32
-row sum. fp8: the same with the per-token scale. So each byte is loaded once and unpacked once, and
-no scale or zero is gathered per element.
+code tile of each plane (as ``u``), and keeps only its group's columns at the end; the zero term
+and the offset (the row sum of the float16 probabilities the product saw) are a float32 row sum.
+fp8: the same with the per-token scale. So each byte is loaded once and unpacked once, and no
+scale or zero is gathered per element.
 
 Both products run on float16 operands with float32 accumulation (``|q|, |k|, |v| < 6.5e4``).
 """
@@ -35,14 +37,17 @@ import triton.language as tl
 
 
 @triton.jit
-def _codes_f16(raw, P: tl.constexpr, BITS: tl.constexpr):
-    """Plane ``P`` of packed uint8 codes as float16: ``0x6400 | c`` is ``1024 + c`` exactly."""
-    if P * BITS + BITS == 8:
-        codes = raw >> (P * BITS)
-    else:
-        codes = (raw >> (P * BITS)) & ((1 << BITS) - 1)
-    magic = (codes.to(tl.int16) | 0x6400).to(tl.int16)  # a literal may widen the OR to int32
-    return (magic.to(tl.float16, bitcast=True) - 1024.0).to(tl.float16)
+def _codes_unit(raw16, P: tl.constexpr, BITS: tl.constexpr):
+    """Plane ``P`` of packed codes (bytes widened to int16) as float16 ``1 + c / 2**BITS``, exactly.
+
+    The code goes to the top ``BITS`` mantissa bits of 1.0 (``0x3C00``): one shift and one AND-OR
+    per code, no conversion instruction. Callers undo the affine map once per token and group:
+    ``c = 2**BITS * (u - 1)``. (``0x6400 | c = 1024 + c`` would save the shift, but its offset of
+    1024 cancels in float32 sums and costs three decimal digits.)
+    """
+    top: tl.constexpr = 10 - BITS  # lowest bit of the code in the float16 mantissa
+    field = (raw16 << (top - P * BITS)) & (((1 << BITS) - 1) << top)
+    return (field | 0x3C00).to(tl.int16).to(tl.float16, bitcast=True)  # a literal may widen the OR
 
 
 @triton.jit
@@ -60,14 +65,16 @@ def _key_group(kc_ptr, ks_ptr, kz_ptr, slots, mask_n, qa, qb, qc, qd, qsum, qk_s
     """Scaled scores of group ``GI`` (planes in ``qa..qd``; ``qsum`` = the group's sum of q, pre-scaled)."""
     offs = tl.arange(0, GW)
     raw = tl.load(kc_ptr + slots[:, None] * DP + (GI * GW + offs)[None, :], mask=mask_n[:, None], other=0)
-    part = tl.dot(qa, tl.trans(_codes_f16(raw, 0, BITS)))
-    part += tl.dot(qb, tl.trans(_codes_f16(raw, 1, BITS)))
+    raw = raw.to(tl.int16)
+    part = tl.dot(qa, tl.trans(_codes_unit(raw, 0, BITS)))
+    part += tl.dot(qb, tl.trans(_codes_unit(raw, 1, BITS)))
     if PACK == 4:
-        part += tl.dot(qc, tl.trans(_codes_f16(raw, 2, BITS)))
-        part += tl.dot(qd, tl.trans(_codes_f16(raw, 3, BITS)))
-    sc = tl.load(ks_ptr + slots * NG + GI, mask=mask_n, other=0.0).to(tl.float32) * qk_scale
+        part += tl.dot(qc, tl.trans(_codes_unit(raw, 2, BITS)))
+        part += tl.dot(qd, tl.trans(_codes_unit(raw, 3, BITS)))
+    sc = tl.load(ks_ptr + slots * NG + GI, mask=mask_n, other=0.0).to(tl.float32) * (1 << BITS)
     zr = tl.load(kz_ptr + slots * NG + GI, mask=mask_n, other=0.0).to(tl.float32)
-    return part * sc[None, :] + qsum[:, None] * zr[None, :]
+    # With c = L * (u - 1), L = 2**BITS: s * (q . c) + z * sum(q) = L s * (q . u) + (z - L s) * sum(q)
+    return part * (sc * qk_scale)[None, :] + qsum[:, None] * (zr - sc)[None, :]
 
 
 @triton.jit
@@ -191,16 +198,19 @@ def _decode_fold_kernel(
                                 v_sc)
                 v_zr = tl.where(pick, tl.load(vz_ptr + slots * NG + gi, mask=mask_n, other=0.0).to(tl.float32)[None, :],
                                 v_zr)
-            zacc = zacc * alpha + tl.sum(p * v_zr, 1)
             top = tl.max(v_sc, 1)
             top = tl.where(top > 0, top, 1.0)
             pv = (p * (v_sc * (1.0 / top)[:, None])).to(tl.float16)
-            v_raw = tl.load(vc_ptr + tile, mask=mask_n[:, None], other=0)
-            acc0 = acc0 * alpha[:, None] + tl.dot(pv, _codes_f16(v_raw, 0, BITS)) * top[:, None]
-            acc1 = acc1 * alpha[:, None] + tl.dot(pv, _codes_f16(v_raw, 1, BITS)) * top[:, None]
+            # The products see u = 1 + c / L (L = 2**BITS): sum p s c = L top (pv . u - sum pv), with the
+            # float16 pv the products see.
+            unit = top * (1 << BITS)
+            zacc = zacc * alpha + tl.sum(p * v_zr - unit[:, None] * pv.to(tl.float32), 1)
+            v_raw = tl.load(vc_ptr + tile, mask=mask_n[:, None], other=0).to(tl.int16)
+            acc0 = acc0 * alpha[:, None] + tl.dot(pv, _codes_unit(v_raw, 0, BITS)) * unit[:, None]
+            acc1 = acc1 * alpha[:, None] + tl.dot(pv, _codes_unit(v_raw, 1, BITS)) * unit[:, None]
             if PACK == 4:
-                acc2 = acc2 * alpha[:, None] + tl.dot(pv, _codes_f16(v_raw, 2, BITS)) * top[:, None]
-                acc3 = acc3 * alpha[:, None] + tl.dot(pv, _codes_f16(v_raw, 3, BITS)) * top[:, None]
+                acc2 = acc2 * alpha[:, None] + tl.dot(pv, _codes_unit(v_raw, 2, BITS)) * unit[:, None]
+                acc3 = acc3 * alpha[:, None] + tl.dot(pv, _codes_unit(v_raw, 3, BITS)) * unit[:, None]
         elif FMT == 1:
             v_sc = tl.load(vs_ptr + slots, mask=mask_n, other=0.0)
             top = tl.max(v_sc, 0)
