@@ -78,6 +78,16 @@ def _key_group(kc_ptr, ks_ptr, kz_ptr, slots, mask_n, qa, qb, qc, qd, qsum, qk_s
 
 
 @triton.jit
+def _max_pair(a, b, c, d):
+    return tl.maximum(a, c), tl.maximum(b, d)
+
+
+@triton.jit
+def _add_pair(a, b, c, d):
+    return a + c, b + d
+
+
+@triton.jit
 def _store_rows(rows, offs_j, keep, acc, zacc, inv_l, P: tl.constexpr, PACK: tl.constexpr):
     tl.store(rows[:, None] + offs_j[None, :] * PACK + P, (acc + zacc[:, None]) * inv_l[:, None], mask=keep)
 
@@ -181,12 +191,6 @@ def _decode_fold_kernel(
             s = tl.dot(q0, tl.trans(k.to(tl.float16))) * qk_scale
         s = tl.where(mask_n[None, :], s, float("-inf"))
 
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
-
         tile = slots[:, None] * DP + offs_j[None, :]
         if FMT == 2:
             # Each row's group scale and zero per token, chosen among the NG loaded vectors.
@@ -198,13 +202,27 @@ def _decode_fold_kernel(
                                 v_sc)
                 v_zr = tl.where(pick, tl.load(vz_ptr + slots * NG + gi, mask=mask_n, other=0.0).to(tl.float32)[None, :],
                                 v_zr)
-            top = tl.max(v_sc, 1)
+        elif FMT == 1:
+            v_sc = tl.broadcast_to(tl.load(vs_ptr + slots, mask=mask_n, other=0.0)[None, :], [BLOCK_M, BLOCK_N])
+        if FMT == 0:
+            s_max = tl.max(s, 1)
+        else:
+            s_max, top = tl.reduce((s, v_sc), 1, _max_pair)  # one pass over the rows for both maxima
             top = tl.where(top > 0, top, 1.0)
+
+        m_new = tl.maximum(m_i, s_max)
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        m_i = m_new
+
+        if FMT == 2:
             pv = (p * (v_sc * (1.0 / top)[:, None])).to(tl.float16)
             # The products see u = 1 + c / L (L = 2**BITS): sum p s c = L top (pv . u - sum pv), with the
-            # float16 pv the products see.
+            # float16 pv the products see; the zero term and that offset go to zacc.
             unit = top * (1 << BITS)
-            zacc = zacc * alpha + tl.sum(p * v_zr - unit[:, None] * pv.to(tl.float32), 1)
+            p_sum, z_sum = tl.reduce((p, p * v_zr - unit[:, None] * pv.to(tl.float32)), 1, _add_pair)
+            l_i = l_i * alpha + p_sum
+            zacc = zacc * alpha + z_sum
             v_raw = tl.load(vc_ptr + tile, mask=mask_n[:, None], other=0).to(tl.int16)
             acc0 = acc0 * alpha[:, None] + tl.dot(pv, _codes_unit(v_raw, 0, BITS)) * unit[:, None]
             acc1 = acc1 * alpha[:, None] + tl.dot(pv, _codes_unit(v_raw, 1, BITS)) * unit[:, None]
@@ -212,14 +230,13 @@ def _decode_fold_kernel(
                 acc2 = acc2 * alpha[:, None] + tl.dot(pv, _codes_unit(v_raw, 2, BITS)) * unit[:, None]
                 acc3 = acc3 * alpha[:, None] + tl.dot(pv, _codes_unit(v_raw, 3, BITS)) * unit[:, None]
         elif FMT == 1:
-            v_sc = tl.load(vs_ptr + slots, mask=mask_n, other=0.0)
-            top = tl.max(v_sc, 0)
-            top = tl.where(top > 0, top, 1.0)
-            pv = (p * (v_sc * (1.0 / top))[None, :]).to(tl.float16)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            pv = (p * (v_sc * (1.0 / top)[:, None])).to(tl.float16)
             v_raw = tl.load(vc_ptr + tile, mask=mask_n[:, None], other=0)
             v = v_raw.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-            acc0 = acc0 * alpha[:, None] + tl.dot(pv, v) * top
+            acc0 = acc0 * alpha[:, None] + tl.dot(pv, v) * top[:, None]
         else:
+            l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(vc_ptr + tile, mask=mask_n[:, None], other=0.0).to(tl.float16)
             acc0 = acc0 * alpha[:, None] + tl.dot(p.to(tl.float16), v)
 
