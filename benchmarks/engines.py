@@ -63,6 +63,21 @@ def force_kernel_variant(variant: str) -> None:
                                    for label, c in triton_decode.TUNED_CONFIGS.items()}
 
 
+def load_launch_configs(path: str, variant: str | None = None) -> None:
+    """Install the per-format winners of a quant_attention.py --tune run as kvlab's tuned launch configs
+    (``variant``: the winners among that kernel's configs)."""
+    from kvlab.kernels import LaunchConfig, triton_decode
+
+    with open(path) as f:
+        tuned = json.load(f)
+    winners = (tuned.get("winners_by_variant") or {}).get(variant) if variant else tuned.get("winners")
+    if not winners:
+        raise SystemExit(f"{path} has no winners{f' for {variant}' if variant else ''}: run "
+                         "benchmarks/quant_attention.py with --tune")
+    triton_decode.TUNED_CONFIGS = {label: LaunchConfig(**w["config"]) for label, w in winners.items()}
+    print(f"launch configs from {path}: {triton_decode.TUNED_CONFIGS}", flush=True)
+
+
 def bootstrap_ci(values: list[float], n: int = 2000, seed: int = 0) -> tuple[float, float]:
     from kvlab.metrics import bootstrap_ci as ci
 
@@ -99,10 +114,14 @@ def main() -> int:
     ap.add_argument("--kernel-variant", choices=["split", "fold"], default=None,
                     help="fused quantized attention's split kernel for every format (default: kvlab's "
                          "DEFAULT_VARIANT and TUNED_CONFIGS)")
+    ap.add_argument("--launch-configs", default=None,
+                    help="a benchmarks/quant_attention.py --tune JSON: its winners become the tuned launch configs")
     ap.add_argument("--out", default="engines.json")
     args = ap.parse_args()
     if args.kernel_variant:
         force_kernel_variant(args.kernel_variant)
+    if args.launch_configs:
+        load_launch_configs(args.launch_configs, args.kernel_variant)
 
     from kvlab.energy import make_sampler
     from kvlab.engine.compare import compare_engines

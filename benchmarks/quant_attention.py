@@ -407,14 +407,15 @@ def best_ms(row):
     return min(row.get("kernel_ms", math.inf), row.get("kernel_graph_ms", math.inf))
 
 
-def pick_winners(rows, max_rel_err=2e-2):
+def pick_winners(rows, max_rel_err=2e-2, variant=None):
     """Per format: the config whose times, relative to the best at each batch, have the smallest geometric mean.
 
-    Only configs measured ok (and within ``max_rel_err`` of the reference) at every batch compete.
+    Only configs measured ok (and within ``max_rel_err`` of the reference) at every batch compete;
+    ``variant`` restricts them to one kernel (the best times at each batch too).
     """
     by_format: dict[str, dict] = {}
     for r in rows:
-        if r.get("status") == "ok" and r["rel_err"] <= max_rel_err:
+        if r.get("status") == "ok" and r["rel_err"] <= max_rel_err and variant in (None, r["config"]["variant"]):
             key = tuple(sorted(r["config"].items()))
             by_format.setdefault(r["label"], {}).setdefault(key, {})[r["batch"]] = best_ms(r)
     winners = {}
@@ -580,8 +581,14 @@ def main() -> None:
                             on_row=lambda row: results.add("tune", row))
         print_tune(result.get("tune", []))
         result["winners"] = pick_winners(result.get("tune", []))
+        result["winners_by_variant"] = {v: pick_winners(result.get("tune", []), variant=v) for v in VARIANTS}
         results.save()
         print_winners(result["winners"])
+        for variant, winners in result["winners_by_variant"].items():
+            print(f"  best {variant}: " + "; ".join(
+                f"{label} block {w['config']['block_n']} warps {w['config']['num_warps']} stages "
+                f"{w['config']['num_stages']} per SM {w['config']['programs_per_sm']}: "
+                + ", ".join(f"B{b} {ms:.4f}" for b, ms in sorted(w["ms"].items())) for label, w in winners.items()))
         print(f"[{time.perf_counter() - t0:.0f} s]")
 
     if "write" not in args.skip:

@@ -39,4 +39,6 @@ def test_winner_is_best_over_all_batches_and_within_error(bench):
     assert winners["int4-g64"]["config"] == vars(steady)  # geometric mean of ratios to the best 1.15, spiky's 1.49
     assert winners["int4-g64"]["best_ms"] == {1: 0.030, 16: 0.090}  # the partial config still sets the best
     assert winners["fp8"]["config"] == vars(spiky)
-
+    split_only = bench.pick_winners(rows, variant="split")
+    assert split_only["int4-g64"]["config"] == vars(partial)  # the only split config within error
+    assert "fp8" not in split_only  # no split config measured ok for fp8
