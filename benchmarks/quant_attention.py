@@ -3,7 +3,7 @@
 Not a test: a script to run on the H200 (issue 13). Needs only torch, triton and numpy (kvlab is
 imported from this checkout). From the repository root:
 
-    python benchmarks/quant_attention.py --tune --out quant_attention.json     # about 4-6 minutes
+    python benchmarks/quant_attention.py --tune --profile --skip write --out quant_attention.json   # ~5 min
 
 Both split kernels (``--variants``, default ``split fold``: kvlab.kernels.triton_decode.VARIANTS)
 run side by side on the same stores in every section.
@@ -25,6 +25,8 @@ run side by side on the same stores in every section.
     with the best geometric mean over the batches (relative to the best at each batch; configs
     whose error exceeds 2e-2 relative are out), printed as a ``TUNED_CONFIGS`` line and a
     ``DEFAULT_VARIANT`` line to paste into kvlab/kernels/triton_decode.py.
+(profile) With ``--profile`` (CUDA): torch.profiler's time per launched kernel (the split step and
+    the reduce) for each variant's default config and the tuned winner, same formats and batches.
 (c) Quantize-on-write of the token a decode step appends (same shape, batch 1/16/32): the Triton
     kernel vs the torch ops of ``KVFormat.write`` (mismatching elements, time eager and in a graph).
 
@@ -316,6 +318,50 @@ def run_performance(case, configs, device, backend, clock, copy_gbps, seed, l2_b
     return rows
 
 
+def profile_kernels(case, configs, device, backend, seed, l2_bytes, calls=20):
+    """CUDA time per launched kernel (split step vs reduce) for each config, from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    data = perf_data(case, device, seed, l2_bytes)
+    sets, q, lengths, scale = data["sets"], data["q"], data["lengths"], data["scale"]
+    rows = []
+    for config in configs:
+        row = dict(case, config=vars(config), label=data["fmt"].label, variant=kernel_variant(config, sets[0][0]))
+        try:
+            spaces = [make_workspace(q.shape[1], k, config=config) for k, _ in sets]
+            out = torch.empty_like(q)
+
+            def kernel(spaces=spaces, out=out):
+                for (k, v), ws in zip(sets, spaces, strict=True):
+                    decode_attention(q, k, v, lengths, scale, out=out, workspace=ws, backend=backend)
+
+            kernel()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(max(1, calls // len(sets))):
+                    kernel()
+                torch.cuda.synchronize()
+            n = max(1, calls // len(sets)) * len(sets)
+            row["kernels_us"] = {e.key: e.device_time_total / n for e in prof.key_averages()
+                                 if e.device_time_total > 0}
+            row["status"] = "ok"
+        except Exception as err:  # noqa: BLE001
+            row.update(status="failed", error=f"{type(err).__name__}: {err}")
+        rows.append(row)
+    return rows
+
+
+def print_profile(rows):
+    print("\n(profile) CUDA microseconds per decode_attention call, by kernel")
+    for r in rows:
+        head = f"{r['label']:<10} B{r['batch']:<3} {r['variant']:<5} block {r['config']['block_n']:>3}"
+        if r["status"] != "ok":
+            print(f"{head} FAILED {r['error'][:100]}")
+            continue
+        print(head + "  " + ", ".join(f"{name[:40]} {us:.1f}" for name, us in
+                                      sorted(r["kernels_us"].items(), key=lambda kv: -kv[1])))
+
+
 def run_write(case, device, backend, clock, seed, iters, repeats):
     """One appended token per row: the write kernel against the torch write, agreement and time."""
     row = dict(case)
@@ -530,6 +576,8 @@ def main() -> None:
     ap.add_argument("--tune", action="store_true",
                     help="also time launch-config grids (fold and split, batch 1/16/32; ~2-3 min) and print "
                          "the winners as TUNED_CONFIGS")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile the kernels one call launches (split step vs reduce) at batch 1/16/32 (CUDA)")
     ap.add_argument("--tune-formats", nargs="+", default=list(TUNE_FORMATS),
                     help=f"format labels to tune (default: {' '.join(TUNE_FORMATS)})")
     args = ap.parse_args()
@@ -590,6 +638,21 @@ def main() -> None:
                 f"{w['config']['num_stages']} per SM {w['config']['programs_per_sm']}: "
                 + ", ".join(f"B{b} {ms:.4f}" for b, ms in sorted(w["ms"].items())) for label, w in winners.items()))
         print(f"[{time.perf_counter() - t0:.0f} s]")
+
+    if args.profile and args.device.startswith("cuda"):
+        for case in tune_cases(args.quick, args.tune_formats):
+            configs = [LaunchConfig(variant=v) for v in args.variants]
+            winner = result.get("winners", {}).get(case["format"] + (f"-g{case['group']}" if case["group"] else ""))
+            if winner:
+                configs.append(LaunchConfig(**winner["config"]))
+            try:
+                rows = profile_kernels(case, configs, args.device, args.backend, args.seed, l2)
+            except Exception as err:  # noqa: BLE001
+                rows = [dict(case, status="failed", error=f"{type(err).__name__}: {err}", label=case["format"],
+                             variant="-", config={"block_n": 0})]
+            for row in rows:
+                results.add("profile", row)
+        print_profile(result.get("profile", []))
 
     if "write" not in args.skip:
         iters, repeats = (2, 2) if args.quick else (50, 5)
