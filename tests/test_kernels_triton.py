@@ -142,13 +142,16 @@ def test_fold_fallback_still_matches_reference():
 
 
 @decode_kernel
-def test_kernel_writes_q_dtype_and_into_out():
-    got = check("int4", batch=2, kv_heads=1, gqa=2, dim=128, capacity=90, lengths=[90, 33], q_dtype=torch.bfloat16)
+@pytest.mark.parametrize("variant", ["split", "fold"])
+def test_kernel_writes_q_dtype_and_into_out(variant):
+    got = check("int4", batch=2, kv_heads=1, gqa=2, dim=128, capacity=90, lengths=[90, 33], q_dtype=torch.bfloat16,
+                variant=variant)
     k, v = stores("int4", 2, 1, 90, 128, seed=2 + 128)
     q = torch.randn(2, 2, 128, generator=torch.Generator().manual_seed(7)).to(DEVICE, torch.bfloat16)
     out = torch.empty_like(q)
     lengths = torch.tensor([90, 33], dtype=torch.int32, device=DEVICE)
-    assert decode_attention(q, k, v, lengths, 128 ** -0.5, out=out, backend="triton") is out
+    ws = make_workspace(2, k, config=LaunchConfig(variant=variant))
+    assert decode_attention(q, k, v, lengths, 128 ** -0.5, out=out, backend="triton", workspace=ws) is out
     assert torch.equal(out, got)
 
 
