@@ -111,7 +111,7 @@ def main() -> int:
     ap.add_argument("--attention", default="auto", help="fast engine attention: auto, flash, sdpa")
     ap.add_argument("--max-decoders", type=int, default=8, help="fast-engine layouts kept alive (1 at large batch)")
     ap.add_argument("--compare-steps", type=int, default=32, help="teacher-forced steps for the logit check")
-    ap.add_argument("--kernel-variant", choices=["split", "fold"], default=None,
+    ap.add_argument("--kernel-variant", choices=["split", "fold", "fold_asm"], default=None,
                     help="fused quantized attention's split kernel for every format (default: kvlab's "
                          "DEFAULT_VARIANT and TUNED_CONFIGS)")
     ap.add_argument("--launch-configs", default=None,

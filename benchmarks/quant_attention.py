@@ -3,10 +3,11 @@
 Not a test: a script to run on the H200 (issue 13). Needs only torch, triton and numpy (kvlab is
 imported from this checkout). From the repository root:
 
-    python benchmarks/quant_attention.py --tune --profile --skip write --out quant_attention.json   # ~5 min
+    python benchmarks/quant_attention.py --tune --profile --skip write --out quant_attention.json   # ~6 min
 
-Both split kernels (``--variants``, default ``split fold``: kvlab.kernels.triton_decode.VARIANTS)
-run side by side on the same stores in every section.
+The split-step kernels (``--variants``, default all of kvlab.kernels.triton_decode.VARIANTS:
+``split``, ``fold``, ``fold_asm``) run side by side on the same stores in every section (a variant
+that falls back to another on a format, fold_asm off int4, is not repeated).
 
 (a) Correctness: the Triton kernels (kvlab.kernels.decode_attention) against the float32 reference
     on a sampled grid: batch 1-32, lengths {1, 7, 1000, 4097, 16384, 32769} (the other rows of a
@@ -153,10 +154,14 @@ def run_correctness(case, device, backend, seed, variants):
     except Exception as err:  # noqa: BLE001 - one case failing must not hide the others
         return [dict(case, status="failed", error=f"{type(err).__name__}: {err}",
                      traceback=traceback.format_exc(limit=6))]
+    done = set()
     for variant in variants:
+        config = LaunchConfig(variant=variant)
+        if kernel_variant(config, k) in done:  # e.g. fold_asm on a format without PTX unpacking
+            continue
+        done.add(kernel_variant(config, k))
         row = dict(case)
         try:
-            config = LaunchConfig(variant=variant)
             out = torch.full_like(q, float("nan"))
             decode_attention(q, k, v, lengths, scale, out=out, backend=backend,
                              workspace=make_workspace(q.shape[1], k, config=config))
@@ -302,7 +307,13 @@ def run_performance(case, configs, device, backend, clock, copy_gbps, seed, l2_b
             base = time_baselines(data, device, clock, iters, repeats)
         except Exception as err:  # noqa: BLE001
             base = {"baseline_error": f"{type(err).__name__}: {err}"}
+    seen = set()
     for config in configs:
+        key = (kernel_variant(config, data["sets"][0][0]), config.block_n, config.num_warps, config.num_stages,
+               config.programs_per_sm)
+        if key in seen:  # a variant that falls back to one already timed here
+            continue
+        seen.add(key)
         row = dict(case, **base)
         try:
             time_kernel(data, config, device, backend, clock, iters, repeats, copy_gbps, row)
@@ -421,12 +432,16 @@ def tune_cases(quick: bool, formats):
 
 
 def tune_configs(case, quick: bool):
-    """Launch configs to compare at every tuned batch: a fold grid and a smaller split grid (its default inside)."""
+    """Launch configs to compare at every tuned batch: fold (and fold_asm for int4) grids and a smaller
+    split grid (its default inside)."""
     if quick:
         return [LaunchConfig(variant=v, block_n=b) for v in ("split", "fold") for b in (32, 64)]
     configs = [LaunchConfig(variant="fold", block_n=b, num_warps=w, num_stages=st)
                for b in (64, 128, 256) for w in (4, 8) for st in (2, 3)]
     configs += [LaunchConfig(variant="fold", block_n=128, num_stages=3, programs_per_sm=p) for p in (2, 8)]
+    if case["format"] == "int4":  # PTX unpacking: int4 only (elsewhere it is fold)
+        configs += [LaunchConfig(variant="fold_asm", block_n=b, num_warps=w, num_stages=st)
+                    for b in (64, 128, 256) for w in (4, 8) for st in (2, 3)]
     configs += [LaunchConfig(variant="split", block_n=b, num_warps=w, num_stages=st)
                 for b in (64, 128) for w in (4, 8) for st in (2, 3)]
     return configs
@@ -537,12 +552,12 @@ def print_performance(rows, copy_gbps):
     pairs = {}
     for r in rows:
         if r["status"] == "ok":
-            pairs.setdefault((r["label"], r["batch"], r["capacity"]), {})[r["config"]["variant"]] = best_ms(r)
-    lines = [f"  {label:<10} B{batch:<3} cap {cap:<6} split {t['split']:.4f}  fold {t['fold']:.4f}  "
-             f"fold/split {t['fold'] / t['split']:.2f}" for (label, batch, cap), t in pairs.items()
-             if "split" in t and "fold" in t]
+            pairs.setdefault((r["label"], r["batch"], r["capacity"]), {})[r["variant"]] = best_ms(r)
+    lines = [f"  {label:<10} B{batch:<3} cap {cap:<6} split {t['split']:.4f}  "
+             + "  ".join(f"{v} {t[v]:.4f} ({t[v] / t['split']:.2f}x)" for v in VARIANTS if v != "split" and v in t)
+             for (label, batch, cap), t in pairs.items() if "split" in t and len(t) > 1]
     if lines:
-        print("fold vs split (default launch configs, faster of eager and graph):")
+        print("variants vs split (default launch configs, faster of eager and graph; ms and time ratio):")
         print("\n".join(lines))
 
 
@@ -574,7 +589,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--copy-gib", type=float, default=4.0)
     ap.add_argument("--tune", action="store_true",
-                    help="also time launch-config grids (fold and split, batch 1/16/32; ~2-3 min) and print "
+                    help="also time launch-config grids (every variant, batch 1/16/32; ~3-4 min) and print "
                          "the winners as TUNED_CONFIGS")
     ap.add_argument("--profile", action="store_true",
                     help="also profile the kernels one call launches (split step vs reduce) at batch 1/16/32 (CUDA)")

@@ -35,6 +35,24 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+# $4: four code bytes b0..b3 (b0 lowest); $0, $1: plane 0 (low nibbles) of b0, b1 and b2, b3 as
+# float16 pairs (first element in the low half); $2, $3: plane 1 (high nibbles).
+INT4_PLANES_PTX = tl.constexpr("""
+{
+.reg .b32 t0, t1;
+prmt.b32 t0, $4, 0, 0x4140;
+prmt.b32 t1, $4, 0, 0x4342;
+shl.b32 $0, t0, 6;
+lop3.b32 $0, $0, 0x03C003C0, 0x3C003C00, 0xEA;
+shl.b32 $1, t1, 6;
+lop3.b32 $1, $1, 0x03C003C0, 0x3C003C00, 0xEA;
+shl.b32 $2, t0, 2;
+lop3.b32 $2, $2, 0x03C003C0, 0x3C003C00, 0xEA;
+shl.b32 $3, t1, 2;
+lop3.b32 $3, $3, 0x03C003C0, 0x3C003C00, 0xEA;
+}
+""")  # a constexpr: jit code may read no other globals
+
 
 @triton.jit
 def _codes_unit(raw16, P: tl.constexpr, BITS: tl.constexpr):
@@ -51,6 +69,21 @@ def _codes_unit(raw16, P: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
+def _int4_planes(raw):
+    """Both planes of packed int4 codes (uint8) as float16 ``1 + c / 16``, as :func:`_codes_unit` makes them.
+
+    PTX on four bytes at once (``fold_asm``; compiled only, the interpreter cannot run it): ``prmt``
+    spreads bytes ``b0, b1`` (and ``b2, b3``) to the two 16-bit halves of a register, then one shift
+    and one ``lop3`` (``(x & mask) | 0x3C00``) per plane make two float16 codes at a time.
+    tests/test_kernels.py checks this text against :func:`_codes_unit` by emulating the three
+    instructions for every byte.
+    """
+    return tl.inline_asm_elementwise(
+        asm=INT4_PLANES_PTX, constraints="=r,=r,=r,=r,r", args=[raw], dtype=(tl.float16, tl.float16),
+        is_pure=True, pack=4)
+
+
+@triton.jit
 def _load_q_slot(q_rows, mask_r, SLOT: tl.constexpr, PACK: tl.constexpr, GW: tl.constexpr):
     """Query elements ``(g * GW + j) * PACK + p`` for ``g, p = divmod(SLOT, PACK)``, as float16."""
     offs = tl.arange(0, GW)
@@ -59,22 +92,43 @@ def _load_q_slot(q_rows, mask_r, SLOT: tl.constexpr, PACK: tl.constexpr, GW: tl.
 
 
 @triton.jit
-def _key_group(kc_ptr, ks_ptr, kz_ptr, slots, mask_n, qa, qb, qc, qd, qsum, qk_scale,
+def _key_group(kc_ptr, k_sc, k_zr, slots, mask_n, qa, qb, qc, qd, qsum, qk_scale,
                GI: tl.constexpr, NG: tl.constexpr, DP: tl.constexpr, GW: tl.constexpr,
-               PACK: tl.constexpr, BITS: tl.constexpr):
-    """Scaled scores of group ``GI`` (planes in ``qa..qd``; ``qsum`` = the group's sum of q, pre-scaled)."""
+               PACK: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
+    """Scaled scores of group ``GI`` (planes in ``qa..qd``; ``qsum`` = the group's sum of q, pre-scaled;
+    ``k_sc``/``k_zr``: the ``[BLOCK_N, NG]`` scales and zeros of the tile's tokens)."""
     offs = tl.arange(0, GW)
     raw = tl.load(kc_ptr + slots[:, None] * DP + (GI * GW + offs)[None, :], mask=mask_n[:, None], other=0)
-    raw = raw.to(tl.int16)
-    part = tl.dot(qa, tl.trans(_codes_unit(raw, 0, BITS)))
-    part += tl.dot(qb, tl.trans(_codes_unit(raw, 1, BITS)))
+    if ASM:
+        u0, u1 = _int4_planes(raw)
+        part = tl.dot(qa, tl.trans(u0))
+        part += tl.dot(qb, tl.trans(u1))
+    else:
+        raw = raw.to(tl.int16)
+        part = tl.dot(qa, tl.trans(_codes_unit(raw, 0, BITS)))
+        part += tl.dot(qb, tl.trans(_codes_unit(raw, 1, BITS)))
     if PACK == 4:
         part += tl.dot(qc, tl.trans(_codes_unit(raw, 2, BITS)))
         part += tl.dot(qd, tl.trans(_codes_unit(raw, 3, BITS)))
-    sc = tl.load(ks_ptr + slots * NG + GI, mask=mask_n, other=0.0).to(tl.float32) * (1 << BITS)
-    zr = tl.load(kz_ptr + slots * NG + GI, mask=mask_n, other=0.0).to(tl.float32)
+    sc = _column(k_sc, GI, NG) * (1 << BITS)
+    zr = _column(k_zr, GI, NG)
     # With c = L * (u - 1), L = 2**BITS: s * (q . c) + z * sum(q) = L s * (q . u) + (z - L s) * sum(q)
     return part * (sc * qk_scale)[None, :] + qsum[:, None] * (zr - sc)[None, :]
+
+
+@triton.jit
+def _group_tile(ptr, slots, mask_n, NG: tl.constexpr):
+    """The ``[BLOCK_N, NG]`` scales (or zeros) of the tile's tokens: one contiguous load, as float32."""
+    offs = tl.arange(0, NG)
+    return tl.load(ptr + slots[:, None] * NG + offs[None, :], mask=mask_n[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _column(tile, GI: tl.constexpr, NG: tl.constexpr):
+    """Column ``GI`` of a ``[BLOCK_N, NG]`` tile (a sum over a row a thread holds whole: exact)."""
+    if NG == 1:
+        return tl.sum(tile, 1)
+    return tl.sum(tl.where((tl.arange(0, NG) == GI)[None, :], tile, 0.0), 1)
 
 
 @triton.jit
@@ -97,7 +151,7 @@ def _decode_fold_kernel(
     q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, len_ptr, part_out_ptr, part_lse_ptr,
     qk_scale, Hq, Hkv, T, split_len, num_splits, G,
     D: tl.constexpr, BLOCK_M: tl.constexpr, GP: tl.constexpr, NG: tl.constexpr, BLOCK_N: tl.constexpr,
-    FMT: tl.constexpr, BITS: tl.constexpr, PACK: tl.constexpr,
+    FMT: tl.constexpr, BITS: tl.constexpr, PACK: tl.constexpr, ASM: tl.constexpr,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -166,21 +220,23 @@ def _decode_fold_kernel(
         mask_n = offs_n < end
         slots = row0 + offs_n
         if FMT == 2:
+            k_sc = _group_tile(ks_ptr, slots, mask_n, NG)
+            k_zr = _group_tile(kz_ptr, slots, mask_n, NG)
             if PACK == 2:
-                s = _key_group(kc_ptr, ks_ptr, kz_ptr, slots, mask_n, q0, q1, q0, q0, qs0, qk_scale, 0, NG, DP, GW, PACK, BITS)
+                s = _key_group(kc_ptr, k_sc, k_zr, slots, mask_n, q0, q1, q0, q0, qs0, qk_scale, 0, NG, DP, GW, PACK, BITS, ASM)
                 if NG >= 2:
-                    s += _key_group(kc_ptr, ks_ptr, kz_ptr, slots, mask_n, q2, q3, q0, q0, qs1, qk_scale, 1, NG, DP, GW,
-                                    PACK, BITS)
+                    s += _key_group(kc_ptr, k_sc, k_zr, slots, mask_n, q2, q3, q0, q0, qs1, qk_scale, 1, NG, DP, GW,
+                                    PACK, BITS, ASM)
                 if NG == 4:
-                    s += _key_group(kc_ptr, ks_ptr, kz_ptr, slots, mask_n, q4, q5, q0, q0, qs2, qk_scale, 2, NG, DP, GW,
-                                    PACK, BITS)
-                    s += _key_group(kc_ptr, ks_ptr, kz_ptr, slots, mask_n, q6, q7, q0, q0, qs3, qk_scale, 3, NG, DP, GW,
-                                    PACK, BITS)
+                    s += _key_group(kc_ptr, k_sc, k_zr, slots, mask_n, q4, q5, q0, q0, qs2, qk_scale, 2, NG, DP, GW,
+                                    PACK, BITS, ASM)
+                    s += _key_group(kc_ptr, k_sc, k_zr, slots, mask_n, q6, q7, q0, q0, qs3, qk_scale, 3, NG, DP, GW,
+                                    PACK, BITS, ASM)
             else:
-                s = _key_group(kc_ptr, ks_ptr, kz_ptr, slots, mask_n, q0, q1, q2, q3, qs0, qk_scale, 0, NG, DP, GW, PACK, BITS)
+                s = _key_group(kc_ptr, k_sc, k_zr, slots, mask_n, q0, q1, q2, q3, qs0, qk_scale, 0, NG, DP, GW, PACK, BITS, ASM)
                 if NG == 2:
-                    s += _key_group(kc_ptr, ks_ptr, kz_ptr, slots, mask_n, q4, q5, q6, q7, qs1, qk_scale, 1, NG, DP, GW,
-                                    PACK, BITS)
+                    s += _key_group(kc_ptr, k_sc, k_zr, slots, mask_n, q4, q5, q6, q7, qs1, qk_scale, 1, NG, DP, GW,
+                                    PACK, BITS, ASM)
         elif FMT == 1:
             k_raw = tl.load(kc_ptr + slots[:, None] * DP + offs_j[None, :], mask=mask_n[:, None], other=0)
             k = k_raw.to(tl.float8e4nv, bitcast=True).to(tl.float16)
@@ -194,14 +250,14 @@ def _decode_fold_kernel(
         tile = slots[:, None] * DP + offs_j[None, :]
         if FMT == 2:
             # Each row's group scale and zero per token, chosen among the NG loaded vectors.
+            vs_t = _group_tile(vs_ptr, slots, mask_n, NG)
+            vz_t = _group_tile(vz_ptr, slots, mask_n, NG)
             v_sc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             v_zr = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for gi in tl.static_range(NG):
                 pick = (row_g == gi)[:, None]
-                v_sc = tl.where(pick, tl.load(vs_ptr + slots * NG + gi, mask=mask_n, other=0.0).to(tl.float32)[None, :],
-                                v_sc)
-                v_zr = tl.where(pick, tl.load(vz_ptr + slots * NG + gi, mask=mask_n, other=0.0).to(tl.float32)[None, :],
-                                v_zr)
+                v_sc = tl.where(pick, _column(vs_t, gi, NG)[None, :], v_sc)
+                v_zr = tl.where(pick, _column(vz_t, gi, NG)[None, :], v_zr)
         elif FMT == 1:
             v_sc = tl.broadcast_to(tl.load(vs_ptr + slots, mask=mask_n, other=0.0)[None, :], [BLOCK_M, BLOCK_N])
         if FMT == 0:
@@ -223,9 +279,15 @@ def _decode_fold_kernel(
             p_sum, z_sum = tl.reduce((p, p * v_zr - unit[:, None] * pv.to(tl.float32)), 1, _add_pair)
             l_i = l_i * alpha + p_sum
             zacc = zacc * alpha + z_sum
-            v_raw = tl.load(vc_ptr + tile, mask=mask_n[:, None], other=0).to(tl.int16)
-            acc0 = acc0 * alpha[:, None] + tl.dot(pv, _codes_unit(v_raw, 0, BITS)) * unit[:, None]
-            acc1 = acc1 * alpha[:, None] + tl.dot(pv, _codes_unit(v_raw, 1, BITS)) * unit[:, None]
+            v_raw = tl.load(vc_ptr + tile, mask=mask_n[:, None], other=0)
+            if ASM:
+                v0, v1 = _int4_planes(v_raw)
+            else:
+                v_raw = v_raw.to(tl.int16)
+                v0 = _codes_unit(v_raw, 0, BITS)
+                v1 = _codes_unit(v_raw, 1, BITS)
+            acc0 = acc0 * alpha[:, None] + tl.dot(pv, v0) * unit[:, None]
+            acc1 = acc1 * alpha[:, None] + tl.dot(pv, v1) * unit[:, None]
             if PACK == 4:
                 acc2 = acc2 * alpha[:, None] + tl.dot(pv, _codes_unit(v_raw, 2, BITS)) * unit[:, None]
                 acc3 = acc3 * alpha[:, None] + tl.dot(pv, _codes_unit(v_raw, 3, BITS)) * unit[:, None]

@@ -21,6 +21,7 @@ triton is imported only when a kernel runs, so kvlab imports without it.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from functools import cache
 
@@ -35,11 +36,12 @@ PROGRAMS_PER_SM = 4  # split so that a full-length step has about this many prog
 BACKENDS = ("auto", "triton", "reference")
 
 
-VARIANTS = ("split", "fold")
+VARIANTS = ("split", "fold", "fold_asm")
 # The split kernel that runs when a LaunchConfig does not name one (read at launch time):
 # "split" dequantizes code tiles to float16 before its products (_decode_kernels), "fold" folds
-# the scales and zeros into the operands instead (_fold_kernels). Flip after
-# benchmarks/quant_attention.py --tune has measured both on the GPU.
+# the scales and zeros into the operands instead (_fold_kernels), "fold_asm" is fold with int4
+# codes unpacked by inline PTX, four bytes at a time (int4 on CUDA only; fold elsewhere). Flip
+# after benchmarks/quant_attention.py --tune has measured them on the GPU.
 DEFAULT_VARIANT = "split"
 
 
@@ -155,9 +157,17 @@ def fold_supports(k_store: KVStore) -> bool:
 
 
 def kernel_variant(config: LaunchConfig, k_store: KVStore) -> str:
-    """The kernel that runs for ``config`` on ``k_store``: its variant, or ``split`` where fold cannot."""
+    """The kernel that runs for ``config`` on ``k_store``: its variant, or ``split`` where fold cannot,
+    and ``fold`` for ``fold_asm`` where the store is not int4 or triton interprets (no PTX there)."""
     variant = config.variant or DEFAULT_VARIANT
-    return "fold" if variant == "fold" and fold_supports(k_store) else "split"
+    if variant == "split" or not fold_supports(k_store):
+        return "split"
+    asm_ok = isinstance(k_store.format, IntFormat) and k_store.format.bits == 4 and not _interpreted()
+    return "fold_asm" if variant == "fold_asm" and asm_ok else "fold"
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def decode_attention(q: torch.Tensor, k_store: KVStore, v_store: KVStore, lengths: torch.Tensor, scale: float,
@@ -227,14 +237,15 @@ def _launch(q, k_store, v_store, lengths, scale, group, out, workspace):
             float(scale) * math.log2(math.e), q_heads, k_store.kv_heads, k_store.capacity, workspace.split_len,
             splits, group)
     grid = (batch * k_store.kv_heads, splits)
-    if kernel_variant(config, k_store) == "fold":
+    variant = kernel_variant(config, k_store)
+    if variant != "split":
         from kvlab.kernels import _fold_kernels as fold
 
         gp = triton_next_pow2(group)
         row_groups = head_dim // qgroup if kind == kern.FMT_INT else 1
         fold._decode_fold_kernel[grid](
             *args, D=head_dim, BLOCK_M=max(16, triton_next_pow2(row_groups * gp)), GP=gp, NG=row_groups,
-            BLOCK_N=config.block_n, FMT=kind, BITS=bits, PACK=pack,
+            BLOCK_N=config.block_n, FMT=kind, BITS=bits, PACK=pack, ASM=variant == "fold_asm",
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
     else:
