@@ -6,8 +6,8 @@
 - :mod:`kvlab.kernels.triton_decode`: the split-K Triton kernels reading the codes directly, with a
   dispatcher that falls back to the reference on CPU tensors; two split kernels, ``split``
   (:mod:`~kvlab.kernels._decode_kernels`: code tiles dequantized to float16) and ``fold``
-  (:mod:`~kvlab.kernels._fold_kernels`: scales and zeros folded into the operands), picked by
-  ``LaunchConfig.variant``;
+  (:mod:`~kvlab.kernels._fold_kernels`: scales and zeros folded into the operands; ``fold_asm``:
+  the same with int4 codes unpacked by inline PTX), picked by ``LaunchConfig.variant``;
 - :mod:`kvlab.kernels.triton_write`: quantize-on-write in one launch (``KVFormat.write`` on CPU).
 
 Nothing here imports triton until a kernel runs.

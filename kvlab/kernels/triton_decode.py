@@ -12,8 +12,9 @@ only ``cdiv(length, split_len)`` splits work; an engine that decodes long runs a
 capture one graph per capacity bucket.
 
 Two kernels do the split step (the reduce is shared): ``split`` (``_decode_kernels``) and ``fold``
-(``_fold_kernels``, which never dequantizes: group scales and zeros fold into the operands).
-``LaunchConfig.variant`` picks one, :data:`DEFAULT_VARIANT` when it says nothing.
+(``_fold_kernels``, which never dequantizes: group scales and zeros fold into the operands;
+``fold_asm`` is fold with int4 codes unpacked by inline PTX). ``LaunchConfig.variant`` picks one,
+:data:`DEFAULT_VARIANT` when it says nothing.
 
 triton is imported only when a kernel runs, so kvlab imports without it.
 """
