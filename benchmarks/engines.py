@@ -70,7 +70,10 @@ def load_launch_configs(path: str, variant: str | None = None) -> None:
 
     with open(path) as f:
         tuned = json.load(f)
-    winners = (tuned.get("winners_by_variant") or {}).get(variant) if variant else tuned.get("winners")
+    by_variant = tuned.get("winners_by_variant") or {}
+    winners = by_variant.get(variant) if variant else tuned.get("winners")
+    if variant == "fold_asm":  # tuned on int4 only; the other formats run fold, with fold's winners
+        winners = {**by_variant.get("fold", {}), **(winners or {})}
     if not winners:
         raise SystemExit(f"{path} has no winners{f' for {variant}' if variant else ''}: run "
                          "benchmarks/quant_attention.py with --tune")
