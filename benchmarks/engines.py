@@ -62,6 +62,35 @@ def copy_bandwidth(device: str, gib: int = 4) -> float:
     return 2 * n / statistics.median(times[2:])
 
 
+def force_kernel_variant(variant: str) -> None:
+    """Every fused store built from now on runs ``variant`` (tuned configs keep their block sizes)."""
+    import dataclasses
+
+    from kvlab.kernels import triton_decode
+
+    triton_decode.DEFAULT_VARIANT = variant
+    triton_decode.TUNED_CONFIGS = {label: dataclasses.replace(c, variant=None)
+                                   for label, c in triton_decode.TUNED_CONFIGS.items()}
+
+
+def load_launch_configs(path: str, variant: str | None = None) -> None:
+    """Install the per-format winners of a quant_attention.py --tune run as kvlab's tuned launch configs
+    (``variant``: the winners among that kernel's configs)."""
+    from kvlab.kernels import LaunchConfig, triton_decode
+
+    with open(path) as f:
+        tuned = json.load(f)
+    by_variant = tuned.get("winners_by_variant") or {}
+    winners = by_variant.get(variant) if variant else tuned.get("winners")
+    if variant == "fold_asm":  # tuned on int4 only; the other formats run fold, with fold's winners
+        winners = {**by_variant.get("fold", {}), **(winners or {})}
+    if not winners:
+        raise SystemExit(f"{path} has no winners{f' for {variant}' if variant else ''}: run "
+                         "benchmarks/quant_attention.py with --tune")
+    triton_decode.TUNED_CONFIGS = {label: LaunchConfig(**w["config"]) for label, w in winners.items()}
+    print(f"launch configs from {path}: {triton_decode.TUNED_CONFIGS}", flush=True)
+
+
 def bootstrap_ci(values: list[float], n: int = 2000, seed: int = 0) -> tuple[float, float]:
     from kvlab.metrics import bootstrap_ci as ci
 
@@ -101,8 +130,17 @@ def main() -> int:
     ap.add_argument("--attention", default="auto", help="fast engine attention: auto, flash, sdpa")
     ap.add_argument("--max-decoders", type=int, default=8, help="fast-engine layouts kept alive (1 at large batch)")
     ap.add_argument("--compare-steps", type=int, default=32, help="teacher-forced steps for the logit check")
+    ap.add_argument("--kernel-variant", choices=["split", "fold", "fold_asm"], default=None,
+                    help="fused quantized attention's split kernel for every format (default: kvlab's "
+                         "DEFAULT_VARIANT and TUNED_CONFIGS)")
+    ap.add_argument("--launch-configs", default=None,
+                    help="a benchmarks/quant_attention.py --tune JSON: its winners become the tuned launch configs")
     ap.add_argument("--out", default="engines.json")
     args = ap.parse_args()
+    if args.kernel_variant:
+        force_kernel_variant(args.kernel_variant)
+    if args.launch_configs:
+        load_launch_configs(args.launch_configs, args.kernel_variant)
 
     from kvlab.energy import make_sampler
     from kvlab.engine.compare import compare_engines
@@ -112,7 +150,11 @@ def main() -> int:
     from kvlab.policies import make_policy
 
     t_start = time.time()
-    result: dict = {"args": vars(args), "torch": torch.__version__, "rows": [], "compare": []}
+    from kvlab.kernels import triton_decode
+
+    result: dict = {"args": vars(args), "torch": torch.__version__, "rows": [], "compare": [],
+                    "kernel_variant": triton_decode.DEFAULT_VARIANT,
+                    "tuned_configs": {k: vars(c) for k, c in triton_decode.TUNED_CONFIGS.items()}}
     cuda = args.device.startswith("cuda")
     result["gpu"] = torch.cuda.get_device_name() if cuda else None
     bw = copy_bandwidth(args.device) if cuda else None
