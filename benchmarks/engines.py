@@ -168,8 +168,8 @@ def main() -> int:
         engines = {"hf": None}
         for name in args.engines:
             if name in FAST_VARIANTS:
-                engines[name] = FastEngine(loaded, attention=args.attention, max_decoders=args.max_decoders,
-                                           **FAST_VARIANTS[name])
+                engines[name] = FastEngine(loaded, **{"attention": args.attention, "max_decoders": args.max_decoders,
+                                                      **FAST_VARIANTS[name]})
         policies = {}
         for name in args.methods:
             method, kw = METHODS[name]
