@@ -96,6 +96,11 @@ from kvlab.reporting.summaries import (
     sweep_summary,
     tenhz_gap,
 )
+from kvlab.reporting.workload import (
+    distribution_lines,
+    distribution_summary,
+    distribution_table,
+)
 
 __all__ = [
     "runs_text",
@@ -177,4 +182,7 @@ __all__ = [
     "REPO_ROOT",
     "REPORT_NOTEBOOK",
     "write_index",
+    "distribution_lines",
+    "distribution_summary",
+    "distribution_table",
 ]
