@@ -102,6 +102,8 @@ class SweepParams(BaseModel):
     budget_gb: float | Literal["gpu"] | None = Field(
         None, description="memory-budgeted concurrency: admit as many sequences per method as fit in "
                           "this many GB (or the whole free GPU) from the measured peaks (kvlab.admission)")
+    budget_max_batch: int | None = Field(
+        None, ge=1, description="with budget_gb: admit at most this many sequences (a command's time limit)")
     quality: dict[str, Any] | None = Field(
         None, description="a quality pass after the performance runs: kvlab.quality.TaskSpec keys "
                           "(tasks, lengths, depths, samples, ...); needs real weights")

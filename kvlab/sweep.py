@@ -92,13 +92,15 @@ class RunSpec:
     ctx_dist: str | None = None  # the distribution ctx was drawn from (kvlab.workload), and the draw
     ctx_sample: int | None = None
     weights_quant: str = "none"  # kvlab.weights_quant
-    budget_gb: float | None = None  # an at-budget run: batch is the admitted batch (kvlab.admission)
+    budget_gb: float | str | None = None  # an at-budget run: batch is the admitted batch (kvlab.admission)
+    budget_bytes: int | None = None  # the budget resolved (not identity: "gpu" resolves per machine)
 
     def identity(self) -> dict[str, Any]:
         """Everything but ``repeat``; ``engine`` only when not ``hf`` and the workload fields only
         when set, so runs recorded before these axes existed keep their ids."""
         d = asdict(self)
         d.pop("repeat")
+        d.pop("budget_bytes")
         if d["engine"] == "hf":
             d.pop("engine")
         for key, unset in IDENTITY_DEFAULTS.items():
@@ -367,7 +369,8 @@ def _identity_record(run: RunSpec, sweep: str, kind: str = "perf") -> dict[str, 
         "repeat": run.repeat, "seed": run.seed, "sdpa_backend": run.sdpa_backend,
         "attn_implementation": run.attn_implementation, "engine": run.engine,
         "ctx_dist": run.ctx_dist, "ctx_sample": run.ctx_sample, "weights_quant": run.weights_quant,
-        **({"budget_gb": run.budget_gb, "admitted_batch": run.batch} if run.budget_gb is not None else {}),
+        **({"budget_gb": run.budget_gb, "budget_bytes": run.budget_bytes, "admitted_batch": run.batch}
+           if run.budget_gb is not None else {}),
     }
 
 
@@ -407,8 +410,10 @@ def run_sweep(
     loader: Callable[..., Any] | None = None,
     sampler_factory: Callable[..., Any] | None = None,
     log: Callable[[str], None] = print,
+    runs: list[RunSpec] | None = None,
 ) -> SweepSummary:
-    """Run (or resume) a sweep into ``out_dir``; returns what was done and what is left."""
+    """Run (or resume) a sweep into ``out_dir``; returns what was done and what is left. ``runs``
+    replaces the params' grid (kvlab.admission adds at-budget runs to it)."""
     from tqdm.auto import tqdm
 
     from kvlab import env
@@ -423,7 +428,7 @@ def run_sweep(
         import torch
 
         torch.set_num_threads(threads)  # recorded per run (``threads``) by kvlab.measure
-    runs = expand(params, variants)
+    runs = expand(params, variants) if runs is None else runs
     out = Path(out_dir)
     sweep_name = params.name or out.name
     executor = make_executor(params.executor, ray_address=params.ray_address, log=log)

@@ -57,7 +57,12 @@ def run(args) -> int:
     plan(params, check_device=True)  # every check (device, memory, policies) before the folder is made
     check_out_dir(out, flag)
     try:
-        summary = run_sweep(params, out, progress=not args.no_progress)
+        if params.budget_gb is not None:  # probes, then each method at its admitted batch
+            from kvlab.admission import run_budgeted
+
+            summary = run_budgeted(params, out, progress=not args.no_progress)
+        else:
+            summary = run_sweep(params, out, progress=not args.no_progress)
     except SweepLocked as err:
         print(f"kvlab sweep: error: {err}", file=sys.stderr)
         return EXIT_USAGE
