@@ -4,6 +4,7 @@ lives in :mod:`kvlab.reporting`, one module per job."""
 from kvlab.metrics import bootstrap_ci
 from kvlab.quality import quality_notes
 from kvlab.reporting import ReportError
+from kvlab.reporting.admission import budget_lines, budget_summary, budget_table
 from kvlab.reporting.anatomy_files import (
     ANATOMY_HINT,
     anatomy_categories,
@@ -185,4 +186,7 @@ __all__ = [
     "distribution_lines",
     "distribution_summary",
     "distribution_table",
+    "budget_lines",
+    "budget_summary",
+    "budget_table",
 ]

@@ -16,6 +16,7 @@ from kvlab.admission import (
 )
 from kvlab.params import ParamsError, check_params, parse_params
 from kvlab.records import load_records
+from kvlab.reporting.admission import budget_lines, budget_summary, budget_table
 from kvlab.sweep import expand
 
 GB = 1e9
@@ -103,3 +104,13 @@ def test_a_budgeted_sweep_runs_each_method_at_its_admitted_batch_and_records_it(
     assert list(at[at.status == "failed"].batch) == [5]
     admission = json.loads((tmp_path / ADMISSION_FILE).read_text())
     assert all(u["confirmed"] for u in admission["units"]) and summary.status == "complete"
+
+    report = budget_summary(df.assign(contended=False)).set_index("label")
+    assert report.loc["full", "admitted_batch"] == 4 and report.loc["streamingllm 50%", "batch_vs_baseline"] == 13 / 4
+    single = df[(df.batch == 1) & df.budget_gb.isna() & (df.method == "full")]
+    want = ok.loc["full", "tokens_per_s"] / single.tokens_per_s.mean()
+    assert report.loc["full", "tokens_per_s_ratio"] == pytest.approx(want)
+    assert report.loc["full", "cache_share"] == pytest.approx(ok.loc["full", "cache_bytes"] / (1.55 * GB))
+    lines = budget_lines(report.reset_index())
+    assert len(lines) == 2 and "admits 4 sequences" in lines[0] and "vs full at the same budget" in lines[1]
+    assert len(budget_table(report.reset_index())) == 2
