@@ -143,3 +143,29 @@ def test_a_sweep_over_a_distribution_records_the_draws_and_the_report_aggregates
     assert full.itl_p50_ms == pytest.approx(pd.Series(itl).quantile(0.5))
     assert len(distribution_table(summary)) == 2
     assert "2.000" in distribution_lines(summary)[0]
+
+
+@pytest.mark.parametrize("name", ["cpu-ctx-dist", "cpu-weights-stack", "cpu-budget", "h200-workloads-dist",
+                                  "h200-workloads-stack", "h200-workloads-budget"])
+def test_the_workload_params_files_validate_without_a_gpu(name):
+    from pathlib import Path
+
+    from kvlab.params import load_params
+    from kvlab.sweep import plan
+
+    p = load_params(Path(__file__).resolve().parent.parent / "params" / f"{name}.yaml")
+    assert plan(p)  # check_device=False: validated against models and policies, not this machine
+
+
+def test_the_example_lengths_file_drives_a_sweep():
+    from pathlib import Path
+
+    from kvlab.params import load_params
+    from kvlab.sweep import plan
+
+    params = Path(__file__).resolve().parent.parent / "params"
+    p = load_params(params / "cpu-ctx-dist.yaml",
+                    [f"ctx={{file: {params / 'lengths' / 'example-prompts.txt'}, samples: 4, max: 1024}}"])
+    runs = plan(p)
+    assert p.ctx.label == "file:example-prompts.txt" and len({r.ctx_sample for r in runs}) == 4
+    assert {r.ctx for r in runs} <= set(observed_lengths(params / "lengths" / "example-prompts.txt")) | {1024}
