@@ -13,7 +13,9 @@ slower). With ``budget_gb: 40`` (or ``budget_gb: gpu``, the GPU's free memory le
    budget confirms it; an OOM or a peak over the budget steps the batch down by the excess (or 10%)
    and runs again, up to :data:`MAX_ROUNDS` rounds.
 
-At-budget records carry ``budget_gb``, ``budget_bytes`` and ``admitted_batch`` (their ``batch``),
+At-budget records carry ``budget_gb``, ``budget_bytes``, ``admitted_batch`` (their ``batch``) and
+the fit (``admission_fitted_batch``, ``admission_per_sequence_bytes``, ``admission_base_bytes``,
+``admission_capped``),
 next to the allocated cache bytes every record has (``cache_bytes``; on the fast engine also
 ``cache_bytes_allocated``), so "freed memory became scheduled work" is checked from records. The fit
 and every attempt are written to ``admission.json`` in the sweep folder.
@@ -118,6 +120,11 @@ class Admission:
     reason: str | None = None
     attempts: list[dict[str, Any]] = field(default_factory=list)
 
+    def fit(self) -> dict[str, Any]:
+        """What at-budget records carry (as ``admission_*``): the fit and whether a cap cut it."""
+        return {"fitted_batch": self.fitted_batch, "per_sequence_bytes": self.per_sequence_bytes,
+                "base_bytes": self.base_bytes, "capped": self.capped, "attempts": len(self.attempts)}
+
 
 def at_budget(run: RunSpec, batch: int, budget_gb: float | str, budget_bytes: int) -> RunSpec:
     return replace(run, batch=batch, budget_gb=budget_gb, budget_bytes=budget_bytes)
@@ -183,10 +190,11 @@ def budget_runs(probes: list[RunSpec], plan: list[Admission], budget_gb: float |
                 budget_bytes: int) -> list[RunSpec]:
     """The at-budget runs of a plan: each unit's single-stream runs (every prompt and repeat) at its
     admitted batch, grouped by shape so each (model, ctx, batch) loads and warms up once."""
-    batch_of = {a.unit: a.batch for a in plan if a.batch >= 1}
+    admitted = {a.unit: a for a in plan if a.batch >= 1}
     order = {key: i for i, key in enumerate(dict.fromkeys(unit_key(r) for r in probes))}
-    runs = [at_budget(r, batch_of[unit_key(r)], budget_gb, budget_bytes) for r in probes
-            if r.batch == 1 and unit_key(r) in batch_of]
+    runs = [replace(at_budget(r, admitted[unit_key(r)].batch, budget_gb, budget_bytes),
+                    budget_fit=admitted[unit_key(r)].fit()) for r in probes
+            if r.batch == 1 and unit_key(r) in admitted]
     first = {}
     for r in probes:
         first.setdefault((r.model, r.weights_quant, r.ctx, r.ctx_sample), len(first))

@@ -94,6 +94,7 @@ class RunSpec:
     weights_quant: str = "none"  # kvlab.weights_quant
     budget_gb: float | str | None = None  # an at-budget run: batch is the admitted batch (kvlab.admission)
     budget_bytes: int | None = None  # the budget resolved (not identity: "gpu" resolves per machine)
+    budget_fit: dict[str, Any] | None = None  # how the batch was admitted (not identity; recorded)
 
     def identity(self) -> dict[str, Any]:
         """Everything but ``repeat``; ``engine`` only when not ``hf`` and the workload fields only
@@ -101,6 +102,7 @@ class RunSpec:
         d = asdict(self)
         d.pop("repeat")
         d.pop("budget_bytes")
+        d.pop("budget_fit")
         if d["engine"] == "hf":
             d.pop("engine")
         for key, unset in IDENTITY_DEFAULTS.items():
@@ -369,8 +371,8 @@ def _identity_record(run: RunSpec, sweep: str, kind: str = "perf") -> dict[str, 
         "repeat": run.repeat, "seed": run.seed, "sdpa_backend": run.sdpa_backend,
         "attn_implementation": run.attn_implementation, "engine": run.engine,
         "ctx_dist": run.ctx_dist, "ctx_sample": run.ctx_sample, "weights_quant": run.weights_quant,
-        **({"budget_gb": run.budget_gb, "budget_bytes": run.budget_bytes, "admitted_batch": run.batch}
-           if run.budget_gb is not None else {}),
+        **({"budget_gb": run.budget_gb, "budget_bytes": run.budget_bytes, "admitted_batch": run.batch,
+            **{f"admission_{k}": v for k, v in (run.budget_fit or {}).items()}} if run.budget_gb is not None else {}),
     }
 
 

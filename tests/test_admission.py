@@ -102,6 +102,8 @@ def test_a_budgeted_sweep_runs_each_method_at_its_admitted_batch_and_records_it(
     assert (ok.batch == ok.admitted_batch).all() and (ok.budget_bytes == 1.55 * GB).all()
     assert (ok.cache_bytes > 0).all() and ok.loc["streamingllm", "cache_bytes"] < 13 * ok.loc["full", "cache_bytes"] / 4
     assert list(at[at.status == "failed"].batch) == [5]
+    assert ok.loc["full", "admission_fitted_batch"] == 5 and ok.loc["full", "admission_attempts"] == 1
+    assert ok.loc["streamingllm", "admission_per_sequence_bytes"] == pytest.approx(PER_SEQ["streamingllm"])
     admission = json.loads((tmp_path / ADMISSION_FILE).read_text())
     assert all(u["confirmed"] for u in admission["units"]) and summary.status == "complete"
 

@@ -54,7 +54,11 @@ def budget_summary(records: pd.DataFrame, baseline: str = "full") -> pd.DataFram
     its admitted batch and throughput over the baseline's at the same budget and context."""
     perf = _ok_perf(records)
     if "budget_gb" not in perf.columns or perf["budget_gb"].isna().all():
-        return pd.DataFrame()
+        empty = pd.DataFrame()
+        measured = "budget_gb" in records.columns and records["budget_gb"].notna().any()
+        empty.attrs["why"] = ("Every at-budget run was contended (other work took the CPU) or failed: no finding."
+                              if measured else "No sweep ran at a memory budget (budget_gb: GB or gpu).")
+        return empty
     at_all = perf[perf["budget_gb"].notna()]
     single_all = perf[perf["budget_gb"].isna() & (perf["batch"] == 1)]
     rows = []
@@ -73,6 +77,11 @@ def budget_summary(records: pd.DataFrame, baseline: str = "full") -> pd.DataFram
             if "cache_bytes_allocated" in part.columns:
                 row["cache_bytes_allocated"] = pd.to_numeric(part["cache_bytes_allocated"], errors="coerce").mean()
             row["cache_share"] = row["cache_bytes"] / budget_bytes if budget_bytes else math.nan
+            if "admission_fitted_batch" in part.columns:
+                fitted = pd.to_numeric(part["admission_fitted_batch"], errors="coerce").max()
+                row["fitted_batch"] = fitted
+                row["capped"] = bool(fitted == fitted and fitted > row["admitted_batch"]
+                                     and part["admission_capped"].fillna(False).astype(bool).any())
             for m in BUDGET_METRICS:
                 at_v, one_v = _values(part, m), _values(single, m)
                 row[f"single_{m}"] = sum(one_v) / len(one_v) if one_v else math.nan
@@ -94,6 +103,8 @@ def budget_table(summary: pd.DataFrame) -> pd.DataFrame:
     if summary.empty:
         return summary
     out = summary[["budget_gb", "ctx", "label", "admitted_batch"]].copy()
+    if "fitted_batch" in summary.columns:
+        out["fitted batch"] = [int(v) if v == v else "" for v in summary["fitted_batch"]]
     out["cache GB (allocated)"] = (summary["cache_bytes"] / 1e9).round(2)
     out["cache share of budget"] = [f"{v:.0%}" if not math.isnan(v) else "" for v in summary["cache_share"]]
     for m, title in BUDGET_METRICS.items():
@@ -114,11 +125,12 @@ def _times(r: dict, key: str) -> str:
 def budget_lines(summary: pd.DataFrame, baseline: str = "full") -> list[str]:
     """One sentence per method at a budget: single-stream vs at-budget, with CIs."""
     if summary.empty:
-        return ["No sweep ran at a memory budget (budget_gb: GB or gpu)."]
+        return [summary.attrs.get("why", "No sweep ran at a memory budget (budget_gb: GB or gpu).")]
     lines = []
     for r in summary.to_dict("records"):
         budget = f"{r['budget_bytes'] / 1e9:.2f} GB" if r["budget_bytes"] == r["budget_bytes"] else r["budget_gb"]
-        text = (f"{r['label']} at {r['ctx']:,} tokens in {budget}: admits {r['admitted_batch']} sequences "
+        cap = f" (capped by budget_max_batch; the budget admits {int(r['fitted_batch'])})" if r.get("capped") else ""
+        text = (f"{r['label']} at {r['ctx']:,} tokens in {budget}: admits {r['admitted_batch']} sequences{cap} "
                 f"(cache {r['cache_bytes'] / 1e9:.2f} GB allocated); throughput {_times(r, 'tokens_per_s_ratio')} "
                 f"single-stream, each request's ITL {_times(r, 'itl_median_ms_ratio')}, decode J/token "
                 f"{_times(r, 'decode_j_per_token_ratio')}: {r['verdict']}")

@@ -91,7 +91,12 @@ def distribution_summary(records: pd.DataFrame, baseline: str = "full", n_boot: 
     runs = distribution_runs(records)
     rows = []
     if runs.empty:
-        return pd.DataFrame(rows)
+        empty = pd.DataFrame(rows)
+        measured = "ctx_dist" in records.columns and records["ctx_dist"].notna().any()
+        empty.attrs["why"] = ("Every run over a distribution was contended (other work took the CPU) or failed: "
+                              "no finding." if measured else
+                              "No sweep drew its contexts from a distribution (ctx: {dist: ...} or {file: ...}).")
+        return empty
     metrics = ["j_per_token", "decode_j_per_token"] + [f"itl_p{q}_ms" for q in ITL_QUANTILES]
     for (dist, batch), cell in runs.groupby(["ctx_dist", "batch"], sort=True):
         parts = {str(label): part for label, part in cell.groupby("label", sort=False)}
@@ -148,7 +153,7 @@ def _missing(v) -> bool:
 def distribution_lines(summary: pd.DataFrame, baseline: str = "full") -> list[str]:
     """One sentence per method and distribution: its verdict over the workload, with CIs."""
     if summary.empty:
-        return ["No sweep drew its contexts from a distribution (ctx: {dist: ...} or {file: ...})."]
+        return [summary.attrs.get("why", "No sweep drew its contexts from a distribution.")]
     lines = []
     for r in summary.to_dict("records"):
         if "j_ratio" not in r or _missing(r.get("j_ratio")) and _missing(r.get("itl_ratio")):
