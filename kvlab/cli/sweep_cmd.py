@@ -59,6 +59,9 @@ def run(args) -> int:
     plan(params, check_device=True)  # every check (device, memory, policies) before the folder is made
     check_out_dir(out, flag)
     try:
+        if params.quality is not None and set(params.weights_quant) != {"none"}:
+            print("kvlab sweep: note: the quality pass runs the models' own weights; for quantized weights run "
+                  "kvlab quality --weights-quant int8|int4 -o ANOTHER_FOLDER", file=sys.stderr)
         if params.budget_gb is not None:  # probes, then each method at its admitted batch
             from kvlab.admission import run_budgeted
 
