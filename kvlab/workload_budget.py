@@ -98,3 +98,32 @@ def format_distribution(r: dict) -> str:
             + ("fits" if r["fits"] else "does NOT fit"),
         ]
     return "\n".join(lines)
+
+
+def formats_over_distribution(spec: ModelSpec, dist, bits: tuple[int, ...] = (8, 4, 2), group_size: int | None = 64,
+                              residual: int = 128, batch: int = 1, memory_bytes: float | None = None,
+                              reserve_bytes: float = DEFAULT_RESERVE_BYTES, new_tokens: int = 0):
+    """The full cache and each quantized width over a distribution (a :class:`kvlab.workload.
+    CtxDistribution` or a mapping), one row each: expected GB per request and for the batch, the share
+    of memory, what it frees and how many expected-size requests fit (the byte-budget notebook)."""
+    import pandas as pd
+
+    from kvlab.workload import CtxDistribution, parse_distribution
+
+    if not isinstance(dist, CtxDistribution):
+        dist = parse_distribution(dict(dist))
+    lengths = dist.population(spec.max_context - new_tokens)
+    rows = []
+    for b in (model_bits(spec), *sorted(set(bits) - {model_bits(spec)}, reverse=True)):
+        r = distribution_budget(spec, lengths, dist.label, batch=batch, bits=b, group_size=group_size,
+                                residual=residual, new_tokens=new_tokens, memory_bytes=memory_bytes,
+                                reserve_bytes=reserve_bytes)
+        row = {"format": spec.dtype if b >= model_bits(spec) else f"int{b}",
+               "GB per request (expected)": r["cache_bytes_per_request"] / 1e9,
+               "GB per request (p99)": r["cache_bytes_p99_request"] / 1e9,
+               f"GB for batch {batch}": r["cache_bytes"] / 1e9, "frees GB": r["freed_bytes"] / 1e9}
+        if memory_bytes is not None:
+            row.update({"share of memory": r["cache_share"], "frees (share of memory)": r["freed_share"],
+                        "requests in flight": r["requests_in_flight"]})
+        rows.append(row)
+    return pd.DataFrame(rows)

@@ -108,6 +108,16 @@ def test_distribution_budget_averages_bytes_and_says_what_compression_frees():
     assert int4["requests_in_flight"] > int4["requests_in_flight_full"] > 0
 
 
+def test_formats_over_a_distribution_list_the_full_cache_then_each_width():
+    from kvlab.workload_budget import formats_over_distribution
+
+    spec = get_spec("llama-3.1-8b")
+    table = formats_over_distribution(spec, LOGNORMAL, bits=(4, 8), batch=8, memory_bytes=141e9)
+    assert list(table["format"]) == ["bfloat16", "int8", "int4"]
+    assert table["frees GB"].iloc[0] == 0 and table["frees GB"].is_monotonic_increasing
+    assert table["requests in flight"].is_monotonic_increasing
+
+
 def test_budget_cli_answers_for_a_distribution(capsys, tmp_path):
     (tmp_path / "l.txt").write_text("1000\n2000\n9000\n")
     assert main(["budget", "--model", "llama-3.1-8b", "--ctx-dist", f"{{file: {tmp_path / 'l.txt'}}}",
