@@ -80,3 +80,46 @@ def test_weight_quantized_smollm2_still_finds_the_needle_at_1k(scheme, method, k
     context, question, value, _ = needle_prompt(m.tokenizer, n_tokens=1000, depth=0.5)
     result = generate_text(m, context, make_policy(method, **kw), 12, question_ids=question)
     assert value in result.text, (scheme, method, result.text)
+
+
+def run_every_policy(model: str, knobs: dict, skip: tuple = ()) -> list[str]:
+    """Each registered policy on the hf engine over int4 weights: generation, exact token count, a
+    cache holding the prompt. Returns the methods run."""
+    import dataclasses
+
+    from kvlab.measure import measure_generation
+    from kvlab.policies import POLICIES, make_policy
+
+    loaded = load_model(model, weights="synthetic", device="cpu", seed=0)
+    quantize_weights(loaded.model, "int4")
+    ran = []
+    for name, cls in POLICIES.items():
+        if name in skip:
+            continue
+        fields = {f.name for f in dataclasses.fields(cls)}
+        policy = make_policy(name, **{k: v for k, v in knobs.items() if k in fields})
+        with policy.attach(loaded.model) as bound:
+            m = measure_generation(loaded, bound, ctx=40, batch=1, new_tokens=3, prompt_id=0, seed=0)
+        assert m.record["cache_bytes"] > 0 and len(m.record["itl_ms"]) == 2, name
+        assert m.record["cache_logical_tokens"] == 40, name
+        ran.append(name)
+    return ran
+
+
+KVQ = ("kvq-int4", "kvq-int2")  # groups of 32-128 elements: tiny-llama's head dim is 16
+
+
+def test_int4_weights_run_under_every_cache_policy_on_the_tiny_model():
+    knobs = {"keep": 0.5, "nbits": 4, "q_group_size": 16, "residual_length": 8, "window_size": 8}
+    from kvlab.policies import POLICIES
+
+    assert set(run_every_policy("tiny-llama", knobs, skip=KVQ)) == set(POLICIES) - set(KVQ)
+
+
+@pytest.mark.slow
+def test_int4_weights_run_under_kvq_on_smollm2_shape():
+    """kvq's int4/int2 stores need head dim >= 32: SmolLM2's shape with synthetic weights (minutes on CPU)."""
+    from kvlab.policies import POLICIES
+
+    knobs = {"q_group_size": 32}
+    assert set(run_every_policy("smollm2-135m", knobs, skip=tuple(set(POLICIES) - set(KVQ)))) == set(KVQ)
