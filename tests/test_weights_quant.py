@@ -123,3 +123,33 @@ def test_int4_weights_run_under_kvq_on_smollm2_shape():
 
     knobs = {"q_group_size": 32}
     assert set(run_every_policy("smollm2-135m", knobs, skip=tuple(set(POLICIES) - set(KVQ)))) == set(KVQ)
+
+
+def stack_records(itl: dict) -> "pd.DataFrame":
+    import pandas as pd
+
+    rows = []
+    for (wq, method), ms in itl.items():
+        label = weights_label("full" if method == "full" else "quanto int4", wq)
+        for k, f in enumerate((0.98, 1.0, 1.02)):
+            rows.append({"kind": "perf", "status": "ok", "method": method, "label": label, "ctx": 16384, "batch": 1,
+                         "repeat": k, "weights_quant": wq, "itl_median_ms": ms * f, "decode_j_per_token": ms * f / 10,
+                         "contended": False, "new_tokens": 64})
+    return pd.DataFrame(rows)
+
+
+def test_the_stack_report_reads_each_cell_against_float_full_and_the_stack_against_its_parts():
+    from kvlab.reporting.stack import stack_lines, stack_summary, stack_table
+
+    itl = {("none", "full"): 10.0, ("int4", "full"): 15.0, ("none", "quanto"): 20.0, ("int4", "quanto"): 45.0}
+    summary = stack_summary(stack_records(itl), n_boot=500).set_index(["weights_quant", "cache"])
+    assert summary.loc[("int4", "full"), "itl_median_ms_ratio"] == pytest.approx(1.5)
+    stacked = summary.loc[("int4", "quanto int4")]
+    assert stacked["itl_median_ms_ratio"] == pytest.approx(4.5)
+    assert stacked["itl_median_ms_interaction"] == pytest.approx(4.5 / (1.5 * 2.0))
+    assert stacked["itl_median_ms_interaction_lo"] > 1 and stacked["verdict"].startswith("the costs compound")
+    product = stack_summary(stack_records({**itl, ("int4", "quanto"): 30.0}), n_boot=500)
+    assert product.verdict.dropna().tolist() == ["weights x cache, no clear interaction"]
+    lines = stack_lines(summary.reset_index())
+    assert len(lines) == 3 and "compound" in lines[-1] and len(stack_table(summary.reset_index())) == 4
+    assert stack_summary(stack_records({("none", "full"): 10.0})).empty  # one weights format: no section
