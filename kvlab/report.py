@@ -57,6 +57,7 @@ from kvlab.reporting.render import (
     render_report,
     write_index,
 )
+from kvlab.reporting.stack import stack_lines, stack_summary, stack_table
 from kvlab.reporting.stats import (
     format_ci,
     method_summary,
@@ -189,4 +190,7 @@ __all__ = [
     "budget_lines",
     "budget_summary",
     "budget_table",
+    "stack_lines",
+    "stack_summary",
+    "stack_table",
 ]

@@ -125,7 +125,7 @@ def test_int4_weights_run_under_kvq_on_smollm2_shape():
     assert set(run_every_policy("smollm2-135m", knobs, skip=tuple(set(POLICIES) - set(KVQ)))) == set(KVQ)
 
 
-def stack_records(itl: dict) -> "pd.DataFrame":
+def stack_records(itl: dict):
     import pandas as pd
 
     rows = []
