@@ -156,32 +156,28 @@ def block_order(n: int, seed: int, *key: Any) -> list[int]:
 
 
 def expand(params: SweepParams, variants: list[tuple[int, MethodVariant]]) -> list[RunSpec]:
-    """All runs in execution order: model > weights_quant > ctx (a distribution's draws) > batch >
+    """All runs in execution order: model > weights_quant > ctx (or a distribution's draws) > batch >
     (repeat, prompt) blocks > shuffled (variant, engine) pairs."""
-    from kvlab.workload import context_points, model_window
+    from kvlab.workload import workload_points
 
     vs = [(v, engine) for _, v in variants for engine in params.engine]
     runs = []
     for model in params.models:
-        points = context_points(params.ctx, params.seed, model_window(model, params.new_tokens))
-        for wq in params.weights_quant:
-            for point in points:
-                ctx = point.ctx
-                for batch in params.batch:
-                    for repeat in range(params.repeats):
-                        for prompt_id in range(params.prompts):
-                            block = (model, ctx, batch, repeat, prompt_id) + (
-                                (point.sample,) if point.dist else ()) + ((wq,) if wq != "none" else ())
-                            for k in block_order(len(vs), params.seed, *block):
-                                runs.append(RunSpec(
-                                    model=model, weights=params.weights, device=params.device,
-                                    dtype=params.dtype, attn_implementation=params.attn_implementation,
-                                    sdpa_backend=params.sdpa_backend, method=vs[k][0].method,
-                                    policy_kwargs=dict(vs[k][0].kwargs), ctx=ctx, batch=batch,
-                                    new_tokens=params.new_tokens, prompt_id=prompt_id, seed=params.seed,
-                                    repeat=repeat, engine=vs[k][1], ctx_dist=point.dist,
-                                    ctx_sample=point.sample, weights_quant=wq,
-                                ))
+        for wq, point in workload_points(params, model):
+            for batch in params.batch:
+                for repeat in range(params.repeats):
+                    for prompt_id in range(params.prompts):
+                        for k in block_order(len(vs), params.seed, model, point.ctx, batch, repeat, prompt_id,
+                                             *point.block_key(wq)):
+                            runs.append(RunSpec(
+                                model=model, weights=params.weights, device=params.device, dtype=params.dtype,
+                                attn_implementation=params.attn_implementation,
+                                sdpa_backend=params.sdpa_backend, method=vs[k][0].method,
+                                policy_kwargs=dict(vs[k][0].kwargs), ctx=point.ctx, batch=batch,
+                                new_tokens=params.new_tokens, prompt_id=prompt_id, seed=params.seed,
+                                repeat=repeat, engine=vs[k][1], ctx_dist=point.dist, ctx_sample=point.sample,
+                                weights_quant=wq,
+                            ))
     return runs
 
 

@@ -169,6 +169,11 @@ class CtxPoint:
     dist: str | None = None
     sample: int | None = None
 
+    def block_key(self, weights_quant: str = "none") -> tuple:
+        """What a sweep's block order adds to (model, ctx, batch, repeat, prompt) for this point: the
+        draw and the weights format when set (nothing for listed lengths: their order stands)."""
+        return ((self.sample,) if self.dist else ()) + ((weights_quant,) if weights_quant != "none" else ())
+
 
 def context_points(ctx: list[int] | CtxDistribution, seed: int, window: int | None = None) -> list[CtxPoint]:
     """The contexts a sweep runs for one model: listed lengths as given; a distribution's draws in
@@ -177,6 +182,13 @@ def context_points(ctx: list[int] | CtxDistribution, seed: int, window: int | No
         return [CtxPoint(c) for c in ctx]
     draws = ctx.draw(seed, window)
     return sorted((CtxPoint(c, ctx.label, i) for i, c in enumerate(draws)), key=lambda p: (p.ctx, p.sample))
+
+
+def workload_points(params, model: str) -> list[tuple[str, CtxPoint]]:
+    """(weights format, context point) pairs of a sweep for one model, in run order: one model load
+    per weights format, then the contexts (kvlab.sweep.expand)."""
+    points = context_points(params.ctx, params.seed, model_window(model, params.new_tokens))
+    return [(wq, p) for wq in params.weights_quant for p in points]
 
 
 def model_window(model: str, new_tokens: int) -> int | None:
