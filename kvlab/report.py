@@ -4,6 +4,7 @@ lives in :mod:`kvlab.reporting`, one module per job."""
 from kvlab.metrics import bootstrap_ci
 from kvlab.quality import quality_notes
 from kvlab.reporting import ReportError
+from kvlab.reporting.admission import budget_lines, budget_summary, budget_table
 from kvlab.reporting.anatomy_files import (
     ANATOMY_HINT,
     anatomy_categories,
@@ -57,6 +58,7 @@ from kvlab.reporting.render import (
     render_report,
     write_index,
 )
+from kvlab.reporting.stack import stack_lines, stack_summary, stack_table
 from kvlab.reporting.stats import (
     format_ci,
     method_summary,
@@ -96,6 +98,11 @@ from kvlab.reporting.summaries import (
     study_summary,
     sweep_summary,
     tenhz_gap,
+)
+from kvlab.reporting.workload import (
+    distribution_lines,
+    distribution_summary,
+    distribution_table,
 )
 
 __all__ = [
@@ -179,4 +186,13 @@ __all__ = [
     "REPO_ROOT",
     "REPORT_NOTEBOOK",
     "write_index",
+    "distribution_lines",
+    "distribution_summary",
+    "distribution_table",
+    "budget_lines",
+    "budget_summary",
+    "budget_table",
+    "stack_lines",
+    "stack_summary",
+    "stack_table",
 ]
