@@ -73,8 +73,15 @@ class LaunchConfig:
 
 
 # Launch configs measured best per format label ("bf16", "fp8", "int4-g64", ...): make_workspace
-# uses them when not given a config. Empty until an H200 run of the tuning grid fills it.
-TUNED_CONFIGS: dict[str, LaunchConfig] = {}
+# uses them when not given a config. The int formats read by the fold kernel (scales and zeros folded
+# into the operands) with the default geometry: on the H200 at the Llama-3.1-8B attention shape and
+# 16k it took 0.42-0.67x split's time for int4 (g32/64/128) and int2-g64 at batch 1, 16 and 32
+# (reports/h200-2026-12-03b/quant_attention.json); bf16 and fp8 stay on split (fold 1.00-1.03x).
+# The launch geometry itself (block_n, warps, stages) is not tuned yet (`quant_attention.py --tune`).
+TUNED_CONFIGS: dict[str, LaunchConfig] = {
+    **{f"int4-g{g}": LaunchConfig(variant="fold_asm") for g in (32, 64, 128)},
+    **{f"int2-g{g}": LaunchConfig(variant="fold") for g in (64, 128)},
+}
 
 
 def default_config(k_store: KVStore) -> LaunchConfig:
