@@ -275,7 +275,8 @@ def measure_generation(
     """
     import torch
 
-    from kvlab.decode import greedy_decode, prefill
+    from kvlab.chunked import prefill
+    from kvlab.decode import greedy_decode
     from kvlab.policies import cache_stats
 
     if new_tokens < 1:
@@ -312,7 +313,7 @@ def measure_generation(
             clock.mark()  # 0: prefill start
             if probe_prefill:
                 probe_prefill.start()
-            logits = prefill(model, ids, cache)
+            logits = prefill(model, ids, cache, getattr(policy, "prefill_chunk", None))
             last = logits[:, -1, :] if logits.dim() == 3 else logits
             first = last.argmax(dim=-1, keepdim=True)
             if decoder is not None:

@@ -74,6 +74,8 @@ class SweepParams(BaseModel):
     engine: list[Literal["hf", "fast"]] = Field(
         ["hf"], description="decode engines: hf (transformers per step) and/or fast (static KV, CUDA graph)")
     ctx: list[int] = Field(description="prompt lengths in tokens")
+    prefill_chunk: list[int | None] = Field(
+        [None], description="prefill chunk sizes in tokens, each run for every method (null: one-shot prefill)")
     batch: list[int] = [1]
     new_tokens: int = Field(128, ge=1, description="exactly this many new tokens per sequence (EOS ignored)")
     prompts: int = Field(1, ge=1, description="prompt ids 0..prompts-1 (seeded, exact length)")
@@ -100,6 +102,19 @@ class SweepParams(BaseModel):
     _lists = field_validator("models", "ctx", "batch", "keep", "bits", "methods", "engine",
                              mode="before")(_as_list)
 
+    @field_validator("prefill_chunk", mode="before")
+    @classmethod
+    def _chunk_list(cls, value):
+        return [None] if value is None else _as_list(value)
+
+    @field_validator("prefill_chunk")
+    @classmethod
+    def _chunk_sizes(cls, values: list[int | None]) -> list[int | None]:
+        for v in values:
+            if v is not None and v < 1:
+                raise ValueError(f"{v}: a chunk is at least 1 token (null: one-shot prefill)")
+        return values or [None]
+
     @field_validator("ctx", "batch")
     @classmethod
     def _positive(cls, values: list[int]) -> list[int]:
@@ -119,6 +134,10 @@ class MethodVariant:
     @property
     def keep(self) -> float | None:
         return self.kwargs.get("keep")
+
+    @property
+    def prefill_chunk(self) -> int | None:
+        return self.kwargs.get("prefill_chunk")
 
     @property
     def bits(self) -> int | None:
@@ -167,7 +186,14 @@ def method_variants(params: SweepParams) -> list[tuple[str, MethodVariant]]:
             out += [("bits", MethodVariant(entry.method, {**base, "nbits": b})) for b in params.bits]
         else:
             out.append((where, MethodVariant(entry.method, base)))
-    return out
+    return [(where, chunked) for where, v in out for chunked in _chunk_variants(v, params.prefill_chunk)]
+
+
+def _chunk_variants(v: MethodVariant, chunks: list[int | None]) -> list[MethodVariant]:
+    """``v`` at each prefill chunk (a method entry's own ``prefill_chunk`` knob wins)."""
+    if "prefill_chunk" in v.kwargs:
+        return [v]
+    return [v if c is None else MethodVariant(v.method, {**v.kwargs, "prefill_chunk": c}) for c in chunks]
 
 
 # --------------------------------------------------------------------------------------------

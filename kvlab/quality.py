@@ -167,14 +167,14 @@ def fork_cache(cache, model):
         return None
 
 
-def _prefill(model, ids: Sequence[int], cache) -> None:
+def _prefill(model, ids: Sequence[int], cache, chunk: int | None = None) -> None:
     import torch
 
-    from kvlab.decode import prefill
+    from kvlab.chunked import prefill
 
     device = next(model.parameters()).device
     with torch.inference_mode():
-        prefill(model, torch.tensor([list(ids)], dtype=torch.long, device=device), cache)
+        prefill(model, torch.tensor([list(ids)], dtype=torch.long, device=device), cache, chunk)
 
 
 def _greedy(model, cache, first_token: int, n_new: int, start: int) -> list[int]:
@@ -251,7 +251,7 @@ def run_item(loaded, policy, item: TaskItem, enc: Encoder, query_aware: bool = F
     if not second:
         raise TaskError(f"item {item.task}: nothing after the compressed part; the answer prefix is empty")
     cache = (policy.fast_storage()[0] if engine is not None else policy).make_cache(model)
-    _prefill(model, first, cache)
+    _prefill(model, first, cache, policy.prefill_chunk)
     stats = _cache_stats(cache)
     logits = forward_at(model, second, cache, len(first))
     start = len(first) + len(second)
@@ -267,7 +267,7 @@ def run_item(loaded, policy, item: TaskItem, enc: Encoder, query_aware: bool = F
     if len(answer) > 1:
         if tf_cache is None:  # rebuild the same compressed state
             tf_cache = policy.make_cache(model)
-            _prefill(model, first, tf_cache)
+            _prefill(model, first, tf_cache, policy.prefill_chunk)
             forward_at(model, second, tf_cache, len(first))
         rest = forward_at(model, answer[:-1], tf_cache, start)
         tf_logits = torch.cat([last[None], rest], dim=0)
@@ -378,7 +378,7 @@ def _emit(writer, record: dict[str, Any]) -> None:
 
 
 def _is_full(policy) -> bool:
-    return policy.name == "full"
+    return policy.name == "full" and getattr(policy, "prefill_chunk", None) is None
 
 
 def build_items(spec: TaskSpec, enc: Encoder, max_context: int | None = None) -> list[TaskItem]:
@@ -578,7 +578,7 @@ def continuation_logits(loaded, policy, item: ContinuationItem):
 
         return forward_at(model, cont[:-1], DynamicCache(), 0)
     cache = policy.make_cache(model)
-    _prefill(model, item.context_ids, cache)
+    _prefill(model, item.context_ids, cache, policy.prefill_chunk)
     return forward_at(model, cont[:-1], cache, len(item.context_ids))
 
 

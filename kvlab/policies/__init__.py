@@ -46,7 +46,9 @@ def make_policy(method: str, **params: Any) -> Policy:
     allowed = [row["name"] for row in cls.describe()]
     unknown = sorted(set(params) - set(allowed))
     if unknown:
-        hint = f"; {method} takes: {', '.join(allowed)}" if allowed else f"; {method} takes no parameters"
+        own = [name for name in allowed if name != "prefill_chunk"]  # every policy takes prefill_chunk
+        hint = (f"; {method} takes: {', '.join(own)}" if own else f"; {method} takes no parameters") \
+            + " (and prefill_chunk, like every method)"
         raise PolicyError(f"unknown parameter(s) {', '.join(unknown)} for {method}{hint}")
     return cls(**params)
 
