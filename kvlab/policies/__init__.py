@@ -9,7 +9,7 @@
     kept_positions(cache)                     # per layer, the prompt positions each KV head kept
 
 transformers' cache internals are touched only in :mod:`kvlab.policies.cache`,
-:mod:`kvlab.policies.quantized` and :mod:`kvlab.policies.kvq`; kvlab supports transformers >= 5.17, < 5.25.
+:mod:`kvlab.policies.quantized`, :mod:`kvlab.policies.kvq` and :mod:`kvlab.policies.decoding`; kvlab supports transformers >= 5.17, < 5.25.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 
 from kvlab.policies.base import Policy, PolicyError
 from kvlab.policies.cache import EvictionError, cache_stats, kept_positions
+from kvlab.policies.decoding import DecodingPolicy
 from kvlab.policies.eviction import EvictionPolicy
 from kvlab.policies.full import FullPolicy
 from kvlab.policies.knorm import KnormPolicy
@@ -34,7 +35,8 @@ from kvlab.policies.tova import TOVAPolicy
 POLICIES: dict[str, type[Policy]] = {
     cls.name: cls
     for cls in (FullPolicy, StreamingLLMPolicy, SnapKVPolicy, PyramidKVPolicy, TOVAPolicy, KnormPolicy,
-                RandomPolicy, QuantoPolicy, HQQPolicy, FP8Policy, KVQFp8Policy, KVQInt4Policy, KVQInt2Policy)
+                RandomPolicy, QuantoPolicy, HQQPolicy, FP8Policy, KVQFp8Policy, KVQInt4Policy, KVQInt2Policy,
+                DecodingPolicy)
 }
 
 
