@@ -4,7 +4,9 @@ Why: a one-shot prefill of n tokens holds n tokens' activations in every op (on 
 MLP's intermediate alone is n x 14336 x 2 bytes) and, before an evicting cache compresses, every
 layer's full K/V. In chunks, transients scale with the chunk and an evicting cache compresses as
 the prompt streams in (:mod:`kvlab.policies.chunking` gives the semantics per method), so a
-sequence's peak approaches its kept cache plus one chunk's transients.
+sequence's peak approaches its kept cache plus one chunk's transients. Unpadded chunks attend
+through :func:`kvlab.policies.attention.lower_right_chunks` (no 4-D mask, no K/V repeated per
+query head).
 """
 
 from __future__ import annotations
@@ -39,12 +41,14 @@ def prefill(model, input_ids: torch.Tensor, cache, chunk: int | None = None,
     bounds = chunk_bounds(n, chunk)
     if len(bounds) == 1:
         return decode.prefill(model, input_ids, cache, attention_mask, logits_to_keep)
+    from kvlab.policies.attention import lower_right_chunks
     from kvlab.policies.chunking import streaming
 
     fresh = cache.get_seq_length() == 0
     past = attention_mask.shape[1] - n if attention_mask is not None else 0
     pieces = []
-    with streaming(cache, n) if fresh else nullcontext():
+    unpadded = lower_right_chunks(model) if attention_mask is None else nullcontext()
+    with streaming(cache, n) if fresh else nullcontext(), unpadded:
         for start, end in bounds:
             wanted = end - start if logits_to_keep == 0 else logits_to_keep - (n - end)
             keep = max(0, min(end - start, wanted))  # this chunk's share of the logits asked for

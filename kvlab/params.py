@@ -190,8 +190,11 @@ def method_variants(params: SweepParams) -> list[tuple[str, MethodVariant]]:
 
 
 def _chunk_variants(v: MethodVariant, chunks: list[int | None]) -> list[MethodVariant]:
-    """``v`` at each prefill chunk (a method entry's own ``prefill_chunk`` knob wins)."""
+    """``v`` at each prefill chunk (a method entry's own ``prefill_chunk`` knob wins; null there means
+    one shot only, with the run id of a one-shot run)."""
     if "prefill_chunk" in v.kwargs:
+        if v.kwargs["prefill_chunk"] is None:
+            return [MethodVariant(v.method, {k: x for k, x in v.kwargs.items() if k != "prefill_chunk"})]
         return [v]
     return [v if c is None else MethodVariant(v.method, {**v.kwargs, "prefill_chunk": c}) for c in chunks]
 

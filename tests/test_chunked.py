@@ -242,3 +242,25 @@ def test_prefill_chunk_axis_is_validated():
     with pytest.raises(ParamsError, match="prefill_chunk"):
         parse_params({**base, "prefill_chunk": [0]})
     assert parse_params({**base, "prefill_chunk": 512}).prefill_chunk == [512]
+
+
+@pytest.mark.parametrize("method", ["full", "snapkv"])
+def test_lower_right_chunk_attention_equals_the_masked_stock_path(lm, method, monkeypatch):
+    """The CPU reference for the chunk attention CUDA runs with flash: the same logits, kept positions
+    and cache as transformers' masked SDPA (K/V repeated per head), and the model keeps its attention."""
+    import contextlib
+
+    import kvlab.policies.attention as attention
+
+    calls = []
+    real = attention.chunk_attention
+    monkeypatch.setattr(attention, "chunk_attention", lambda *a: calls.append(1) or real(*a))
+    policy = make(method, prefill_chunk=24)
+    _, fast_tokens, fast_stats, fast_kept = run(lm, policy)
+    assert calls and lm.model.config._attn_implementation == "sdpa"
+    monkeypatch.setattr(attention, "lower_right_chunks", lambda model: contextlib.nullcontext())
+    calls.clear()
+    _, tokens, stats, kept = run(lm, policy)
+    assert not calls
+    assert torch.equal(tokens, fast_tokens) and stats == fast_stats
+    assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(kept, fast_kept, strict=True))

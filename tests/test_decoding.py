@@ -130,3 +130,16 @@ def test_measured_runs_record_the_cache_after_decoding(lm):
     assert bounded["cache_physical_tokens"] == P  # the prompt stays whole
     assert bounded["cache_final_physical_tokens"] <= 32 + 16
     assert bounded["cache_final_bytes"] < full["cache_final_bytes"]
+
+
+def test_long_continuation_fidelity_sees_the_compressions(lm):
+    from kvlab.long_continuation import continuation_fidelity
+
+    context = prompt(n=24)[0].tolist()
+    continuation = prompt(n=81, seed=7)[0].tolist()
+    rows = continuation_fidelity(lm, [decoding("snapkv", target=200), decoding("knorm", target=16, interval=8)],
+                                 context, continuation)
+    roomy, tight = rows
+    assert roomy["compressions"] == 0 and roomy["kl"] == pytest.approx(0.0, abs=1e-6) and roomy["top1_agree"] == 1.0
+    assert tight["compressions"] == 80 // 8 - 1 and tight["final_physical_tokens"] <= 16 + 8
+    assert tight["kl"] > 1e-4 and len(tight["kl_by_stretch"]) == 4
