@@ -68,3 +68,22 @@ def split_sequence(line: PeakLine, weights_bytes: float, kept_cache_bytes: float
 def above(batch: int, fraction: float = 0.02) -> int:
     """A batch just above ``batch`` (by ``fraction``, at least one more) that should not fit."""
     return batch + max(1, math.ceil(batch * fraction))
+
+
+def compression_step_cost(itl_ms: Sequence[float], interval: int) -> dict[str, float | list[float] | None]:
+    """What decode-time compression (``decoding``) costs per eviction, from one run's ITLs.
+
+    Decode step ``k x interval`` (0-based, ``itl_ms[k x interval]``) starts with the eviction check
+    (:mod:`kvlab.policies.decoding`); returns those steps' ITLs, the median of all other steps and
+    the mean extra milliseconds an eviction step took over it (steps where the cache was still
+    under its target evict nothing and pull the mean down: read ``at_interval_ms`` too).
+    """
+    import statistics
+
+    marks = [k for k in range(interval, len(itl_ms), interval)]
+    others = [t for i, t in enumerate(itl_ms) if i not in set(marks)]
+    if not marks or not others:
+        return {"at_interval_ms": [], "other_median_ms": None, "extra_ms": None}
+    base = statistics.median(others)
+    at = [itl_ms[k] for k in marks]
+    return {"at_interval_ms": at, "other_median_ms": base, "extra_ms": statistics.fmean(at) - base}

@@ -87,3 +87,13 @@ def test_confirm_runs_at_the_prediction_and_an_oom_above_it_is_a_clean_row(tmp_p
     assert (phases["confirm"]["batch"], phases["confirm"]["status"]) == (10, "ok")
     assert (phases["above"]["batch"], phases["above"]["status"]) == (11, "oom")
     assert "out of memory" in phases["above"]["error"]
+
+
+def test_compression_step_cost_reads_the_eviction_steps():
+    from kvlab.capacity import compression_step_cost
+
+    itl = [10.0] * 40
+    itl[16] = itl[32] = 25.0
+    cost = compression_step_cost(itl, 16)
+    assert cost == {"at_interval_ms": [25.0, 25.0], "other_median_ms": 10.0, "extra_ms": 15.0}
+    assert compression_step_cost(itl[:10], 16)["extra_ms"] is None

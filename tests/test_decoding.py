@@ -143,3 +143,20 @@ def test_long_continuation_fidelity_sees_the_compressions(lm):
     assert roomy["compressions"] == 0 and roomy["kl"] == pytest.approx(0.0, abs=1e-6) and roomy["top1_agree"] == 1.0
     assert tight["compressions"] == 80 // 8 - 1 and tight["final_physical_tokens"] <= 16 + 8
     assert tight["kl"] > 1e-4 and len(tight["kl_by_stretch"]) == 4
+
+
+def test_evictions_run_at_decode_steps_that_are_multiples_of_the_interval(lm):
+    """kvlab.capacity.compression_step_cost reads the ITLs of these steps."""
+    policy = decoding("knorm", target=8, interval=16)
+    seen, steps = [0], []
+    with policy.attach(lm, warm=False):
+        cache = policy.make_cache(lm.model)
+        first = prefill(lm.model, prompt(n=20), cache)[:, -1].argmax(-1)
+
+        def on_step(i):
+            if cache.layers[0].compressions != seen[0]:
+                seen[0] = cache.layers[0].compressions
+                steps.append(i)
+
+        greedy_decode(lm.model, cache, first, 70, 20, on_step=on_step)
+    assert steps == [16, 32, 48, 64]
