@@ -16,7 +16,8 @@ that batch, and at one just above it (``--above``, 2% more), which should end in
 out-of-memory row. ``--expandable-batch N`` reruns the full cache (one-shot) at batch N in a child
 process under ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``. Confirm runs whose estimated
 time (from the fit runs' prefill) does not fit ``--time-budget-s`` are skipped and say so.
-Every row goes to ``--out`` as it is measured; the summary table is printed at the end.
+Every row goes to ``--out`` as it is measured; the summary table is printed at the end (and by
+``--table FILE`` from a written file).
 
 CPU smoke (mechanics only: a CPU's peak is the process's peak RSS):
     python benchmarks/capacity.py --device cpu --model tiny-llama --ctx 256 --chunks none 64 --memory-gb 2 --out /tmp/c.json
@@ -260,7 +261,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="also run full@once at this batch under expandable_segments (child process)")
     ap.add_argument("--time-budget-s", type=float, default=450)
     ap.add_argument("--out", default="capacity.json")
+    ap.add_argument("--table", default=None, metavar="JSON", help="only print the summary of a written file")
     args = ap.parse_args(argv)
+    if args.table:
+        report = Report(args.table, args)
+        report.data = json.loads(Path(args.table).read_text())
+        summarize(report)
+        return 0
 
     from kvlab.models import load_model
 
