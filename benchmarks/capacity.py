@@ -13,7 +13,7 @@ per-sequence cost (the slope), split into the kept cache (``cache_bytes / batch`
 prefill's transients (the rest), and the largest batch whose predicted peak fits the memory torch
 can use (free + reserved after loading, or ``--memory-gb``). The ``--confirm`` configs then run at
 that batch, and at one just above it (``--above``, 2% more), which should end in a clean
-out-of-memory row. ``--expandable-batch N`` reruns the full cache (one-shot) at batch N in a child
+out-of-memory row (a confirm run that runs out of memory is followed by one 4% below instead). ``--expandable-batch N`` reruns the full cache (one-shot) at batch N in a child
 process under ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``. Confirm runs whose estimated
 time (from the fit runs' prefill) does not fit ``--time-budget-s`` are skipped and say so.
 Every row goes to ``--out`` as it is measured; the summary table is printed at the end (and by
@@ -171,7 +171,9 @@ def run_context(args, loaded, ctx: int, report: Report, deadline: float) -> None
             n = fit["predicted_max_batch"]
             if not n:
                 continue
-            for phase, batch in (("confirm", n), ("above", above(n, args.above))):
+            plan = [("confirm", n)]
+            while plan:
+                phase, batch = plan.pop(0)
                 estimate = 1.3 * batch * fit["prefill_s_per_sequence"] + 5
                 if time.time() + estimate > deadline:
                     row = {"ctx": ctx, "config": config, "phase": phase, "batch": batch, "status": "skipped",
@@ -182,6 +184,10 @@ def run_context(args, loaded, ctx: int, report: Report, deadline: float) -> None
                            **measure_point(loaded, policies[config], ctx, batch, args.new_tokens, engine, device)}
                 report.add("rows", row)
                 show(row)
+                if phase == "confirm" and row["status"] == "ok":
+                    plan.append(("above", above(n, args.above)))
+                elif phase == "confirm" and row["status"] == "oom":  # the allocator's slack: one step down
+                    plan.append(("below", max(1, n - max(1, round(n * args.above * 2)))))
 
 
 def confirm_list(wanted: list[str], fits: dict) -> list[str]:
@@ -252,14 +258,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="batches the peak line is fitted to")
     ap.add_argument("--fixed-batch", type=int, nargs="+", default=None, help="only run these batches (no fit)")
     ap.add_argument("--new-tokens", type=int, default=4)
-    ap.add_argument("--confirm", nargs="+", default=["full@once", "full@2048", "snapkv10@2048"],
+    ap.add_argument("--confirm", nargs="+", default=["snapkv10@2048", "full@once", "full@2048"],
                     help="configs run at their predicted max batch and just above it (all | none | names)")
     ap.add_argument("--above", type=float, default=0.02, help="the batch above: predicted x (1 + this), at least +1")
     ap.add_argument("--memory-gb", type=float, default=None, help="memory to predict against (default: the GPU's)")
     ap.add_argument("--engine", choices=["hf", "fast"], default="hf")
     ap.add_argument("--expandable-batch", type=int, default=None,
                     help="also run full@once at this batch under expandable_segments (child process)")
-    ap.add_argument("--time-budget-s", type=float, default=450)
+    ap.add_argument("--time-budget-s", type=float, default=420,
+                    help="skip confirm runs whose estimate would end past this (from the start, load included)")
     ap.add_argument("--out", default="capacity.json")
     ap.add_argument("--table", default=None, metavar="JSON", help="only print the summary of a written file")
     args = ap.parse_args(argv)

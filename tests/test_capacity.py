@@ -61,24 +61,41 @@ def test_the_benchmark_runs_on_a_cpu_and_writes_every_row(tmp_path):
                                              "kept_cache_bytes", "transient_bytes"}
 
 
-def test_confirm_runs_at_the_prediction_and_an_oom_above_it_is_a_clean_row(tmp_path, monkeypatch):
-    """With peaks of 1 GB + 0.1 GB per sequence and 2 GB to fill, the prediction is 10 sequences:
-    batch 10 runs, batch 11 raises CUDA's out-of-memory error and becomes an ``oom`` row."""
+def fake_measure(monkeypatch, fits_up_to: int):
+    """measure_generation with peaks of 1 GB + 0.1 GB per sequence, out of memory above a batch."""
     import kvlab.measure as measure
     from kvlab.measure import Measurement
 
     def fake(loaded, policy, *, ctx, batch, new_tokens, engine=None, **kw):
-        if batch > 10:
+        if batch > fits_up_to:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         record = {"peak_mem_bytes": 1e9 + 1e8 * batch, "cache_bytes": 4e7 * batch, "cache_physical_tokens": 9,
                   "prefill_s": 0.01 * batch, "itl_median_ms": 1.0}
         return Measurement(record=record, window=None)
 
     monkeypatch.setattr(measure, "measure_generation", fake)
+
+
+def run_bench(tmp_path):
     out = tmp_path / "c.json"
     bench().main(["--device", "cpu", "--model", "tiny-llama", "--ctx", "64", "--methods", "snapkv10",
                   "--chunks", "32", "--confirm", "all", "--memory-gb", "2", "--out", str(out)])
-    data = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_a_confirm_run_out_of_memory_steps_down_once(tmp_path, monkeypatch):
+    fake_measure(monkeypatch, fits_up_to=9)  # the allocator's slack costs one sequence
+    phases = {r["phase"]: r for r in run_bench(tmp_path)["rows"]}
+    assert (phases["confirm"]["batch"], phases["confirm"]["status"]) == (10, "oom")
+    assert (phases["below"]["batch"], phases["below"]["status"]) == (9, "ok")
+    assert "above" not in phases
+
+
+def test_confirm_runs_at_the_prediction_and_an_oom_above_it_is_a_clean_row(tmp_path, monkeypatch):
+    """With peaks of 1 GB + 0.1 GB per sequence and 2 GB to fill, the prediction is 10 sequences:
+    batch 10 runs, batch 11 raises CUDA's out-of-memory error and becomes an ``oom`` row."""
+    fake_measure(monkeypatch, fits_up_to=10)
+    data = run_bench(tmp_path)
     fit = data["fits"][0]
     assert fit["predicted_max_batch"] == 10
     assert fit["split"]["kept_cache_bytes"] == pytest.approx(4e7)

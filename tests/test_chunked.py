@@ -264,3 +264,18 @@ def test_lower_right_chunk_attention_equals_the_masked_stock_path(lm, method, mo
     assert not calls
     assert torch.equal(tokens, fast_tokens) and stats == fast_stats
     assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(kept, fast_kept, strict=True))
+
+
+def test_chunk_attention_with_repeated_heads_is_the_same_attention(monkeypatch):
+    """The CUDA fallback (flash cannot take the grouped heads): repeated K/V, the same output."""
+    import kvlab.policies.attention as attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, n, 16, generator=g) for h, n in ((8, 5), (2, 12), (2, 12)))
+    grouped, _ = attention.chunk_attention(q, k, v, 0.25)
+    monkeypatch.setattr(attention, "_repeat_heads", lambda *a: True)
+    repeated, _ = attention.chunk_attention(q, k, v, 0.25)
+    torch.testing.assert_close(repeated, grouped)
+    scores = (q @ k.repeat_interleave(4, 1).transpose(-1, -2) * 0.25).masked_fill(
+        torch.ones(5, 12, dtype=torch.bool).tril(7).logical_not(), float("-inf"))
+    torch.testing.assert_close(grouped, (scores.softmax(-1) @ v.repeat_interleave(4, 1)).transpose(1, 2))

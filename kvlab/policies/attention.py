@@ -140,10 +140,30 @@ def chunk_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     from torch.nn.attention.bias import causal_lower_right
 
     q_len, kv_len = query.shape[-2], key.shape[-2]
+    groups = query.shape[1] // key.shape[1]
+    if _repeat_heads(query, key, value):
+        # no kernel attends grouped heads lower-right without a mask: repeat K/V (as stock SDPA does)
+        # and let the memory-efficient kernel apply the lower-right mask without materializing it
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
     out = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=causal_lower_right(q_len, kv_len), scale=scaling,
         enable_gqa=key.shape[1] != query.shape[1])
     return out.transpose(1, 2).contiguous(), None
+
+
+def _repeat_heads(query, key, value) -> bool:
+    """On CUDA, whether grouped K/V heads must be repeated: flash (the one kernel attending them
+    lower-right as they are) cannot take these inputs. CPUs attend them as they are."""
+    return query.shape[1] != key.shape[1] and query.is_cuda and not _flash_takes_gqa(query, key, value)
+
+
+def _flash_takes_gqa(query, key, value) -> bool:
+    try:
+        params = torch.backends.cuda.SDPAParams(query, key, value, None, 0.0, True, True)
+        return bool(torch.backends.cuda.can_use_flash_attention(params, False))
+    except (AttributeError, TypeError, RuntimeError):  # an older torch: take the safe path
+        return False
 
 
 @contextmanager
