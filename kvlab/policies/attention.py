@@ -146,9 +146,14 @@ def chunk_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         # and let the memory-efficient kernel apply the lower-right mask without materializing it
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=causal_lower_right(q_len, kv_len), scale=scaling,
-        enable_gqa=key.shape[1] != query.shape[1])
+    bias = causal_lower_right(q_len, kv_len)
+    try:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=bias, scale=scaling, enable_gqa=key.shape[1] != query.shape[1])
+    except TypeError:  # a torch whose causal bias takes no enable_gqa: repeated heads, still no mask
+        groups = query.shape[1] // key.shape[1]  # 1 if already repeated above
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=bias, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
