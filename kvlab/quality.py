@@ -720,7 +720,7 @@ def summarize(records, metrics: Sequence[str] = SUMMARY_METRICS, n_boot: int = 2
     pair_key = ["depth_key", "sample", "query_aware"]
     rows = []
     for (task, length), cell in df.groupby(["task", "length"], sort=False):
-        full = cell[cell["method"] == "full"].set_index(pair_key)
+        full = cell[cell["label"] == "full"].set_index(pair_key)  # one shot: chunked runs are "full chunk N"
         for (method, label), arm in cell.groupby(["method", "label"], sort=False):
             row = {"task": task, "length": length, "method": method, "label": label, "n": len(arm),
                    "no_signal": bool(arm["no_signal"].fillna(False).any())}
@@ -728,7 +728,7 @@ def summarize(records, metrics: Sequence[str] = SUMMARY_METRICS, n_boot: int = 2
             for m in metrics:
                 vals = pd.to_numeric(arm[m], errors="coerce").tolist()
                 row[m], row[f"{m}_lo"], row[f"{m}_hi"] = bootstrap_ci(vals, n_boot, ci, seed)
-                if not full.empty and method != "full":
+                if not full.empty and label != "full":
                     common = indexed.index.intersection(full.index)
                     a = pd.to_numeric(indexed.loc[common, m], errors="coerce").tolist()
                     b = pd.to_numeric(full.loc[common, m], errors="coerce").tolist()

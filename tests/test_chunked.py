@@ -279,3 +279,18 @@ def test_chunk_attention_with_repeated_heads_is_the_same_attention(monkeypatch):
     scores = (q @ k.repeat_interleave(4, 1).transpose(-1, -2) * 0.25).masked_fill(
         torch.ones(5, 12, dtype=torch.bool).tril(7).logical_not(), float("-inf"))
     torch.testing.assert_close(grouped, (scores.softmax(-1) @ v.repeat_interleave(4, 1)).transpose(1, 2))
+
+
+def test_the_quality_summary_pairs_chunked_runs_with_the_one_shot_full_cache():
+    from kvlab.quality import summarize
+
+    def rec(label, method, nll, depth):
+        return {"kind": "quality", "status": "ok", "task": "niah_single", "length": 2048, "depth": depth,
+                "sample": 0, "query_aware": False, "method": method, "label": label, "no_signal": False,
+                "score": 1.0, "gold_nll": nll, "first_token_acc": 1.0, "kl": 0.0, "top1_agree": 1.0}
+
+    records = [rec(label, label.split()[0], nll + d, d) for d in (0.1, 0.9)
+               for label, nll in (("full", 1.0), ("full chunk 512", 1.0), ("tova 25% chunk 512", 1.5))]
+    summary = summarize(records, metrics=["gold_nll"], n_boot=50).set_index("label")
+    assert summary.loc["full chunk 512", "gold_nll_diff"] == pytest.approx(0.0)
+    assert summary.loc["tova 25% chunk 512", "gold_nll_diff"] == pytest.approx(0.5)
