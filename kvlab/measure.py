@@ -30,6 +30,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvlab.columns import engine_columns
 from kvlab.energy import NullSampler, Sampler, WindowResult
 from kvlab.hostload import contention, host_delta, peak_rss_bytes, read_counters, reset_peak_rss
 
@@ -394,11 +395,8 @@ def measure_generation(
         "temp_start_c": res.temp_start_c,
         "temp_end_c": res.temp_end_c,
         **{f"decode_{k}": v for k, v in host.items()},
-        "engine": "hf" if decoder is None else "fast",
+        **engine_columns(engine, stats if decoder is not None else None),
     }
-    if decoder is not None:
-        record.update(kv_format=stats["kv_format"], fast_attention=stats["attention"],
-                      cuda_graph=stats["graph"], cache_bytes_allocated=stats["bytes_allocated"])
     threads = torch.get_num_threads()
     contended, why = contention(host, decode_s, threads, device)
     record.update(threads=threads, contended=contended, contention=why or None)

@@ -30,6 +30,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kvlab.columns import engine_columns, model_columns, policy_columns
 from kvlab.metrics import (
     answer_span_fidelity,
     bootstrap_ci,
@@ -291,24 +292,6 @@ def reply_text(enc: Encoder, generated: Sequence[int]) -> str:
 # ------------------------------------------------------------------ records
 
 
-def policy_columns(policy) -> dict[str, Any]:
-    """Identity columns a record takes from a policy (as the perf records do)."""
-    return {"method": policy.name, "label": policy.label, "policy_params": dict(policy.params()),
-            "keep": policy.keep, "bits": policy.bits}
-
-
-def model_columns(loaded) -> dict[str, Any]:
-    model = loaded.model
-    device = str(loaded.device)
-    gpu_name = None
-    if device.startswith("cuda"):
-        import torch
-
-        gpu_name = torch.cuda.get_device_name(torch.device(device))
-    return {**loaded.provenance(), "gpu_name": gpu_name,
-            "attn_implementation": getattr(model.config, "_attn_implementation", None)}
-
-
 def _item_key(item: TaskItem, query_aware: bool) -> dict[str, Any]:
     return {"task": item.task, "length": item.length, "depth": item.depth, "sample": item.sample,
             "query_aware": bool(query_aware)}
@@ -436,8 +419,7 @@ def run_quality(loaded, policies: Sequence, task_spec: TaskSpec | dict, out_writ
 
     spec = task_spec if isinstance(task_spec, TaskSpec) else TaskSpec(**task_spec)
     enc = Encoder(loaded.tokenizer)
-    base = {**model_columns(loaded), "seed": spec.seed, **(base or {}),
-            "engine": "hf" if engine is None else "fast"}
+    base = {**model_columns(loaded), "seed": spec.seed, **(base or {}), **engine_columns(engine)}
     policies = list(policies)
     reference = next((p for p in policies if _is_full(p)), None) or make_policy("full")
     with attached([*policies, reference], loaded.model):

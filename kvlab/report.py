@@ -12,6 +12,7 @@ from kvlab.reporting.anatomy_files import (
     load_anatomy,
     read_anatomy,
 )
+from kvlab.reporting.engines import engine_comparison, engine_lines, engine_table
 from kvlab.reporting.frames import (
     DEFAULT_CTX,
     GB,
@@ -98,6 +99,7 @@ from kvlab.reporting.summaries import (
 )
 
 __all__ = [
+    "engine_comparison", "engine_lines", "engine_table",
     "runs_text",
     "pays_why",
     "say",

@@ -632,12 +632,15 @@ def _measure(params, session, run: RunSpec, policy, probe: bool):
 
 
 def _base_record(session, run, sweep_name, kind, policy) -> dict[str, Any]:
+    """The run's identity, then the shared model and policy columns (:mod:`kvlab.columns`)."""
+    from kvlab.columns import model_columns, policy_columns
+
     rec = _identity_record(run, sweep_name, kind)
-    prov = session.loaded.provenance()
-    rec.update(weights=prov.get("weights"), dtype=prov.get("dtype"), gpu_name=session.gpu_name,
+    model = model_columns(session.loaded)
+    rec.update(weights=model.get("weights"), dtype=model.get("dtype"), gpu_name=model["gpu_name"],
                gpu_uuid=session.gpu_uuid, host=session.host)
     if policy is not None:
-        rec.update(label=policy.label, policy_params=policy.params(), keep=policy.keep, bits=policy.bits)
+        rec.update(policy_columns(policy))
     return rec
 
 

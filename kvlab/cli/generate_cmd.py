@@ -136,6 +136,7 @@ def _check_args(args, spec, policy) -> None:
 
 def run(args) -> int:
     from kvlab.budget import context_problem
+    from kvlab.columns import engine_columns, model_columns, policy_columns
     from kvlab.decode import generate_text
     from kvlab.models import get_spec, load_model
     from kvlab.preflight import require
@@ -165,13 +166,11 @@ def run(args) -> int:
 
         engine = FastEngine(loaded)
     result = generate_text(loaded, ids, policy, args.max_new_tokens, engine=engine)
+
     out = {
-        "engine": args.engine,
-        **loaded.provenance(),
-        "method": policy.name,
-        "label": policy.label,
-        "policy_params": policy.params(),
-        "attn_implementation": loaded.model.config._attn_implementation,
+        **engine_columns(args.engine, result.cache_final if engine is not None else None),
+        **model_columns(loaded),
+        **policy_columns(policy),
         "prompt_tokens": result.prompt_tokens,
         "new_tokens": int(result.tokens.shape[1]),
         "answer": result.text,

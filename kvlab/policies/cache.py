@@ -25,6 +25,8 @@ residual_length``); later decode steps run the stock quantized ``update``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from typing import Any
 
@@ -339,3 +341,49 @@ def cache_stats(cache) -> dict[str, Any]:
         "bytes": int(sum(_layer_bytes(layer) for layer in layers)),
         "physical_tokens_per_layer": per_layer,
     }
+
+
+@contextmanager
+def profiler_scopes(cache, update: str, quantize: str, dequantize: str) -> Iterator[None]:
+    """Profiler scopes named ``update`` around ``cache.update`` and ``quantize``/``dequantize``
+    around its layers' (de)quantization, for as long as the context lasts.
+
+    The hook :mod:`kvlab.anatomy` uses to classify ops without knowing transformers' cache classes:
+    the methods are shadowed by instance attributes (layers created lazily on the first update
+    included) and the instance attributes are deleted on exit, so the cache is as it was.
+    """
+    from torch.profiler import record_function
+
+    undo: list = []
+
+    def scoped(fn, name):
+        def wrapper(*args, **kwargs):
+            with record_function(name):
+                return fn(*args, **kwargs)
+
+        wrapper.__kvlab_scoped__ = True
+        return wrapper
+
+    def wrap_layers():
+        for layer in getattr(cache, "layers", None) or []:
+            for attr, name in (("_quantize", quantize), ("_dequantize", dequantize)):
+                fn = getattr(layer, attr, None)
+                if fn is not None and not getattr(fn, "__kvlab_scoped__", False):
+                    setattr(layer, attr, scoped(fn, name))
+                    undo.append((layer, attr))
+
+    original_update = cache.update
+
+    def scoped_update(*args, **kwargs):
+        wrap_layers()
+        with record_function(update):
+            return original_update(*args, **kwargs)
+
+    cache.update = scoped_update
+    wrap_layers()
+    try:
+        yield
+    finally:
+        for obj, attr in reversed(undo):
+            delattr(obj, attr)  # the instance attribute shadowed the class method
+        del cache.update
