@@ -23,9 +23,9 @@ def model_columns(loaded) -> dict[str, Any]:
 
 
 def policy_columns(policy) -> dict[str, Any]:
-    """Method, label and parameters of a cache policy."""
+    """Method, label and parameters of a cache policy (``prefill_chunk``: None for a one-shot prefill)."""
     return {"method": policy.name, "label": policy.label, "policy_params": dict(policy.params()),
-            "keep": policy.keep, "bits": policy.bits}
+            "keep": policy.keep, "bits": policy.bits, "prefill_chunk": getattr(policy, "prefill_chunk", None)}
 
 
 def engine_columns(engine, fast_stats: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -276,7 +276,8 @@ def measure_generation(
     """
     import torch
 
-    from kvlab.decode import greedy_decode, prefill
+    from kvlab.chunked import prefill
+    from kvlab.decode import greedy_decode
     from kvlab.policies import cache_stats
 
     if new_tokens < 1:
@@ -313,7 +314,7 @@ def measure_generation(
             clock.mark()  # 0: prefill start
             if probe_prefill:
                 probe_prefill.start()
-            logits = prefill(model, ids, cache)
+            logits = prefill(model, ids, cache, getattr(policy, "prefill_chunk", None))
             last = logits[:, -1, :] if logits.dim() == 3 else logits
             first = last.argmax(dim=-1, keepdim=True)
             if decoder is not None:
@@ -342,6 +343,7 @@ def measure_generation(
             if probe is not None:
                 probe.abandon()
     host = host_delta(host_start, read_counters())  # decode, to the window's closing synchronize
+    final = cache_stats(cache) if decoder is None else decoder.stats(new_tokens)  # after the decode
     res = win.result
     if _token_count(tokens) != new_tokens:
         raise MeasureError(f"generated {_token_count(tokens)} tokens per sequence, expected exactly {new_tokens}")
@@ -371,6 +373,8 @@ def measure_generation(
         "cache_bytes": stats.get("bytes"),
         "cache_logical_tokens": stats.get("logical_tokens"),
         "cache_physical_tokens": stats.get("physical_tokens"),
+        "cache_final_physical_tokens": final.get("physical_tokens"),  # decode-time compression bounds it
+        "cache_final_bytes": final.get("bytes"),
         "energy_source": res.source,
         "energy_j": energy,
         "prefill_j": res.phase_j.get("prefill"),

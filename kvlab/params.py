@@ -77,6 +77,8 @@ class SweepParams(BaseModel):
     ctx: list[int] | CtxDistribution = Field(
         description="prompt lengths in tokens, or a distribution: {dist: lognormal, median, sigma, samples} "
                     "or {file: lengths.txt} (kvlab.workload)")
+    prefill_chunk: list[int | None] = Field(
+        [None], description="prefill chunk sizes in tokens, each run for every method (null: one-shot prefill)")
     batch: list[int] = [1]
     new_tokens: int = Field(128, ge=1, description="exactly this many new tokens per sequence (EOS ignored)")
     prompts: int = Field(1, ge=1, description="prompt ids 0..prompts-1 (seeded, exact length)")
@@ -128,6 +130,19 @@ class SweepParams(BaseModel):
             raise ValueError(f"{err.errors()[0]['msg']}; give lengths in tokens, e.g. [4096, 16384], or a "
                              f"distribution such as {{dist: lognormal, median: 4096, sigma: 0.6}}") from None
 
+    @field_validator("prefill_chunk", mode="before")
+    @classmethod
+    def _chunk_list(cls, value):
+        return [None] if value is None else _as_list(value)
+
+    @field_validator("prefill_chunk")
+    @classmethod
+    def _chunk_sizes(cls, values: list[int | None]) -> list[int | None]:
+        for v in values:
+            if v is not None and v < 1:
+                raise ValueError(f"{v}: a chunk is at least 1 token (null: one-shot prefill)")
+        return values or [None]
+
     @field_validator("ctx", "batch")
     @classmethod
     def _positive(cls, values):
@@ -149,6 +164,10 @@ class MethodVariant:
     @property
     def keep(self) -> float | None:
         return self.kwargs.get("keep")
+
+    @property
+    def prefill_chunk(self) -> int | None:
+        return self.kwargs.get("prefill_chunk")
 
     @property
     def bits(self) -> int | None:
@@ -197,7 +216,17 @@ def method_variants(params: SweepParams) -> list[tuple[str, MethodVariant]]:
             out += [("bits", MethodVariant(entry.method, {**base, "nbits": b})) for b in params.bits]
         else:
             out.append((where, MethodVariant(entry.method, base)))
-    return out
+    return [(where, chunked) for where, v in out for chunked in _chunk_variants(v, params.prefill_chunk)]
+
+
+def _chunk_variants(v: MethodVariant, chunks: list[int | None]) -> list[MethodVariant]:
+    """``v`` at each prefill chunk (a method entry's own ``prefill_chunk`` knob wins; null there means
+    one shot only, with the run id of a one-shot run)."""
+    if "prefill_chunk" in v.kwargs:
+        if v.kwargs["prefill_chunk"] is None:
+            return [MethodVariant(v.method, {k: x for k, x in v.kwargs.items() if k != "prefill_chunk"})]
+        return [v]
+    return [v if c is None else MethodVariant(v.method, {**v.kwargs, "prefill_chunk": c}) for c in chunks]
 
 
 # --------------------------------------------------------------------------------------------

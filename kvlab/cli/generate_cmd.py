@@ -46,6 +46,8 @@ def register(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=16, help="exactly this many tokens (EOS ignored)")
     p.add_argument("--engine", choices=["hf", "fast"], default="hf",
                    help="decode loop: hf (transformers forward per step) or fast (static KV, CUDA graph)")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prefill the prompt this many tokens at a time, compressing as it streams in")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -61,6 +63,8 @@ def policy_from_args(args):
     from kvlab.policies.quantized import BACKENDS, DEFAULT_BACKEND
 
     params = _given(args, EVICTION_FLAGS)
+    if getattr(args, "prefill_chunk", None) is not None:
+        params["prefill_chunk"] = args.prefill_chunk
     quant = _given(args, QUANT_FLAGS)
     cls = POLICIES.get(args.method)
     if cls is not None and issubclass(cls, EvictionPolicy):

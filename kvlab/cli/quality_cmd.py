@@ -46,8 +46,15 @@ def register(subparsers) -> None:
                    help="decode loop of the greedy replies: hf (transformers) or fast (static KV, CUDA graph)")
     p.add_argument("--weights-quant", choices=["none", "int8", "int4"], default="none",
                    help="quantize the model's weights first (optimum-quanto; engine hf): does the stack still answer?")
+    p.add_argument("--prefill-chunk", nargs="+", type=chunk_arg, default=[None], metavar="N|none",
+                   help="prefill chunk sizes in tokens, each run for every method (none: one shot)")
     p.add_argument("-o", "--out", required=True, help="output folder (records.jsonl, manifest.json, summary)")
     p.set_defaults(func=run)
+
+
+def chunk_arg(text: str) -> int | None:
+    """``none``/``null`` (a one-shot prefill) or a token count (checked by the policies)."""
+    return None if text.lower() in ("none", "null") else int(text)
 
 
 def policies_from_args(args, spec=None) -> list:
@@ -55,9 +62,12 @@ def policies_from_args(args, spec=None) -> list:
     checked against the model's spec when given)."""
     from kvlab.params import SweepParams, method_variants
     from kvlab.policies import make_policy
+    from kvlab.policies.base import check_prefill_chunk
 
+    for chunk in getattr(args, "prefill_chunk", None) or ():
+        check_prefill_chunk(chunk)  # one clear line before SweepParams' own validation
     params = SweepParams(models=[args.model], methods=args.methods, keep=args.keep, bits=args.bits,
-                         ctx=args.lengths)
+                         ctx=args.lengths, prefill_chunk=getattr(args, "prefill_chunk", None))
     policies = [make_policy(v.method, **v.kwargs) for _, v in method_variants(params)]
     for policy in policies if spec is not None else ():
         policy.check(spec)
