@@ -154,9 +154,10 @@ class FastEngine:
 
     ``capture``: ``None`` = on CUDA only. ``attention``: the dense store's kernel (``auto``, ``flash``,
     ``sdpa``, or ``triton``: the cache in kvlab's bf16 format read by the same split-K kernel as the
-    quantized formats, the like-for-like baseline of the fused kernels); ``quant_attention``: a quantized store's (``fused`` Triton kernel or ``dequantize``
-    then attend). ``compile``: how the step is compiled (:data:`~kvlab.engine.llama.STEP_COMPILE`;
-    ``None``: :data:`DEFAULT_COMPILE` for the device). ``max_decoders`` bounds how many layouts keep their buffers and graphs alive at
+    quantized formats, the like-for-like baseline of the fused kernels); ``quant_attention``: a
+    quantized store's (``fused`` Triton kernel or ``dequantize`` then attend). ``compile``: how the
+    step is compiled (:data:`~kvlab.engine.llama.STEP_COMPILE`; ``None``: :data:`DEFAULT_COMPILE`
+    for the device). ``max_decoders`` bounds how many layouts keep their buffers and graphs alive at
     once (a sweep interleaves a shape's methods; each has its layout), and on CUDA so does
     ``keep_fraction``: the buffers kept alive for reuse stay under that share of the device's memory
     (at batch 16 and 16k a full cache's buffers alone are 34 GB; a layout evicted here is simply
@@ -169,13 +170,13 @@ class FastEngine:
                  quant_attention: str = "auto", keep_fraction: float = 0.25, compile: str | None = None):
         from kvlab.policies.base import hf_model
 
+        if attention not in (*ATTENTION, "triton"):
+            raise EngineError(f"attention={attention!r}: use one of {', '.join((*ATTENTION, 'triton'))}")
         self.model = hf_model(model)
         check_model(self.model)
         param = next(self.model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.step = LlamaFamilyStep(self.model, compile or DEFAULT_COMPILE.get(self.device.type, "none"))
-        if attention not in (*ATTENTION, "triton"):
-            raise EngineError(f"attention={attention!r}: use one of {', '.join((*ATTENTION, 'triton'))}")
         self.attention = attention
         self.quant_attention = quant_attention
         self.capture = self.device.type == "cuda" if capture is None else capture
