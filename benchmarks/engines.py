@@ -25,6 +25,16 @@ import traceback
 
 import torch
 
+# fast-engine variants: FastEngine keyword arguments
+FAST_VARIANTS = {
+    "fast": {},  # the engine's defaults (on CUDA: layers compiled, inside kvlab's graph)
+    "fast-deq": {"quant_attention": "dequantize"},
+    "fast-eager": {"compile": "none"},
+    "fast-layers": {"compile": "layers"},
+    "fast-ro": {"compile": "reduce-overhead"},
+    "fast-triton": {"attention": "triton"},  # bf16 cache read by kvlab's split-K kernel, not flash
+}
+
 METHODS = {
     "full": ("full", {}),
     "snapkv10": ("snapkv", {"keep": 0.1}),
@@ -50,6 +60,35 @@ def copy_bandwidth(device: str, gib: int = 4) -> float:
     del src, dst
     torch.cuda.empty_cache()
     return 2 * n / statistics.median(times[2:])
+
+
+def force_kernel_variant(variant: str) -> None:
+    """Every fused store built from now on runs ``variant`` (tuned configs keep their block sizes)."""
+    import dataclasses
+
+    from kvlab.kernels import triton_decode
+
+    triton_decode.DEFAULT_VARIANT = variant
+    triton_decode.TUNED_CONFIGS = {label: dataclasses.replace(c, variant=None)
+                                   for label, c in triton_decode.TUNED_CONFIGS.items()}
+
+
+def load_launch_configs(path: str, variant: str | None = None) -> None:
+    """Install the per-format winners of a quant_attention.py --tune run as kvlab's tuned launch configs
+    (``variant``: the winners among that kernel's configs)."""
+    from kvlab.kernels import LaunchConfig, triton_decode
+
+    with open(path) as f:
+        tuned = json.load(f)
+    by_variant = tuned.get("winners_by_variant") or {}
+    winners = by_variant.get(variant) if variant else tuned.get("winners")
+    if variant == "fold_asm":  # tuned on int4 only; the other formats run fold, with fold's winners
+        winners = {**by_variant.get("fold", {}), **(winners or {})}
+    if not winners:
+        raise SystemExit(f"{path} has no winners{f' for {variant}' if variant else ''}: run "
+                         "benchmarks/quant_attention.py with --tune")
+    triton_decode.TUNED_CONFIGS = {label: LaunchConfig(**w["config"]) for label, w in winners.items()}
+    print(f"launch configs from {path}: {triton_decode.TUNED_CONFIGS}", flush=True)
 
 
 def bootstrap_ci(values: list[float], n: int = 2000, seed: int = 0) -> tuple[float, float]:
@@ -80,13 +119,28 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    ap.add_argument("--engines", nargs="+", default=["hf", "fast"], choices=["hf", "fast", "fast-deq"],
-                    help="fast-deq: the fast engine with quantized stores dequantized before attention")
+    ap.add_argument("--engines", nargs="+", default=["hf", "fast"], choices=list(FAST_VARIANTS) + ["hf"],
+                    help="fast-deq: the fast engine with quantized stores dequantized before attention; "
+                         "fast-eager / fast-layers: the step's layers eager / compiled by torch.compile, "
+                         "inside kvlab's graph (fast: the engine's default); "
+                         "fast-ro: the whole step compiled with mode='reduce-overhead' (torch's graphs)")
+    ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                    help="also profile STEPS replays of each fast variant's full-cache step (kernels by "
+                         "category and the top kernels)")
     ap.add_argument("--attention", default="auto", help="fast engine attention: auto, flash, sdpa")
     ap.add_argument("--max-decoders", type=int, default=8, help="fast-engine layouts kept alive (1 at large batch)")
     ap.add_argument("--compare-steps", type=int, default=32, help="teacher-forced steps for the logit check")
+    ap.add_argument("--kernel-variant", choices=["split", "fold", "fold_asm"], default=None,
+                    help="fused quantized attention's split kernel for every format (default: kvlab's "
+                         "DEFAULT_VARIANT and TUNED_CONFIGS)")
+    ap.add_argument("--launch-configs", default=None,
+                    help="a benchmarks/quant_attention.py --tune JSON: its winners become the tuned launch configs")
     ap.add_argument("--out", default="engines.json")
     args = ap.parse_args()
+    if args.kernel_variant:
+        force_kernel_variant(args.kernel_variant)
+    if args.launch_configs:
+        load_launch_configs(args.launch_configs, args.kernel_variant)
 
     from kvlab.energy import make_sampler
     from kvlab.engine.compare import compare_engines
@@ -96,7 +150,11 @@ def main() -> int:
     from kvlab.policies import make_policy
 
     t_start = time.time()
-    result: dict = {"args": vars(args), "torch": torch.__version__, "rows": [], "compare": []}
+    from kvlab.kernels import triton_decode
+
+    result: dict = {"args": vars(args), "torch": torch.__version__, "rows": [], "compare": [],
+                    "kernel_variant": triton_decode.DEFAULT_VARIANT,
+                    "tuned_configs": {k: vars(c) for k, c in triton_decode.TUNED_CONFIGS.items()}}
     cuda = args.device.startswith("cuda")
     result["gpu"] = torch.cuda.get_device_name() if cuda else None
     bw = copy_bandwidth(args.device) if cuda else None
@@ -107,10 +165,11 @@ def main() -> int:
     for batch in args.batch:
         loaded = load_model(args.model, weights=args.weights, device=args.device)
         weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
-        engines = {"hf": None,
-                   "fast": FastEngine(loaded, attention=args.attention, max_decoders=args.max_decoders),
-                   "fast-deq": FastEngine(loaded, attention=args.attention, max_decoders=args.max_decoders,
-                                          quant_attention="dequantize")}
+        engines = {"hf": None}
+        for name in args.engines:
+            if name in FAST_VARIANTS:
+                engines[name] = FastEngine(loaded, **{"attention": args.attention, "max_decoders": args.max_decoders,
+                                                      **FAST_VARIANTS[name]})
         policies = {}
         for name in args.methods:
             method, kw = METHODS[name]
@@ -133,6 +192,14 @@ def main() -> int:
             for name, engine in order:
                 row = {"method": name, "engine": engine, "batch": batch, "ctx": args.ctx, "repeat": rep}
                 try:
+                    if rep < 0 and engine != "hf":  # capture (or compile) time, outside any window
+                        t0 = time.perf_counter()
+                        engines[engine].decoder(policies[name], batch, args.ctx, args.new_tokens)
+                        torch.cuda.synchronize() if cuda else None
+                        setup_s = time.perf_counter() - t0
+                        result.setdefault("setup", []).append({"method": name, "engine": engine, "batch": batch,
+                                                               "decoder_build_s": setup_s})
+                        print(f"b{batch} {name} {engine}: decoder built in {setup_s:.1f} s", flush=True)
                     m = measure_generation(loaded, policies[name], ctx=args.ctx, batch=batch,
                                            new_tokens=args.new_tokens, sampler=sampler, input_ids=ids,
                                            engine=engines[engine])
@@ -163,6 +230,8 @@ def main() -> int:
                           f"[{time.time() - t_start:.0f}s]", flush=True)
                 else:
                     print(f"b{batch} {label} {name} {engine}: {row['error']}", flush=True)
+        if args.profile:
+            profile_variants(result, loaded, policies, engines, args, batch)
         if "fast" in args.engines and args.compare_steps:
             for name, p in policies.items():
                 try:
@@ -181,6 +250,33 @@ def main() -> int:
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     return 0
+
+
+def profile_variants(result: dict, loaded, policies: dict, engines: dict, args, batch: int) -> None:
+    """Where each fast variant's step goes: kernels by category, then the largest kernels."""
+    from kvlab.engine.anatomy import fast_anatomy
+
+    for engine in [e for e in args.engines if e in FAST_VARIANTS and e != "fast-deq"]:
+        try:
+            a = fast_anatomy(loaded, policies["full"], args.ctx, batch, steps=args.profile, engine=engines[engine])
+        except Exception as err:
+            result.setdefault("profiles", []).append({"engine": engine, "batch": batch, "error": repr(err)})
+            print(f"profile {engine}: {err!r}", flush=True)
+            continue
+        top = a.top_ops(20)
+        kernels_per_step = float(a.ops["calls"].sum())
+        result.setdefault("profiles", []).append({
+            "engine": engine, "batch": batch, "label": a.label, "wall_ms": a.wall_ms, "busy_ms": a.busy_ms,
+            "by_category": a.by_category, "kernels_per_step": kernels_per_step,
+            "top": top.to_dict(orient="records")})
+        print(f"\nprofile b{batch} {a.label}: wall {a.wall_ms:.2f} ms/step, kernels busy {a.busy_ms:.2f} ms, "
+              f"{kernels_per_step:.0f} kernels/step", flush=True)
+        for cat, ms in a.by_category.items():
+            print(f"  {cat:24s} {ms:7.3f} ms")
+        for r in top.itertuples():
+            print(f"  {r.ms:7.3f} ms {r.calls:6.1f}x  {r.category:20s} {r.op[:90]}")
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
 
 
 def summarize(result: dict) -> None:
@@ -211,7 +307,11 @@ def summarize(result: dict) -> None:
             if js(method, "fast") and js(method, "hf"):
                 ratios.append({"batch": batch, "what": f"{method}: fast / hf",
                                "ratio": ratio_ci(js(method, "fast"), js(method, "hf"))})
-            for engine in ("hf", "fast"):
+            for variant in ("fast-eager", "fast-layers", "fast-ro", "fast-triton"):
+                if js(method, variant) and js(method, "fast"):
+                    ratios.append({"batch": batch, "what": f"{method}: {variant} / fast",
+                                   "ratio": ratio_ci(js(method, variant), js(method, "fast"))})
+            for engine in ("hf", "fast", "fast-layers"):
                 if method != "full" and js(method, engine) and js("full", engine):
                     ratios.append({"batch": batch, "what": f"{engine}: {method} / full",
                                    "ratio": ratio_ci(js(method, engine), js("full", engine))})

@@ -66,25 +66,6 @@ def classify(chain: list[str]) -> str:
 # instrumentation: profiler scopes on the model and cache we were given, removed afterwards
 
 
-def _scoped(fn: Callable, name: str) -> Callable:
-    from torch.profiler import record_function
-
-    def wrapper(*args, **kwargs):
-        with record_function(name):
-            return fn(*args, **kwargs)
-
-    wrapper.__kvlab_scoped__ = True  # type: ignore[attr-defined]
-    return wrapper
-
-
-def _wrap_attr(obj: Any, attr: str, name: str, undo: list) -> None:
-    fn = getattr(obj, attr, None)
-    if fn is None or getattr(fn, "__kvlab_scoped__", False):
-        return
-    setattr(obj, attr, _scoped(fn, name))
-    undo.append((obj, attr))
-
-
 def attention_modules(model) -> list:
     """The self-attention modules of a transformers decoder (by class name: *Attention)."""
     return [m for m in model.modules() if type(m).__name__.endswith("Attention")]
@@ -92,10 +73,13 @@ def attention_modules(model) -> list:
 
 @contextmanager
 def instrument(model, cache) -> Iterator[None]:
-    """Profiler scopes around attention forwards, ``cache.update`` and layer (de)quantization."""
+    """Profiler scopes around attention forwards (module hooks), ``cache.update`` and layer
+    (de)quantization (the cache hook :func:`kvlab.policies.cache.profiler_scopes`)."""
     from torch.profiler import record_function
 
-    handles, undo, open_scopes = [], [], []
+    from kvlab.policies.cache import profiler_scopes
+
+    handles, open_scopes = [], []
 
     def pre(module, args, kwargs=None):
         rf = record_function(SCOPE_ATTENTION)
@@ -109,31 +93,14 @@ def instrument(model, cache) -> Iterator[None]:
     for m in attention_modules(model):
         handles.append(m.register_forward_pre_hook(pre))
         handles.append(m.register_forward_hook(post))
-
-    def wrap_layers():
-        for layer in getattr(cache, "layers", None) or []:
-            _wrap_attr(layer, "_quantize", SCOPE_QUANTIZE, undo)
-            _wrap_attr(layer, "_dequantize", SCOPE_DEQUANTIZE, undo)
-
-    original_update = cache.update
-
-    def update(*args, **kwargs):
-        wrap_layers()  # layers may be created lazily on first update
-        with record_function(SCOPE_CACHE):
-            return original_update(*args, **kwargs)
-
-    cache.update = update
-    wrap_layers()
     try:
-        yield
+        with profiler_scopes(cache, SCOPE_CACHE, SCOPE_QUANTIZE, SCOPE_DEQUANTIZE):
+            yield
     finally:
         for h in handles:
             h.remove()
         while open_scopes:
             open_scopes.pop().__exit__(None, None, None)
-        for obj, attr in reversed(undo):
-            delattr(obj, attr)  # the instance attribute shadowed the class method
-        del cache.update
 
 
 # ---------------------------------------------------------------------------------------------

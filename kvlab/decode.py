@@ -140,8 +140,10 @@ def _generate(loaded, model, tokenizer, prompt_ids, policy, max_new_tokens, ques
 
     device = next(model.parameters()).device
     ids = _as_batch(prompt_ids, device)
+    from kvlab.chunked import prefill as chunked_prefill
+
     cache = (policy.fast_storage()[0] if engine is not None else policy).make_cache(model)
-    logits = prefill(model, ids, cache)
+    logits = chunked_prefill(model, ids, cache, getattr(policy, "prefill_chunk", None))
     after_prefill = cache_stats(cache)
     if question_ids is not None:
         question = _as_batch(question_ids, device).expand(ids.shape[0], -1)

@@ -30,6 +30,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvlab.columns import engine_columns
 from kvlab.energy import NullSampler, Sampler, WindowResult
 from kvlab.hostload import contention, host_delta, peak_rss_bytes, read_counters, reset_peak_rss
 
@@ -275,7 +276,8 @@ def measure_generation(
     """
     import torch
 
-    from kvlab.decode import greedy_decode, prefill
+    from kvlab.chunked import prefill
+    from kvlab.decode import greedy_decode
     from kvlab.policies import cache_stats
 
     if new_tokens < 1:
@@ -312,7 +314,7 @@ def measure_generation(
             clock.mark()  # 0: prefill start
             if probe_prefill:
                 probe_prefill.start()
-            logits = prefill(model, ids, cache)
+            logits = prefill(model, ids, cache, getattr(policy, "prefill_chunk", None))
             last = logits[:, -1, :] if logits.dim() == 3 else logits
             first = last.argmax(dim=-1, keepdim=True)
             if decoder is not None:
@@ -341,6 +343,7 @@ def measure_generation(
             if probe is not None:
                 probe.abandon()
     host = host_delta(host_start, read_counters())  # decode, to the window's closing synchronize
+    final = cache_stats(cache) if decoder is None else decoder.stats(new_tokens)  # after the decode
     res = win.result
     if _token_count(tokens) != new_tokens:
         raise MeasureError(f"generated {_token_count(tokens)} tokens per sequence, expected exactly {new_tokens}")
@@ -370,6 +373,8 @@ def measure_generation(
         "cache_bytes": stats.get("bytes"),
         "cache_logical_tokens": stats.get("logical_tokens"),
         "cache_physical_tokens": stats.get("physical_tokens"),
+        "cache_final_physical_tokens": final.get("physical_tokens"),  # decode-time compression bounds it
+        "cache_final_bytes": final.get("bytes"),
         "energy_source": res.source,
         "energy_j": energy,
         "prefill_j": res.phase_j.get("prefill"),
@@ -390,11 +395,8 @@ def measure_generation(
         "temp_start_c": res.temp_start_c,
         "temp_end_c": res.temp_end_c,
         **{f"decode_{k}": v for k, v in host.items()},
-        "engine": "hf" if decoder is None else "fast",
+        **engine_columns(engine, stats if decoder is not None else None),
     }
-    if decoder is not None:
-        record.update(kv_format=stats["kv_format"], fast_attention=stats["attention"],
-                      cuda_graph=stats["graph"], cache_bytes_allocated=stats["bytes_allocated"])
     threads = torch.get_num_threads()
     contended, why = contention(host, decode_s, threads, device)
     record.update(threads=threads, contended=contended, contention=why or None)

@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
 from kvlab.errors import UserError
+from kvlab.workload import CtxDistribution
 
 SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
 DTYPES = ("bfloat16", "float16", "float32")
@@ -73,7 +74,11 @@ class SweepParams(BaseModel):
     bits: list[int] | None = Field(None, description="bit widths for quantized methods listed by name")
     engine: list[Literal["hf", "fast"]] = Field(
         ["hf"], description="decode engines: hf (transformers per step) and/or fast (static KV, CUDA graph)")
-    ctx: list[int] = Field(description="prompt lengths in tokens")
+    ctx: list[int] | CtxDistribution = Field(
+        description="prompt lengths in tokens, or a distribution: {dist: lognormal, median, sigma, samples} "
+                    "or {file: lengths.txt} (kvlab.workload)")
+    prefill_chunk: list[int | None] = Field(
+        [None], description="prefill chunk sizes in tokens, each run for every method (null: one-shot prefill)")
     batch: list[int] = [1]
     new_tokens: int = Field(128, ge=1, description="exactly this many new tokens per sequence (EOS ignored)")
     prompts: int = Field(1, ge=1, description="prompt ids 0..prompts-1 (seeded, exact length)")
@@ -93,16 +98,56 @@ class SweepParams(BaseModel):
     ray_address: str | None = Field(
         None, description="Ray cluster to join with executor: ray (e.g. auto, ray://head:10001); "
                           "default: RAY_ADDRESS, else a local cluster")
+    weights_quant: list[Literal["none", "int8", "int4"]] = Field(
+        ["none"], description="weight quantization stacked under every cache policy: none, int8, int4 "
+                              "(optimum-quanto; engine hf only; kvlab.weights_quant)")
+    budget_gb: float | Literal["gpu"] | None = Field(
+        None, description="memory-budgeted concurrency: admit as many sequences per method as fit in "
+                          "this many GB (or the whole free GPU) from the measured peaks (kvlab.admission)")
+    budget_max_batch: int | None = Field(
+        None, ge=1, description="with budget_gb: admit at most this many sequences (a command's time limit)")
     quality: dict[str, Any] | None = Field(
         None, description="a quality pass after the performance runs: kvlab.quality.TaskSpec keys "
                           "(tasks, lengths, depths, samples, ...); needs real weights")
 
-    _lists = field_validator("models", "ctx", "batch", "keep", "bits", "methods", "engine",
+    _lists = field_validator("models", "batch", "keep", "bits", "methods", "engine", "weights_quant",
                              mode="before")(_as_list)
+
+    @field_validator("ctx", mode="before")
+    @classmethod
+    def _ctx(cls, value):
+        """A mapping is a distribution (its own one-line errors); anything else a list of lengths."""
+        from kvlab.workload import WorkloadError, parse_distribution
+
+        if isinstance(value, dict):
+            try:
+                return parse_distribution(value, key=None)
+            except WorkloadError as err:
+                raise ValueError(str(err)) from None
+        try:  # validated here, so a bad list gets one line (not one per member of the union)
+            return TypeAdapter(list[int]).validate_python(_as_list(value))
+        except ValidationError as err:
+            raise ValueError(f"{err.errors()[0]['msg']}; give lengths in tokens, e.g. [4096, 16384], or a "
+                             f"distribution such as {{dist: lognormal, median: 4096, sigma: 0.6}}") from None
+
+    @field_validator("prefill_chunk", mode="before")
+    @classmethod
+    def _chunk_list(cls, value):
+        return [None] if value is None else _as_list(value)
+
+    @field_validator("prefill_chunk")
+    @classmethod
+    def _chunk_sizes(cls, values: list[int | None]) -> list[int | None]:
+        for v in values:
+            if v is not None and v < 1:
+                raise ValueError(f"{v}: a chunk is at least 1 token (null: one-shot prefill)")
+        return values or [None]
 
     @field_validator("ctx", "batch")
     @classmethod
-    def _positive(cls, values: list[int]) -> list[int]:
+    def _positive(cls, values):
+        if isinstance(values, CtxDistribution):
+            return values
         for v in values:
             if v < 1:
                 raise ValueError(f"{v} must be at least 1")
@@ -119,6 +164,10 @@ class MethodVariant:
     @property
     def keep(self) -> float | None:
         return self.kwargs.get("keep")
+
+    @property
+    def prefill_chunk(self) -> int | None:
+        return self.kwargs.get("prefill_chunk")
 
     @property
     def bits(self) -> int | None:
@@ -167,7 +216,17 @@ def method_variants(params: SweepParams) -> list[tuple[str, MethodVariant]]:
             out += [("bits", MethodVariant(entry.method, {**base, "nbits": b})) for b in params.bits]
         else:
             out.append((where, MethodVariant(entry.method, base)))
-    return out
+    return [(where, chunked) for where, v in out for chunked in _chunk_variants(v, params.prefill_chunk)]
+
+
+def _chunk_variants(v: MethodVariant, chunks: list[int | None]) -> list[MethodVariant]:
+    """``v`` at each prefill chunk (a method entry's own ``prefill_chunk`` knob wins; null there means
+    one shot only, with the run id of a one-shot run)."""
+    if "prefill_chunk" in v.kwargs:
+        if v.kwargs["prefill_chunk"] is None:
+            return [MethodVariant(v.method, {k: x for k, x in v.kwargs.items() if k != "prefill_chunk"})]
+        return [v]
+    return [v if c is None else MethodVariant(v.method, {**v.kwargs, "prefill_chunk": c}) for c in chunks]
 
 
 # --------------------------------------------------------------------------------------------
@@ -188,7 +247,7 @@ def _pydantic_lines(err: ValidationError, known: list[str] | None = None, prefix
         elif e["type"] == "missing":
             lines.append(f"{loc}: required; add `{loc}:` to the params file or --set {loc}=...")
         else:
-            lines.append(f"{loc}: {e['msg']} (got {e.get('input')!r})")
+            lines.append(f"{loc}: {e['msg'].removeprefix('Value error, ')} (got {e.get('input')!r})")
     return list(dict.fromkeys(lines))
 
 
@@ -266,6 +325,7 @@ def check_params(params: SweepParams, check_device: bool = True) -> list[tuple[i
     from kvlab.budget import context_problem
     from kvlab.models import ModelError, get_spec
     from kvlab.preflight import compressions, device_problem, shape_problems, weights_problem
+    from kvlab.workload import context_points
 
     problems: list[str] = []
     # device and dtype
@@ -290,6 +350,11 @@ def check_params(params: SweepParams, check_device: bool = True) -> list[tuple[i
         problems.append(f"sdpa_backend: {params.sdpa_backend!r} only applies with attn_implementation: sdpa")
     if not params.methods:
         problems.append("methods: empty; list at least one method, e.g. [full]")
+    from kvlab.admission import budget_problems
+    from kvlab.weights_quant import weights_quant_problems
+
+    problems += weights_quant_problems(params.weights_quant, params.engine)
+    problems += budget_problems(params)
 
     # models, weights, context limits and memory (for the most compressed method that builds)
     from kvlab.policies import make_policy
@@ -319,7 +384,13 @@ def check_params(params: SweepParams, check_device: bool = True) -> list[tuple[i
                 check_model_type(spec.model_type)
             except ValueError as err:
                 problems.append(f"engine: fast with models[{i}] {name}: {err}")
-        for ctx in params.ctx:
+        try:
+            contexts = sorted({p.ctx for p in context_points(params.ctx, params.seed,
+                                                             spec.max_context - params.new_tokens)})
+        except UserError as err:
+            problems.append(str(err))
+            contexts = []
+        for ctx in contexts:
             problems += shape_problems(spec, params.device, params.dtype, ctx, max(params.batch),
                                        params.new_tokens, check_memory=check_device and not device_bad,
                                        compressions=compressions(built))

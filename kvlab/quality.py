@@ -30,6 +30,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kvlab.columns import engine_columns, model_columns, policy_columns
 from kvlab.metrics import (
     answer_span_fidelity,
     bootstrap_ci,
@@ -167,14 +168,14 @@ def fork_cache(cache, model):
         return None
 
 
-def _prefill(model, ids: Sequence[int], cache) -> None:
+def _prefill(model, ids: Sequence[int], cache, chunk: int | None = None) -> None:
     import torch
 
-    from kvlab.decode import prefill
+    from kvlab.chunked import prefill
 
     device = next(model.parameters()).device
     with torch.inference_mode():
-        prefill(model, torch.tensor([list(ids)], dtype=torch.long, device=device), cache)
+        prefill(model, torch.tensor([list(ids)], dtype=torch.long, device=device), cache, chunk)
 
 
 def _greedy(model, cache, first_token: int, n_new: int, start: int) -> list[int]:
@@ -251,7 +252,7 @@ def run_item(loaded, policy, item: TaskItem, enc: Encoder, query_aware: bool = F
     if not second:
         raise TaskError(f"item {item.task}: nothing after the compressed part; the answer prefix is empty")
     cache = (policy.fast_storage()[0] if engine is not None else policy).make_cache(model)
-    _prefill(model, first, cache)
+    _prefill(model, first, cache, policy.prefill_chunk)
     stats = _cache_stats(cache)
     logits = forward_at(model, second, cache, len(first))
     start = len(first) + len(second)
@@ -267,7 +268,7 @@ def run_item(loaded, policy, item: TaskItem, enc: Encoder, query_aware: bool = F
     if len(answer) > 1:
         if tf_cache is None:  # rebuild the same compressed state
             tf_cache = policy.make_cache(model)
-            _prefill(model, first, tf_cache)
+            _prefill(model, first, tf_cache, policy.prefill_chunk)
             forward_at(model, second, tf_cache, len(first))
         rest = forward_at(model, answer[:-1], tf_cache, start)
         tf_logits = torch.cat([last[None], rest], dim=0)
@@ -289,24 +290,6 @@ def reply_text(enc: Encoder, generated: Sequence[int]) -> str:
 
 
 # ------------------------------------------------------------------ records
-
-
-def policy_columns(policy) -> dict[str, Any]:
-    """Identity columns a record takes from a policy (as the perf records do)."""
-    return {"method": policy.name, "label": policy.label, "policy_params": dict(policy.params()),
-            "keep": policy.keep, "bits": policy.bits}
-
-
-def model_columns(loaded) -> dict[str, Any]:
-    model = loaded.model
-    device = str(loaded.device)
-    gpu_name = None
-    if device.startswith("cuda"):
-        import torch
-
-        gpu_name = torch.cuda.get_device_name(torch.device(device))
-    return {**loaded.provenance(), "gpu_name": gpu_name,
-            "attn_implementation": getattr(model.config, "_attn_implementation", None)}
 
 
 def _item_key(item: TaskItem, query_aware: bool) -> dict[str, Any]:
@@ -378,7 +361,7 @@ def _emit(writer, record: dict[str, Any]) -> None:
 
 
 def _is_full(policy) -> bool:
-    return policy.name == "full"
+    return policy.name == "full" and getattr(policy, "prefill_chunk", None) is None
 
 
 def build_items(spec: TaskSpec, enc: Encoder, max_context: int | None = None) -> list[TaskItem]:
@@ -436,8 +419,7 @@ def run_quality(loaded, policies: Sequence, task_spec: TaskSpec | dict, out_writ
 
     spec = task_spec if isinstance(task_spec, TaskSpec) else TaskSpec(**task_spec)
     enc = Encoder(loaded.tokenizer)
-    base = {**model_columns(loaded), "seed": spec.seed, **(base or {}),
-            "engine": "hf" if engine is None else "fast"}
+    base = {**model_columns(loaded), "seed": spec.seed, **(base or {}), **engine_columns(engine)}
     policies = list(policies)
     reference = next((p for p in policies if _is_full(p)), None) or make_policy("full")
     with attached([*policies, reference], loaded.model):
@@ -578,7 +560,7 @@ def continuation_logits(loaded, policy, item: ContinuationItem):
 
         return forward_at(model, cont[:-1], DynamicCache(), 0)
     cache = policy.make_cache(model)
-    _prefill(model, item.context_ids, cache)
+    _prefill(model, item.context_ids, cache, policy.prefill_chunk)
     return forward_at(model, cont[:-1], cache, len(item.context_ids))
 
 
@@ -720,7 +702,7 @@ def summarize(records, metrics: Sequence[str] = SUMMARY_METRICS, n_boot: int = 2
     pair_key = ["depth_key", "sample", "query_aware"]
     rows = []
     for (task, length), cell in df.groupby(["task", "length"], sort=False):
-        full = cell[cell["method"] == "full"].set_index(pair_key)
+        full = cell[cell["label"] == "full"].set_index(pair_key)  # one shot: chunked runs are "full chunk N"
         for (method, label), arm in cell.groupby(["method", "label"], sort=False):
             row = {"task": task, "length": length, "method": method, "label": label, "n": len(arm),
                    "no_signal": bool(arm["no_signal"].fillna(False).any())}
@@ -728,7 +710,7 @@ def summarize(records, metrics: Sequence[str] = SUMMARY_METRICS, n_boot: int = 2
             for m in metrics:
                 vals = pd.to_numeric(arm[m], errors="coerce").tolist()
                 row[m], row[f"{m}_lo"], row[f"{m}_hi"] = bootstrap_ci(vals, n_boot, ci, seed)
-                if not full.empty and method != "full":
+                if not full.empty and label != "full":
                     common = indexed.index.intersection(full.index)
                     a = pd.to_numeric(indexed.loc[common, m], errors="coerce").tolist()
                     b = pd.to_numeric(full.loc[common, m], errors="coerce").tolist()

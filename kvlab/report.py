@@ -4,6 +4,7 @@ lives in :mod:`kvlab.reporting`, one module per job."""
 from kvlab.metrics import bootstrap_ci
 from kvlab.quality import quality_notes
 from kvlab.reporting import ReportError
+from kvlab.reporting.admission import budget_lines, budget_summary, budget_table
 from kvlab.reporting.anatomy_files import (
     ANATOMY_HINT,
     anatomy_categories,
@@ -12,6 +13,7 @@ from kvlab.reporting.anatomy_files import (
     load_anatomy,
     read_anatomy,
 )
+from kvlab.reporting.engines import engine_comparison, engine_lines, engine_table
 from kvlab.reporting.frames import (
     DEFAULT_CTX,
     GB,
@@ -56,6 +58,7 @@ from kvlab.reporting.render import (
     render_report,
     write_index,
 )
+from kvlab.reporting.stack import stack_lines, stack_summary, stack_table
 from kvlab.reporting.stats import (
     format_ci,
     method_summary,
@@ -96,8 +99,14 @@ from kvlab.reporting.summaries import (
     sweep_summary,
     tenhz_gap,
 )
+from kvlab.reporting.workload import (
+    distribution_lines,
+    distribution_summary,
+    distribution_table,
+)
 
 __all__ = [
+    "engine_comparison", "engine_lines", "engine_table",
     "runs_text",
     "pays_why",
     "say",
@@ -177,4 +186,13 @@ __all__ = [
     "REPO_ROOT",
     "REPORT_NOTEBOOK",
     "write_index",
+    "distribution_lines",
+    "distribution_summary",
+    "distribution_table",
+    "budget_lines",
+    "budget_summary",
+    "budget_table",
+    "stack_lines",
+    "stack_summary",
+    "stack_table",
 ]

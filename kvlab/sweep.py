@@ -89,14 +89,25 @@ class RunSpec:
     seed: int
     repeat: int
     engine: str = "hf"
+    ctx_dist: str | None = None  # the distribution ctx was drawn from (kvlab.workload), and the draw
+    ctx_sample: int | None = None
+    weights_quant: str = "none"  # kvlab.weights_quant
+    budget_gb: float | str | None = None  # an at-budget run: batch is the admitted batch (kvlab.admission)
+    budget_bytes: int | None = None  # the budget resolved (not identity: "gpu" resolves per machine)
+    budget_fit: dict[str, Any] | None = None  # how the batch was admitted (not identity; recorded)
 
     def identity(self) -> dict[str, Any]:
-        """Everything but ``repeat``; ``engine`` only when not ``hf``, so runs recorded before
-        engines existed keep their ids."""
+        """Everything but ``repeat``; ``engine`` only when not ``hf`` and the workload fields only
+        when set, so runs recorded before these axes existed keep their ids."""
         d = asdict(self)
         d.pop("repeat")
+        d.pop("budget_bytes")
+        d.pop("budget_fit")
         if d["engine"] == "hf":
             d.pop("engine")
+        for key, unset in IDENTITY_DEFAULTS.items():
+            if d[key] == unset:
+                d.pop(key)
         return d
 
     @property
@@ -108,7 +119,10 @@ class RunSpec:
         return MethodVariant(self.method, dict(self.policy_kwargs))
 
     @property
-    def shape(self) -> tuple[str, int, int]:
+    def shape(self) -> tuple:
+        """What one worker loads for: (model, ctx, batch), plus the weight quantization if any."""
+        if self.weights_quant != "none":
+            return (self.model, self.ctx, self.batch, self.weights_quant)
         return (self.model, self.ctx, self.batch)
 
     def unit(self) -> tuple:
@@ -116,6 +130,7 @@ class RunSpec:
         return (self.variant.key(), self.engine)
 
 
+IDENTITY_DEFAULTS = {"ctx_dist": None, "ctx_sample": None, "weights_quant": "none", "budget_gb": None}
 EXECUTION_KEYS = ("executor", "ray_address")
 
 
@@ -141,23 +156,27 @@ def block_order(n: int, seed: int, *key: Any) -> list[int]:
 
 
 def expand(params: SweepParams, variants: list[tuple[int, MethodVariant]]) -> list[RunSpec]:
-    """All runs in execution order: model > ctx > batch > (repeat, prompt) blocks > shuffled
-    (variant, engine) pairs."""
+    """All runs in execution order: model > weights_quant > ctx (or a distribution's draws) > batch >
+    (repeat, prompt) blocks > shuffled (variant, engine) pairs."""
+    from kvlab.workload import workload_points
+
     vs = [(v, engine) for _, v in variants for engine in params.engine]
     runs = []
     for model in params.models:
-        for ctx in params.ctx:
+        for wq, point in workload_points(params, model):
             for batch in params.batch:
                 for repeat in range(params.repeats):
                     for prompt_id in range(params.prompts):
-                        for k in block_order(len(vs), params.seed, model, ctx, batch, repeat, prompt_id):
+                        for k in block_order(len(vs), params.seed, model, point.ctx, batch, repeat, prompt_id,
+                                             *point.block_key(wq)):
                             runs.append(RunSpec(
                                 model=model, weights=params.weights, device=params.device, dtype=params.dtype,
                                 attn_implementation=params.attn_implementation,
                                 sdpa_backend=params.sdpa_backend, method=vs[k][0].method,
-                                policy_kwargs=dict(vs[k][0].kwargs), ctx=ctx, batch=batch,
+                                policy_kwargs=dict(vs[k][0].kwargs), ctx=point.ctx, batch=batch,
                                 new_tokens=params.new_tokens, prompt_id=prompt_id, seed=params.seed,
-                                repeat=repeat, engine=vs[k][1],
+                                repeat=repeat, engine=vs[k][1], ctx_dist=point.dist, ctx_sample=point.sample,
+                                weights_quant=wq,
                             ))
     return runs
 
@@ -344,9 +363,13 @@ def _identity_record(run: RunSpec, sweep: str, kind: str = "perf") -> dict[str, 
         "status": None, "error": None, "model": run.model, "weights": run.weights or "real",
         "device": run.device, "dtype": run.dtype, "method": run.method,
         "policy_params": dict(run.policy_kwargs), "keep": v.keep, "bits": v.bits,
+        "prefill_chunk": v.prefill_chunk,
         "ctx": run.ctx, "batch": run.batch, "new_tokens": run.new_tokens, "prompt_id": run.prompt_id,
         "repeat": run.repeat, "seed": run.seed, "sdpa_backend": run.sdpa_backend,
         "attn_implementation": run.attn_implementation, "engine": run.engine,
+        "ctx_dist": run.ctx_dist, "ctx_sample": run.ctx_sample, "weights_quant": run.weights_quant,
+        **({"budget_gb": run.budget_gb, "budget_bytes": run.budget_bytes, "admitted_batch": run.batch,
+            **{f"admission_{k}": v for k, v in (run.budget_fit or {}).items()}} if run.budget_gb is not None else {}),
     }
 
 
@@ -386,16 +409,18 @@ def run_sweep(
     loader: Callable[..., Any] | None = None,
     sampler_factory: Callable[..., Any] | None = None,
     log: Callable[[str], None] | None = None,
+    runs: list[RunSpec] | None = None,
 ) -> SweepSummary:
-    """Run (or resume) a sweep into ``out_dir``; returns what was done and what is left. ``log``
-    defaults to ``tqdm.write``: a line printed under a live progress bar, not into it."""
+    """Run (or resume) a sweep into ``out_dir``; returns what was done and what is left. ``runs``
+    replaces the params' grid (kvlab.admission adds at-budget runs to it). ``log`` defaults to
+    ``tqdm.write``: a line printed under a live progress bar, not into it."""
     from tqdm.auto import tqdm
 
-    log = log or tqdm.write
     from kvlab import env
     from kvlab.energy import make_sampler
     from kvlab.models import load_model
 
+    log = log or tqdm.write
     loader = loader or load_model
     sampler_factory = sampler_factory or make_sampler
     variants = check_params(params, check_device=check_device)  # raises before any model loads
@@ -404,7 +429,7 @@ def run_sweep(
         import torch
 
         torch.set_num_threads(threads)  # recorded per run (``threads``) by kvlab.measure
-    runs = expand(params, variants)
+    runs = expand(params, variants) if runs is None else runs
     out = Path(out_dir)
     sweep_name = params.name or out.name
     executor = make_executor(params.executor, ray_address=params.ray_address, log=log)
@@ -548,11 +573,11 @@ def run_group(params: SweepParams, runs: list[RunSpec], sink, budget: Budget, *,
     """Measure ``runs`` (pending, in plan order) in this process: one model load per model, then per
     (ctx, batch) shape its warm-ups and measured runs. The seam every executor calls (in the driver,
     a child process or a Ray worker); everything measured goes to ``sink`` (see kvlab.runner.sink)."""
-    for model_name, model_runs in groupby(runs, key=lambda r: r.model):
+    for (model_name, weights_quant), model_runs in groupby(runs, key=lambda r: (r.model, r.weights_quant)):
         if not budget.allows():
             break
         model_runs = list(model_runs)
-        session = _open_model(params, model_name, loader, sampler, model_runs, sink, sweep_name)
+        session = _open_model(params, model_name, loader, sampler, model_runs, sink, sweep_name, weights_quant)
         if session is None:
             continue
         try:
@@ -568,13 +593,18 @@ def run_group(params: SweepParams, runs: list[RunSpec], sink, budget: Budget, *,
             _release_memory(params.device)
 
 
-def _open_model(params, model_name, loader, sampler, model_runs, sink, sweep_name) -> _ModelSession | None:
-    """Load a model and take its idle baseline; on failure record every pending run of it."""
+def _open_model(params, model_name, loader, sampler, model_runs, sink, sweep_name,
+                weights_quant: str = "none") -> _ModelSession | None:
+    """Load a model (its weights quantized if asked) and take its idle baseline; on failure record
+    every pending run of it."""
+    from kvlab.weights_quant import quantize_weights
+
     sink.begin("load", model_runs[0].run_id)
     started = time.monotonic()
     try:
         loaded = loader(model_name, weights=params.weights, device=params.device, dtype=params.dtype,
                         seed=params.seed, attn_implementation=params.attn_implementation)
+        quantize_weights(loaded.model, weights_quant)
     except Exception as err:
         message = f"model load failed: {_short_error(err)}"
         sink.log(f"kvlab sweep: {model_name}: {message}")
@@ -640,12 +670,18 @@ def _measure(params, session, run: RunSpec, policy, probe: bool):
 
 
 def _base_record(session, run, sweep_name, kind, policy) -> dict[str, Any]:
+    """The run's identity, then the shared model and policy columns (:mod:`kvlab.columns`)."""
+    from kvlab.columns import model_columns, policy_columns
+
     rec = _identity_record(run, sweep_name, kind)
-    prov = session.loaded.provenance()
-    rec.update(weights=prov.get("weights"), dtype=prov.get("dtype"), gpu_name=session.gpu_name,
+    model = model_columns(session.loaded)
+    rec.update(weights=model.get("weights"), dtype=model.get("dtype"), gpu_name=model["gpu_name"],
                gpu_uuid=session.gpu_uuid, host=session.host)
     if policy is not None:
-        rec.update(label=policy.label, policy_params=policy.params(), keep=policy.keep, bits=policy.bits)
+        from kvlab.weights_quant import weights_label
+
+        cols = policy_columns(policy)
+        rec.update(cols, label=weights_label(cols["label"], run.weights_quant))
     return rec
 
 

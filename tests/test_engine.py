@@ -181,3 +181,61 @@ def test_quality_on_the_fast_engine_replies_as_hf_does(smollm2):
     assert [r["prediction"] for r in hf] == [r["prediction"] for r in fast]
     assert {r["engine"] for r in fast} == {"fast"} and {r["engine"] for r in hf} == {"hf"}
     assert not {r["run_id"] for r in hf} & {r["run_id"] for r in fast}
+
+
+def test_step_slots_are_per_layer_and_advance_on_the_device():
+    from kvlab.engine.kvstore import StepSlots
+
+    slots = StepSlots((5, 3, 7), batch=2, device="cpu")
+    slots.begin()
+    assert [int(slots.slot(i)) for i in range(3)] == [5, 3, 7]
+    slots.advance()
+    slots.advance()
+    slots.begin()
+    assert [int(slots.slot(i)) for i in range(3)] == [7, 5, 9]
+    assert slots.used(1).tolist() == [6, 6] and slots.used(1).dtype == torch.int32
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["full", "pyramidkv"])
+def test_the_compiled_layer_functions_give_the_eager_tokens(tiny, method):
+    """compile="layers" (what the GPU may run) against the eager step, on CPU through inductor's C++."""
+    import shutil
+
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("torch.compile on CPU needs a C compiler")
+    policy = make_policy(method, **_kwargs(method))
+    prompt = ids(batch=2, n=48)
+    out = {}
+    with policy.attach(tiny, warm=False):
+        for compile in ("none", "layers"):
+            decoder = FastEngine(tiny, compile=compile).decoder(policy, 2, 48, 12)
+            cache = decoder.prefill_cache()
+            first = prefill(tiny.model, prompt, cache)[:, -1].argmax(-1)
+            decoder.load(cache)
+            out[compile] = decoder.decode(first, 12, 48)
+    assert torch.equal(out["none"], out["layers"])
+
+
+def test_triton_attention_stores_bf16_and_follows_the_flash_path(tiny):
+    """attention='triton' (the bf16 baseline of the fused kernels): the reference kernel on CPU,
+    against the dense store on the same bf16 model."""
+    from kvlab.models import load_model
+
+    lm = load_model("tiny-llama", weights="synthetic", device="cpu", seed=0, dtype="bfloat16")
+    policy = make_policy("snapkv", keep=0.5, window_size=8)
+    prompt = ids(batch=2, n=48)
+    out = {}
+    with policy.attach(lm, warm=False):
+        for attention in ("sdpa", "triton"):
+            decoder = FastEngine(lm, attention=attention).decoder(policy, 2, 48, 8)
+            cache = decoder.prefill_cache()
+            first = prefill(lm.model, prompt, cache)[:, -1].argmax(-1)
+            decoder.load(cache)
+            out[attention] = decoder.decode(first, 8, 48)
+            assert decoder.stats()["kv_format"] == ("bf16" if attention == "triton" else "model dtype")
+    assert (out["sdpa"] == out["triton"]).float().mean() >= 0.9
+    with pytest.raises(EngineError, match="bfloat16"):
+        FastEngine(tiny, attention="triton").decoder(make_policy("full"), 1, 16, 4)
+    with pytest.raises(EngineError, match="use one of"):
+        FastEngine(tiny, attention="cuda-magic")

@@ -234,6 +234,24 @@ def test_split_plan_for_one_llama_sequence_at_16k():
     assert plan_splits(1, 8, 16384, sm_count=132) == (64, 256)
 
 
+def test_variant_of_a_config_defaults_to_the_module_constant(monkeypatch):
+    from kvlab.kernels import LaunchConfig, triton_decode
+
+    store = make_format("int4", group=64).alloc(1, 1, 4, 128)
+    monkeypatch.setattr(triton_decode, "DEFAULT_VARIANT", "fold")
+    assert triton_decode.kernel_variant(LaunchConfig(), store) == "fold"
+    assert triton_decode.kernel_variant(LaunchConfig(variant="split"), store) == "split"
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert triton_decode.kernel_variant(LaunchConfig(variant="fold_asm"), store) == "fold_asm"
+    for other in (make_format("fp8"), make_format("int2", group=64)):  # PTX unpacking is int4's only
+        assert triton_decode.kernel_variant(LaunchConfig(variant="fold_asm"), other.alloc(1, 1, 4, 128)) == "fold"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter runs no PTX
+    assert triton_decode.kernel_variant(LaunchConfig(variant="fold_asm"), store) == "fold"
+    monkeypatch.setattr(triton_decode, "TUNED_CONFIGS", {"int4-g64": LaunchConfig(block_n=256, variant="split")})
+    assert triton_decode.default_config(store).block_n == 256
+    assert triton_decode.default_config(make_format("fp8").alloc(1, 1, 4, 128)) == LaunchConfig()
+
+
 @pytest.mark.slow  # a fresh interpreter importing torch: several seconds on a loaded machine
 def test_kernels_import_and_run_on_cpu_without_triton():
     code = ("import sys; sys.modules['triton'] = None\n"
@@ -251,3 +269,48 @@ def test_kernels_import_and_run_on_cpu_without_triton():
             "    raise AssertionError('no error without triton')\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def _run_ptx(text: str, regs: dict[str, int]) -> dict[str, int]:
+    """Emulate the few PTX integer instructions the int4 unpacking uses (prmt default mode, shl, lop3)."""
+    def val(tok):
+        tok = tok.strip()
+        return regs[tok] if tok in regs else int(tok, 0)
+
+    for line in text.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line[0] in "{}." or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        dst, *args = [a.strip() for a in rest.split(",")]
+        if op == "prmt.b32":
+            a, b, sel = val(args[0]), val(args[1]), val(args[2])
+            src = a | (b << 32)
+            regs[dst] = sum(((src >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+        elif op == "shl.b32":
+            regs[dst] = (val(args[0]) << val(args[1])) & 0xFFFFFFFF
+        elif op == "lop3.b32":
+            a, b, c, lut = (val(x) for x in args)
+            regs[dst] = sum((((lut >> ((((a >> i) & 1) << 2) | (((b >> i) & 1) << 1) | ((c >> i) & 1))) & 1) << i)
+                            for i in range(32))
+        else:
+            raise AssertionError(f"unexpected PTX {op}")
+    return regs
+
+
+def test_int4_unpacking_ptx_makes_the_codes_the_portable_path_makes():
+    """fold_asm's PTX (run on GPUs only) against fold's arithmetic: float16 1 + c/16 of each nibble, in order."""
+    pytest.importorskip("triton")
+    from kvlab.kernels._fold_kernels import INT4_PLANES_PTX
+
+    text = INT4_PLANES_PTX.value if hasattr(INT4_PLANES_PTX, "value") else INT4_PLANES_PTX
+    gen = torch.Generator().manual_seed(0)
+    quads = [[b, (b + 85) % 256, 255 - b, (b * 7) % 256] for b in range(256)]
+    quads += torch.randint(0, 256, (256, 4), generator=gen).tolist()
+    for quad in quads:
+        word = sum(b << (8 * i) for i, b in enumerate(quad))
+        out = _run_ptx(text, {"$4": word, "t0": 0, "t1": 0})
+        halves = [out[f"${r}"] >> (16 * h) & 0xFFFF for r in range(4) for h in range(2)]
+        got = torch.tensor(halves, dtype=torch.int32).to(torch.int16).view(torch.float16).float().view(2, 4)
+        codes = torch.tensor([[b & 15 for b in quad], [b >> 4 for b in quad]], dtype=torch.float32)
+        assert torch.equal(got, 1 + codes / 16), (quad, got)

@@ -16,11 +16,13 @@ import torch
 
 from kvlab.kernels import (
     FormatError,
+    LaunchConfig,
     decode_attention,
     decode_attention_reference,
     make_format,
     make_workspace,
 )
+from kvlab.kernels.triton_decode import kernel_variant
 from kvlab.kernels.triton_write import quantize_write
 
 pytest.importorskip("triton")
@@ -48,11 +50,15 @@ def stores(name, batch, kv_heads, capacity, dim, group=None, seed=0):
     return k, v
 
 
-def check(name, batch, kv_heads, gqa, dim, capacity, lengths, group=None, q_dtype=torch.float32, workspace=None):
+def check(name, batch, kv_heads, gqa, dim, capacity, lengths, group=None, q_dtype=torch.float32, workspace=None,
+          variant=None):
     k, v = stores(name, batch, kv_heads, capacity, dim, group=group, seed=len(lengths) + dim)
     q = torch.randn(batch, kv_heads * gqa, dim, generator=torch.Generator().manual_seed(7)).to(DEVICE, q_dtype)
     lengths = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
     scale = dim ** -0.5
+    if variant is not None:
+        workspace = make_workspace(q.shape[1], k, config=LaunchConfig(variant=variant))
+        assert kernel_variant(workspace.config, k) == variant  # the case runs the kernel it names
     got = decode_attention(q, k, v, lengths, scale, backend="triton", workspace=workspace)
     assert got.dtype == q_dtype and got.shape == q.shape
     want = decode_attention_reference(q, k, v, lengths, scale)
@@ -60,15 +66,21 @@ def check(name, batch, kv_heads, gqa, dim, capacity, lengths, group=None, q_dtyp
     return got
 
 
+VARIANT_FORMATS = [("split", "bf16", None), ("split", "fp8", None), ("split", "int4", 64), ("split", "int2", 32),
+                   ("fold", "bf16", None), ("fold", "fp8", None), ("fold", "int4", 32), ("fold", "int2", 64)]
+
+
 @decode_kernel
-@pytest.mark.parametrize("name,group", [("bf16", None), ("fp8", None), ("int4", 64), ("int2", 32)])
-def test_kernel_matches_reference(name, group):
+@pytest.mark.parametrize("variant,name,group", VARIANT_FORMATS)
+def test_kernel_matches_reference(variant, name, group):
     # Odd lengths, a row of length 0, GQA 4 (padded to 16 rows), several splits (CPU plans for 8 SMs).
-    check(name, batch=3, kv_heads=2, gqa=4, dim=64, capacity=141, lengths=[141, 0, 77], group=group)
+    check(name, batch=3, kv_heads=2, gqa=4, dim=64, capacity=141, lengths=[141, 0, 77], group=group,
+          variant=variant)
 
 
 @pytest.mark.slow
 @decode_kernel
+@pytest.mark.parametrize("variant", ["split", "fold"])
 @pytest.mark.parametrize("name,group", [("bf16", None), ("fp8", None), ("int4", 32), ("int4", 64),
                                         ("int4", 128), ("int2", 64), ("int2", 128)])
 @pytest.mark.parametrize("dim", [64, 128])
@@ -77,22 +89,69 @@ def test_kernel_matches_reference(name, group):
     (1, 2, 8, 130, [129]),
     (2, 1, 3, 64, [64, 63]),
     (4, 2, 2, 300, [1, 7, 300, 65]),
+    (2, 1, 5, 200, [200, 133]),  # GQA 5: 8 rows per group (fold: 32 rows at group 32, head dim 128)
 ])
-def test_kernel_matches_reference_across_shapes(name, group, dim, batch, kv_heads, gqa, capacity,
+def test_kernel_matches_reference_across_shapes(variant, name, group, dim, batch, kv_heads, gqa, capacity,
                                                 lengths):
     if group is not None and dim % group:
         pytest.skip("group larger than head_dim")
-    check(name, batch, kv_heads, gqa, dim, capacity, lengths, group=group)
+    check(name, batch, kv_heads, gqa, dim, capacity, lengths, group=group, variant=variant)
 
 
 @decode_kernel
-def test_kernel_writes_q_dtype_and_into_out():
-    got = check("int4", batch=2, kv_heads=1, gqa=2, dim=128, capacity=90, lengths=[90, 33], q_dtype=torch.bfloat16)
+@pytest.mark.parametrize("variant", ["split", "fold"])
+@pytest.mark.parametrize("name,group", [("fp8", None), ("int4", 64)])
+def test_small_value_scales_keep_the_long_tail(variant, name, group):
+    """Values of range 1e-3 (tiny scales) and one dominant key among many weak ones: the fold kernel's
+    float16 products of probability and scale must not flush the weak tokens' mass to zero."""
+    fmt = make_format(name, group=group)
+    capacity, dim = 700, 64
+    gen = torch.Generator().manual_seed(21)
+    k, v = fmt.alloc(1, 1, capacity, dim, device=DEVICE), fmt.alloc(1, 1, capacity, dim, device=DEVICE)
+    slots = torch.arange(capacity, device=DEVICE)
+    keys = torch.randn(1, 1, capacity, dim, generator=gen) * 0.3
+    keys[0, 0, 5] = 0.375  # q . k_5 = 12 dominates: the others get p ~ e^-12 (1e-4..1e-7) of it
+    fmt.write(k, keys.to(DEVICE), slots)
+    values = torch.randn(1, 1, capacity, dim, generator=gen) * 1e-3 + 1e-3
+    values[0, 0, 5] = 0.0
+    fmt.write(v, values.to(DEVICE), slots)
+    q = torch.full((1, 4, dim), 0.5).to(DEVICE)
+    lengths = torch.tensor([capacity], dtype=torch.int32, device=DEVICE)
+    ws = make_workspace(4, k, config=LaunchConfig(variant=variant))
+    got = decode_attention(q, k, v, lengths, 1.0, backend="triton", workspace=ws)
+    want = decode_attention_reference(q, k, v, lengths, 1.0)
+    assert want.abs().max() > 1e-6  # the tail carries the whole answer (v_5 = 0)
+    torch.testing.assert_close(got.float(), want, atol=1e-3 * float(want.abs().max()), rtol=2e-2)
+
+
+def test_fold_variant_falls_back_where_it_cannot_read():
+    config = LaunchConfig(variant="fold")
+    assert kernel_variant(config, make_format("int2", group=32).alloc(1, 1, 4, 128)) == "split"  # depth 8
+    assert kernel_variant(config, make_format("int4", group=32).alloc(1, 1, 4, 256)) == "split"  # 16 slices
+    assert kernel_variant(config, make_format("int4", group=32).alloc(1, 1, 4, 128)) == "fold"
+    assert kernel_variant(LaunchConfig(variant="split"), make_format("fp8").alloc(1, 1, 4, 64)) == "split"
+    with pytest.raises(FormatError, match="variant must be one of"):
+        LaunchConfig(variant="fast")
+
+
+@decode_kernel
+def test_fold_fallback_still_matches_reference():
+    check("int2", batch=2, kv_heads=1, gqa=4, dim=128, capacity=90, lengths=[90, 41], group=32,
+          workspace=make_workspace(4, make_format("int2", group=32).alloc(2, 1, 90, 128, device=DEVICE),
+                                   config=LaunchConfig(variant="fold")))
+
+
+@decode_kernel
+@pytest.mark.parametrize("variant", ["split", "fold"])
+def test_kernel_writes_q_dtype_and_into_out(variant):
+    got = check("int4", batch=2, kv_heads=1, gqa=2, dim=128, capacity=90, lengths=[90, 33], q_dtype=torch.bfloat16,
+                variant=variant)
     k, v = stores("int4", 2, 1, 90, 128, seed=2 + 128)
     q = torch.randn(2, 2, 128, generator=torch.Generator().manual_seed(7)).to(DEVICE, torch.bfloat16)
     out = torch.empty_like(q)
     lengths = torch.tensor([90, 33], dtype=torch.int32, device=DEVICE)
-    assert decode_attention(q, k, v, lengths, 128 ** -0.5, out=out, backend="triton") is out
+    ws = make_workspace(2, k, config=LaunchConfig(variant=variant))
+    assert decode_attention(q, k, v, lengths, 128 ** -0.5, out=out, backend="triton", workspace=ws) is out
     assert torch.equal(out, got)
 
 
@@ -111,8 +170,6 @@ def test_one_workspace_serves_every_length():
 
 @decode_kernel
 def test_launch_config_changes_the_plan_not_the_result():
-    from kvlab.kernels import LaunchConfig
-
     k, v = stores("int4", 2, 2, 200, 64, seed=13)
     q = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(3)).to(DEVICE)
     lengths = torch.tensor([200, 97], dtype=torch.int32, device=DEVICE)

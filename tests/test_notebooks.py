@@ -81,6 +81,7 @@ def test_byte_budget_executes(tmp_path):
     text = outputs_text(nb)
     assert "application/vnd.jupyter.widget-view+json" in json.dumps(nb.cells[-1].outputs)
     assert "int4 g64 r128" in text and "131072" in text  # the per-token table and the formats
+    assert "requests in flight" in text  # step 6: over a context-length distribution
     assert text.count("Plotly.newPlot") == 4  # the static figures
     assert text.count("window.PlotlyConfig") == 1  # plotly.js embedded once
     # the explorer's Output widget holds the summary table and the four charts as widget state

@@ -308,6 +308,8 @@ def _every_method():
             out.append(make_policy(name))
         elif name in ("quanto", "hqq"):
             out.append(make_policy(name, nbits=4))
+        elif name == "decoding":  # a budget below the 1024-token items, so it evicts while answering
+            out.append(make_policy(name, target=512, interval=16, score_params={"window_size": 16}))
         elif issubclass(POLICIES[name], QuantizedPolicy):  # fp8, kvq-*: their defaults
             out.append(make_policy(name))
         else:

@@ -203,3 +203,18 @@ def test_ray_gives_each_task_a_gpu_and_its_sampler_binds_that_gpu(tmp_path, ray_
     assert {w["gpu_uuid"] for w in workers} == set(uuids)  # the two groups ran on both GPUs at once
     recs = records(tmp_path)
     assert {r["gpu_uuid"] for r in recs} == set(uuids) and all(r["energy_j"] is not None for r in recs)
+
+
+def test_a_ray_gpu_task_takes_its_share_of_the_cpus():
+    """Ray gives a task OMP_NUM_THREADS = num_cpus; a host-bound GPU step needs its CPU share."""
+    from types import SimpleNamespace
+
+    from kvlab.runner.ray_cluster import slots_for, task_resources
+
+    gpu = SimpleNamespace(device="cuda", threads=None)
+    assert task_resources(gpu, {"CPU": 16.0, "GPU": 1.0}) == {"num_gpus": 1, "num_cpus": 16}
+    assert task_resources(gpu, {"CPU": 32.0, "GPU": 4.0}) == {"num_gpus": 1, "num_cpus": 8}
+    assert task_resources(SimpleNamespace(device="cuda", threads=4), {"CPU": 32.0, "GPU": 4.0})["num_cpus"] == 4
+    assert task_resources(SimpleNamespace(device="cpu", threads=None), {"CPU": 8.0}) == {"num_cpus": 1}
+    four = task_resources(gpu, {"CPU": 32.0, "GPU": 4.0})
+    assert slots_for(four, {"CPU": 32.0, "GPU": 4.0}) == 4

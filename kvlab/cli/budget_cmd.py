@@ -8,7 +8,10 @@ import json
 def register(sub) -> None:
     p = sub.add_parser("budget", help="KV-cache byte budget for a model, context and format")
     p.add_argument("--model", required=True, help="preset name or local model folder")
-    p.add_argument("--ctx", type=int, required=True, help="prompt length in tokens")
+    p.add_argument("--ctx", type=int, default=None, help="prompt length in tokens (or --ctx-dist)")
+    p.add_argument("--ctx-dist", default=None, metavar="YAML",
+                   help="a context-length distribution, as a sweep's ctx: e.g. '{dist: lognormal, median: 4096, "
+                        "sigma: 0.6}' or '{file: lengths.txt}' (expected bytes over it)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--bits", type=int, default=16, choices=[16, 8, 4, 2], help="stored bits per K/V element")
     p.add_argument("--group-size", type=int, default=64, help="quantization group size (scale + zero per group)")
@@ -34,10 +37,14 @@ def run(args) -> int:
     )
     from kvlab.models import get_spec
 
-    check_positive("--ctx", args.ctx)
+    if (args.ctx is None) == (args.ctx_dist is None):
+        raise BudgetError("give --ctx N (one length) or --ctx-dist '{dist: lognormal, median: 4096, sigma: 0.6}'")
     check_positive("--batch", args.batch)
     spec = get_spec(args.model)
     gpu = get_gpu(args.gpu) if args.gpu else None
+    if args.ctx_dist is not None:
+        return run_distribution(args, spec, gpu)
+    check_positive("--ctx", args.ctx)
     problem = context_problem(spec, args.ctx, max(args.new_tokens, 0), key="--ctx", new_key="--new-tokens")
     if problem:
         raise BudgetError(problem)
@@ -57,6 +64,37 @@ def run(args) -> int:
         print(json.dumps(report))
     else:
         print(format_table(report))
+    return 0
+
+
+def run_distribution(args, spec, gpu) -> int:
+    """``--ctx-dist``: the budget averaged over the distribution's lengths (kvlab.workload_budget)."""
+    import yaml
+
+    from kvlab.budget import DEFAULT_RESERVE_BYTES, BudgetError, check_bits
+    from kvlab.workload import parse_distribution
+    from kvlab.workload_budget import distribution_budget, format_distribution
+
+    try:
+        data = yaml.safe_load(args.ctx_dist)
+    except yaml.YAMLError:
+        data = None
+    if not isinstance(data, dict):
+        raise BudgetError(f"--ctx-dist {args.ctx_dist!r}: write a mapping, e.g. '{{dist: lognormal, median: 4096, "
+                          f"sigma: 0.6}}' or '{{file: lengths.txt}}'")
+    dist = parse_distribution(data, key="--ctx-dist")
+    check_bits(args.bits)
+    if args.memory is not None and not args.memory > 0:
+        raise BudgetError(f"--memory must be positive, got {args.memory:g}")
+    if args.reserve is not None and not args.reserve >= 0:
+        raise BudgetError(f"--reserve must be >= 0 GiB, got {args.reserve:g}")
+    memory = args.memory * 1e9 if args.memory is not None else (gpu.memory_bytes if gpu else None)
+    lengths = dist.population(spec.max_context - max(args.new_tokens, 0))
+    report = distribution_budget(
+        spec, lengths, dist.label, batch=args.batch, bits=args.bits, group_size=args.group_size,
+        residual=args.residual, keep=args.keep, new_tokens=args.new_tokens, memory_bytes=memory,
+        reserve_bytes=args.reserve * 1024**3 if args.reserve is not None else DEFAULT_RESERVE_BYTES)
+    print(json.dumps(report) if args.json else format_distribution(report))
     return 0
 
 

@@ -46,6 +46,8 @@ def register(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=16, help="exactly this many tokens (EOS ignored)")
     p.add_argument("--engine", choices=["hf", "fast"], default="hf",
                    help="decode loop: hf (transformers forward per step) or fast (static KV, CUDA graph)")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prefill the prompt this many tokens at a time, compressing as it streams in")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -61,6 +63,8 @@ def policy_from_args(args):
     from kvlab.policies.quantized import BACKENDS, DEFAULT_BACKEND
 
     params = _given(args, EVICTION_FLAGS)
+    if getattr(args, "prefill_chunk", None) is not None:
+        params["prefill_chunk"] = args.prefill_chunk
     quant = _given(args, QUANT_FLAGS)
     cls = POLICIES.get(args.method)
     if cls is not None and issubclass(cls, EvictionPolicy):
@@ -132,6 +136,7 @@ def _check_args(args, spec, policy) -> None:
 
 def run(args) -> int:
     from kvlab.budget import context_problem
+    from kvlab.columns import engine_columns, model_columns, policy_columns
     from kvlab.decode import generate_text
     from kvlab.models import get_spec, load_model
     from kvlab.preflight import require
@@ -161,13 +166,11 @@ def run(args) -> int:
 
         engine = FastEngine(loaded)
     result = generate_text(loaded, ids, policy, args.max_new_tokens, engine=engine)
+
     out = {
-        "engine": args.engine,
-        **loaded.provenance(),
-        "method": policy.name,
-        "label": policy.label,
-        "policy_params": policy.params(),
-        "attn_implementation": loaded.model.config._attn_implementation,
+        **engine_columns(args.engine, result.cache_final if engine is not None else None),
+        **model_columns(loaded),
+        **policy_columns(policy),
         "prompt_tokens": result.prompt_tokens,
         "new_tokens": int(result.tokens.shape[1]),
         "answer": result.text,

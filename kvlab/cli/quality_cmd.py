@@ -44,8 +44,17 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--engine", choices=["hf", "fast"], default="hf",
                    help="decode loop of the greedy replies: hf (transformers) or fast (static KV, CUDA graph)")
+    p.add_argument("--weights-quant", choices=["none", "int8", "int4"], default="none",
+                   help="quantize the model's weights first (optimum-quanto; engine hf): does the stack still answer?")
+    p.add_argument("--prefill-chunk", nargs="+", type=chunk_arg, default=[None], metavar="N|none",
+                   help="prefill chunk sizes in tokens, each run for every method (none: one shot)")
     p.add_argument("-o", "--out", required=True, help="output folder (records.jsonl, manifest.json, summary)")
     p.set_defaults(func=run)
+
+
+def chunk_arg(text: str) -> int | None:
+    """``none``/``null`` (a one-shot prefill) or a token count (checked by the policies)."""
+    return None if text.lower() in ("none", "null") else int(text)
 
 
 def policies_from_args(args, spec=None) -> list:
@@ -53,9 +62,12 @@ def policies_from_args(args, spec=None) -> list:
     checked against the model's spec when given)."""
     from kvlab.params import SweepParams, method_variants
     from kvlab.policies import make_policy
+    from kvlab.policies.base import check_prefill_chunk
 
+    for chunk in getattr(args, "prefill_chunk", None) or ():
+        check_prefill_chunk(chunk)  # one clear line before SweepParams' own validation
     params = SweepParams(models=[args.model], methods=args.methods, keep=args.keep, bits=args.bits,
-                         ctx=args.lengths)
+                         ctx=args.lengths, prefill_chunk=getattr(args, "prefill_chunk", None))
     policies = [make_policy(v.method, **v.kwargs) for _, v in method_variants(params)]
     for policy in policies if spec is not None else ():
         policy.check(spec)
@@ -85,10 +97,14 @@ def task_spec_from_args(args):
 
 def check_args(args):
     """Every check that needs no weights: tasks, policies, device, lengths, memory, output folder."""
+    from pathlib import Path
+
     from kvlab.errors import UserError
     from kvlab.models import get_spec
     from kvlab.params import DTYPES
     from kvlab.preflight import check_out_dir, device_problem, require, shape_problems, weights_problem
+    from kvlab.records import read_manifest
+    from kvlab.weights_quant import weights_quant_problems
 
     spec = task_spec_from_args(args)
     if args.weights == "synthetic":
@@ -103,6 +119,11 @@ def check_args(args):
         for policy in policies:
             policy.fast_storage()
     require(device_problem(args.device), weights_problem(args.model, args.weights))
+    require(*weights_quant_problems([args.weights_quant], [args.engine]))
+    done = read_manifest(args.out) if Path(args.out).is_dir() else None
+    if done and done.get("weights_quant", "none") != args.weights_quant:  # record ids do not hold it
+        raise UserError(f"-o {args.out} holds records with --weights-quant {done.get('weights_quant', 'none')}; "
+                        f"write --weights-quant {args.weights_quant} to another folder")
     if args.dtype is not None and args.dtype not in DTYPES:
         raise UserError(f"--dtype {args.dtype!r} is not one of {', '.join(DTYPES)}")
     require(*shape_problems(model_spec, args.device, args.dtype, max(spec.lengths), 1, spec.max_new_tokens or 1,
@@ -115,10 +136,13 @@ def run(args) -> int:
     from kvlab.models import load_model
     from kvlab.quality import quality_notes, run_quality, summarize
     from kvlab.records import RECORDS_FILE, RecordWriter, load_records, recorded_run_ids, write_manifest
+    from kvlab.weights_quant import quantize_weights
 
     spec, policies, out = check_args(args)  # before the model loads
     loaded = load_model(args.model, weights=args.weights, device=args.device, dtype=args.dtype, seed=args.seed)
-    manifest = {"kind": "quality", "model": loaded.provenance(), "task_spec": spec.model_dump(),
+    quantize_weights(loaded.model, args.weights_quant)
+    manifest = {"kind": "quality", "model": loaded.provenance(), "weights_quant": args.weights_quant,
+                "task_spec": spec.model_dump(),
                 "methods": [p.params() for p in policies], "status": "incomplete"}
     write_manifest(out, manifest)
     skip = recorded_run_ids(out, statuses={"ok"})  # a rerun resumes: items recorded ok are not rerun
@@ -128,7 +152,8 @@ def run(args) -> int:
 
         engine = FastEngine(loaded)
     with RecordWriter(out / RECORDS_FILE) as writer:
-        records = run_quality(loaded, policies, spec, writer, base={"sweep": out.name}, skip=skip,
+        records = run_quality(loaded, policies, spec, writer, base={"sweep": out.name, "weights_quant": args.weights_quant},
+                              skip=skip,
                               engine=engine, progress_bar=True)
     failed = [r for r in records if r["status"] != "ok"]
     write_manifest(out, {**manifest, "status": "failed_runs" if failed else "complete"})

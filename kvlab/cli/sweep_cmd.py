@@ -51,13 +51,23 @@ def run(args) -> int:
         todo = plan(params, out if out.is_dir() else None, check_device=False)
         print(f"{out}: {len(todo)} runs to do ({params.warmup_runs} warm-up(s) per method and shape; "
               f"executor {params.executor})")
-        for attr in ("model", "method", "ctx", "batch"):
+        for attr in ("model", "method", "ctx", "batch") + (("weights_quant",) if len(params.weights_quant) > 1 else ()):
             print(f"  by {attr}: {count_by(todo, attr)}")
+        if params.budget_gb is not None:
+            print(f"  then each method at the batch budget_gb: {params.budget_gb} admits (from these runs' peaks)")
         return 0
     plan(params, check_device=True)  # every check (device, memory, policies) before the folder is made
     check_out_dir(out, flag)
     try:
-        summary = run_sweep(params, out, progress=not args.no_progress)
+        if params.quality is not None and set(params.weights_quant) != {"none"}:
+            print("kvlab sweep: note: the quality pass runs the models' own weights; for quantized weights run "
+                  "kvlab quality --weights-quant int8|int4 -o ANOTHER_FOLDER", file=sys.stderr)
+        if params.budget_gb is not None:  # probes, then each method at its admitted batch
+            from kvlab.admission import run_budgeted
+
+            summary = run_budgeted(params, out, progress=not args.no_progress)
+        else:
+            summary = run_sweep(params, out, progress=not args.no_progress)
     except SweepLocked as err:
         print(f"kvlab sweep: error: {err}", file=sys.stderr)
         return EXIT_USAGE

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-from kvlab.anatomy import CATEGORIES, GAP, Anatomy, StepProfiler
+from kvlab.anatomy import CATEGORIES, GAP, SCOPE_ATTENTION, Anatomy, StepProfiler
 
 KERNEL_RULES: tuple[tuple[re.Pattern, str], ...] = (
     (re.compile(r"quantize_write|index_copy|scatter|_put_slots", re.I), "cache update/concat"),
@@ -26,13 +26,27 @@ KERNEL_RULES: tuple[tuple[re.Pattern, str], ...] = (
 def classify_kernel(name: str, chain: tuple[str, ...] = ()) -> str:
     """Category of a kernel by its name (on CPU: of an op by its name, then its parents' names,
     so matmuls inside the store's attention scope count as attention)."""
-    if "kvlab::attention" in chain:
+    if SCOPE_ATTENTION in chain:
         return "attention"
     for what in (name, *chain):
         for pattern, category in KERNEL_RULES:
             if pattern.search(what):
                 return category
     return "other ops"
+
+
+def kernel_table(kernels: list[tuple], steps: int):
+    """Per kernel (or op) name: category, launches and ms per step, largest first."""
+    import pandas as pd
+
+    rows: dict[str, list] = {}
+    for name, us, *chain in kernels:
+        row = rows.setdefault(name, [classify_kernel(name, tuple(chain[0]) if chain else ()), 0, 0.0])
+        row[1] += 1
+        row[2] += us / 1e3
+    table = pd.DataFrame([{"op": n, "category": c, "calls": k / steps, "ms": ms / steps}
+                          for n, (c, k, ms) in rows.items()], columns=["op", "category", "calls", "ms"])
+    return table.sort_values("ms", ascending=False).reset_index(drop=True)
 
 
 def step_breakdown(kernels: list[tuple], wall_s: float, steps: int) -> tuple[dict[str, float], float]:
@@ -57,19 +71,6 @@ def _kernels(profiler, on_device: bool) -> list[tuple]:
             for evt in profiler.events() if evt.device_type == DeviceType.CUDA]
 
 
-def _scoped_attend(store):
-    """The store's ``attend`` inside a ``kvlab::attention`` profiler scope (eager steps only)."""
-    from torch.profiler import record_function
-
-    attend = store.attend
-
-    def scoped(*args, **kwargs):
-        with record_function("kvlab::attention"):
-            return attend(*args, **kwargs)
-
-    return scoped
-
-
 def fast_anatomy(loaded, policy, ctx: int, batch: int = 1, steps: int = 8, warmup: int = 2, engine=None,
                  seed: int = 0) -> Anatomy:
     """Prefill ``ctx`` tokens under ``policy``, then profile ``steps`` decode steps of the fast
@@ -90,15 +91,18 @@ def fast_anatomy(loaded, policy, ctx: int, batch: int = 1, steps: int = 8, warmu
         first = prefill(loaded.model, ids, cache)[:, -1].argmax(dim=-1)
         decoder.load(cache)
         del cache
-        if decoder.graph is None:
-            decoder.store.attend = _scoped_attend(decoder.store)
+        if not decoder.replays:  # eager: name attention's ops (a replayed graph has no ops)
+            decoder.store.profile_scope = SCOPE_ATTENTION
         try:
             decoder.decode(first, n_new, ctx, on_step=profiler.on_step)
         finally:
-            decoder.store.__dict__.pop("attend", None)
+            decoder.store.profile_scope = None
     if profiler.t1 is None:
         raise RuntimeError(f"the profiler saw {profiler.count} of {profiler.total_steps} steps")
-    by, busy = step_breakdown(_kernels(profiler.profiler, profiler.on_device), profiler.t1 - profiler.t0, steps)
+    kernels = _kernels(profiler.profiler, profiler.on_device)
+    by, busy = step_breakdown(kernels, profiler.t1 - profiler.t0, steps)
     wall_ms = (profiler.t1 - profiler.t0) * 1e3 / steps
-    label = f"{policy.label} (fast{', graph' if decoder.graph is not None else ''})"
-    return Anatomy(label, policy.name, str(loaded.device), steps, wall_ms, busy, by)
+    how = [s for s in (("graph" if decoder.replays else ""),
+                       ("" if engine.step.compile == "none" else f"compile {engine.step.compile}")) if s]
+    label = f"{policy.label} (fast{''.join(', ' + h for h in how)})"
+    return Anatomy(label, policy.name, str(loaded.device), steps, wall_ms, busy, by, kernel_table(kernels, steps))

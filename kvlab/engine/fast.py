@@ -23,10 +23,16 @@ from typing import Any
 import torch
 
 from kvlab.engine import EngineError
-from kvlab.engine.kvstore import DenseStore, Layout, QuantizedStore
+from kvlab.engine.kvstore import ATTENTION, DenseStore, Layout, QuantizedStore
 from kvlab.engine.llama import LlamaFamilyStep, check_model
 
 CAPTURE_WARMUP_STEPS = 3
+# How the step is compiled by default, per device type (:data:`kvlab.engine.llama.STEP_COMPILE`).
+# On the H200 (Llama-3.1-8B shape, 16k, batch 1) the compiled layers inside kvlab's own graph took
+# 5.60 ms/step against 6.71 eager-in-graph and 10.10 for mode="reduce-overhead" over the whole step
+# (reports/h200-2026-12-03b); compiling costs ~7 s once per engine. CPU steps stay eager (the
+# reference the tests compare with transformers).
+DEFAULT_COMPILE = {"cuda": "layers"}
 
 
 class FastDecoder:
@@ -34,6 +40,8 @@ class FastDecoder:
 
     def __init__(self, model, step: LlamaFamilyStep, store, layout: Layout, prefill_policy, device,
                  capture: bool):
+        """``capture``: CUDA only. With ``step.compile == "reduce-overhead"`` the step is handed to
+        ``torch.compile(mode="reduce-overhead")`` (torch's CUDA graph trees) instead of captured here."""
         self.model = model
         self.step_fn = step
         self.store = store
@@ -45,7 +53,10 @@ class FastDecoder:
         self.position = torch.zeros(bsz, 1, dtype=torch.long, device=device)
         self.tokens = torch.zeros(bsz, layout.new_tokens + 1, dtype=torch.long, device=device)
         self.graph = None
-        if capture:
+        self._compiled = None
+        if capture and step.compile == "reduce-overhead":
+            self._compile_step()
+        elif capture:
             self._capture()
 
     # -- the step, as captured --------------------------------------------------------------
@@ -73,6 +84,23 @@ class FastDecoder:
         torch.cuda.synchronize(self.device)
         self.graph = graph
 
+    @torch.no_grad()
+    def _compile_step(self) -> None:
+        """The alternative to :meth:`_capture`: torch.compile's CUDA graphs over the same step. Every
+        buffer the step writes is marked static, so the graph trees may replay in place."""
+        for t in (self.token, self.position, self.tokens, *self.store.buffers()):
+            torch._dynamo.mark_static_address(t)
+        self._compiled = torch.compile(self._step, mode="reduce-overhead")
+        for _ in range(CAPTURE_WARMUP_STEPS):
+            self.store.step.zero_()
+            self._compiled()
+        torch.cuda.synchronize(self.device)
+
+    @property
+    def replays(self) -> bool:
+        """Whether steps are graph replays (kvlab's own capture or torch.compile's), not eager ops."""
+        return self.graph is not None or self._compiled is not None
+
     # -- a generation ------------------------------------------------------------------------
     def prefill_cache(self):
         """A fresh transformers cache to prefill into: the policy's own, minus any quantization."""
@@ -99,6 +127,8 @@ class FastDecoder:
         for i in range(n_new - 1):
             if self.graph is not None:
                 self.graph.replay()
+            elif self._compiled is not None:
+                self._compiled()
             else:
                 self._step()
             if on_step is not None:
@@ -115,15 +145,19 @@ class FastDecoder:
                 "bytes": sum(held) * self.layout.batch * self.store.bytes_per_slot(),
                 "bytes_allocated": self.store.bytes_allocated(),
                 "kv_format": self.store.kv_format, "attention": self.store.attention,
-                "graph": self.graph is not None}
+                "graph": self.replays,
+                "step_compile": self.step_fn.compile}
 
 
 class FastEngine:
     """Builds and keeps :class:`FastDecoder` s for one loaded model (captured graphs are reused).
 
     ``capture``: ``None`` = on CUDA only. ``attention``: the dense store's kernel (``auto``, ``flash``,
-    ``sdpa``); ``quant_attention``: a quantized store's (``fused`` Triton kernel or ``dequantize``
-    then attend). ``max_decoders`` bounds how many layouts keep their buffers and graphs alive at
+    ``sdpa``, or ``triton``: the cache in kvlab's bf16 format read by the same split-K kernel as the
+    quantized formats, the like-for-like baseline of the fused kernels); ``quant_attention``: a
+    quantized store's (``fused`` Triton kernel or ``dequantize`` then attend). ``compile``: how the
+    step is compiled (:data:`~kvlab.engine.llama.STEP_COMPILE`; ``None``: :data:`DEFAULT_COMPILE`
+    for the device). ``max_decoders`` bounds how many layouts keep their buffers and graphs alive at
     once (a sweep interleaves a shape's methods; each has its layout), and on CUDA so does
     ``keep_fraction``: the buffers kept alive for reuse stay under that share of the device's memory
     (at batch 16 and 16k a full cache's buffers alone are 34 GB; a layout evicted here is simply
@@ -133,14 +167,16 @@ class FastEngine:
     name = "fast"
 
     def __init__(self, model, attention: str = "auto", capture: bool | None = None, max_decoders: int = 4,
-                 quant_attention: str = "auto", keep_fraction: float = 0.25):
+                 quant_attention: str = "auto", keep_fraction: float = 0.25, compile: str | None = None):
         from kvlab.policies.base import hf_model
 
+        if attention not in (*ATTENTION, "triton"):
+            raise EngineError(f"attention={attention!r}: use one of {', '.join((*ATTENTION, 'triton'))}")
         self.model = hf_model(model)
         check_model(self.model)
-        self.step = LlamaFamilyStep(self.model)
         param = next(self.model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        self.step = LlamaFamilyStep(self.model, compile or DEFAULT_COMPILE.get(self.device.type, "none"))
         self.attention = attention
         self.quant_attention = quant_attention
         self.capture = self.device.type == "cuda" if capture is None else capture
@@ -188,6 +224,11 @@ class FastEngine:
         return decoder
 
     def _store(self, layout: Layout, kv_format: str):
+        if kv_format == "model" and self.attention == "triton":  # bf16 read by kvlab's split-K kernel
+            if self.dtype != torch.bfloat16:
+                raise EngineError("attention='triton' stores the cache in bf16: load the model in bfloat16")
+            return QuantizedStore(layout, "bf16", self.step.num_heads, self.dtype, self.device, self.step.scaling,
+                                  "fused")
         if kv_format == "model":
             return DenseStore(layout, self.dtype, self.device, self.step.scaling, self.attention)
         return QuantizedStore(layout, kv_format, self.step.num_heads, self.dtype, self.device, self.step.scaling,

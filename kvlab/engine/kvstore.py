@@ -12,6 +12,7 @@ that kernel (``flash``, CUDA) or SDPA with a length mask (``sdpa``, any device, 
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -57,23 +58,76 @@ def sdpa_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengt
 
 
 def flash_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, used: torch.Tensor,
-                 scale: float) -> torch.Tensor:
+                 scale: float, cu_q: torch.Tensor | None = None, cu_k: torch.Tensor | None = None) -> torch.Tensor:
     """flash attention's varlen kernel: sequence ``b`` attends over its first ``used[b]`` slots.
 
     ``used`` is int32 ``[B]`` on the device, so the same launch serves every step (graph-safe);
-    GQA is native and the kernel splits long sequences over the SMs itself.
+    GQA is native. ``cu_q``/``cu_k`` (the cumulative offsets, constants of the shape) may be passed
+    in precomputed, so that a step launches no kernel to build them.
     """
     bsz, n_heads, _, dim = q.shape
     cap, n_kv = keys.shape[1], keys.shape[2]
-    cu_q = torch.arange(bsz + 1, device=q.device, dtype=torch.int32)
-    cu_k = cu_q * cap
+    if cu_q is None:
+        cu_q, cu_k = cumulative_offsets(bsz, cap, q.device)
     out = torch.ops.aten._flash_attention_forward(
         q.reshape(bsz, n_heads, dim), keys.view(bsz * cap, n_kv, dim), values.view(bsz * cap, n_kv, dim),
         cu_q, cu_k, 1, cap, 0.0, False, False, scale=scale, seqused_k=used)[0]
     return out.view(bsz, n_heads, dim)
 
 
-class DenseStore:
+def cumulative_offsets(batch: int, capacity: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """flash varlen's ``cu_seqlens`` for one query per sequence and ``capacity`` slots each."""
+    cu_q = torch.arange(batch + 1, device=device, dtype=torch.int32)
+    return cu_q, cu_q * capacity
+
+
+class ProfileScope:
+    """``profile_scope``: a profiler scope name around every ``attend`` (None: none). The hook
+    :mod:`kvlab.engine.anatomy` sets on eager steps so that attention's ops are named as such."""
+
+    profile_scope: str | None = None
+
+    def _scope(self):
+        if self.profile_scope is None:
+            return nullcontext()
+        from torch.profiler import record_function
+
+        return record_function(self.profile_scope)
+
+
+class StepSlots:
+    """Where each layer writes this step's token and how many slots it then attends over.
+
+    Computed once per step for every layer (:meth:`begin`: two small kernels) instead of once per
+    layer, since a graph-captured step is bound by the number of kernels it launches as much as by
+    bytes. ``slot(l)`` is a ``[1]`` view (``index_copy_``'s index), ``used(l)`` an int32 ``[B]``
+    view (the attention kernels' lengths).
+    """
+
+    def __init__(self, kept: tuple[int, ...], batch: int, device):
+        self.step = torch.zeros(1, dtype=torch.long, device=device)
+        self._base = torch.tensor(kept, dtype=torch.long, device=device)
+        self._slots = self._base.clone()
+        self._used = torch.zeros(len(kept), batch, dtype=torch.int32, device=device)
+
+    def begin(self) -> None:
+        torch.add(self._base, self.step, out=self._slots)
+        self._used.copy_((self._slots + 1).unsqueeze(1).expand_as(self._used))
+
+    def slot(self, layer: int) -> torch.Tensor:
+        return self._slots[layer:layer + 1]
+
+    def used(self, layer: int) -> torch.Tensor:
+        return self._used[layer]
+
+    def advance(self) -> None:
+        self.step.add_(1)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.step, self._slots, self._used
+
+
+class DenseStore(ProfileScope):
     """Per-layer K/V at the model dtype, ``[B, C_l, Hkv, D]``, attended with ``flash`` or ``sdpa``."""
 
     kv_format = "model dtype"
@@ -91,11 +145,19 @@ class DenseStore:
         shape = (layout.batch, 0, layout.kv_heads, layout.head_dim)
         self.keys = [torch.zeros(shape[0], c, *shape[2:], dtype=dtype, device=device) for c in layout.capacity]
         self.values = [torch.zeros_like(k) for k in self.keys]
-        self.step = torch.zeros(1, dtype=torch.long, device=device)
-        self._base = [torch.tensor([k], dtype=torch.long, device=device) for k in layout.kept]
+        self.slots = StepSlots(layout.kept, layout.batch, device)
+        self._offsets = [cumulative_offsets(layout.batch, c, device) for c in layout.capacity]
+
+    @property
+    def step(self) -> torch.Tensor:
+        return self.slots.step
 
     def bytes_allocated(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every tensor a step writes (for compilers that must know them as static)."""
+        return [*self.keys, *self.values, *self.slots.tensors()]
 
     def bytes_per_slot(self) -> int:
         """Bytes one token takes in one layer (K and V, all KV heads, one sequence)."""
@@ -111,18 +173,25 @@ class DenseStore:
             self.values[i][:, :n].copy_(v.transpose(1, 2))
         self.step.zero_()
 
+    def begin(self) -> None:
+        """Once per step, before the first layer: every layer's slot and length."""
+        self.slots.begin()
+
     def attend(self, layer: int, q, k, v) -> torch.Tensor:
-        slot = self._base[layer] + self.step  # [1]
+        with self._scope():
+            return self._attend(layer, q, k, v)
+
+    def _attend(self, layer: int, q, k, v) -> torch.Tensor:
+        slot = self.slots.slot(layer)
         self.keys[layer].index_copy_(1, slot, k.transpose(1, 2))
         self.values[layer].index_copy_(1, slot, v.transpose(1, 2))
-        length = slot + 1
         if self.attention == "flash":
-            used = length.to(torch.int32).expand(q.shape[0]).contiguous()
-            return flash_decode(q, self.keys[layer], self.values[layer], used, self.scale)
-        return sdpa_decode(q, self.keys[layer], self.values[layer], length, self.scale)
+            return flash_decode(q, self.keys[layer], self.values[layer], self.slots.used(layer), self.scale,
+                                *self._offsets[layer])
+        return sdpa_decode(q, self.keys[layer], self.values[layer], slot + 1, self.scale)
 
     def advance(self) -> None:
-        self.step.add_(1)
+        self.slots.advance()
 
 
 QUANT_ATTENTION = ("auto", "fused", "dequantize")
@@ -136,7 +205,7 @@ def parse_kv_format(kv_format: str):
     return make_format(name, int(group)) if group else make_format(name)
 
 
-class QuantizedStore:
+class QuantizedStore(ProfileScope):
     """Per-layer K/V in a :mod:`kvlab.kernels` format (``[B, Hkv, C_l, ...]`` codes and scales).
 
     The new token is quantized on write (one Triton launch per tensor on CUDA). Attention is
@@ -160,11 +229,17 @@ class QuantizedStore:
         self.values = [self.fmt.alloc(b, h, c, d, device) for c in layout.capacity]
         cuda = torch.device(device).type == "cuda"
         self.workspaces = [make_workspace(num_heads, k) if cuda else None for k in self.keys]
-        self.step = torch.zeros(1, dtype=torch.long, device=device)
-        self._base = [torch.tensor([k], dtype=torch.long, device=device) for k in layout.kept]
+        self.slots = StepSlots(layout.kept, layout.batch, device)
+
+    @property
+    def step(self) -> torch.Tensor:
+        return self.slots.step
 
     def bytes_allocated(self) -> int:
         return sum(s.nbytes() for s in self.keys + self.values)
+
+    def buffers(self) -> list[torch.Tensor]:
+        return [t for s in self.keys + self.values for t in s.tensors()] + list(self.slots.tensors())
 
     def bytes_per_slot(self) -> int:
         return 2 * self.fmt.bytes_per_token(self.layout.kv_heads, self.layout.head_dim)
@@ -182,21 +257,26 @@ class QuantizedStore:
         self.step.zero_()
 
     def attend(self, layer: int, q, k, v) -> torch.Tensor:
+        with self._scope():
+            return self._attend(layer, q, k, v)
+
+    def _attend(self, layer: int, q, k, v) -> torch.Tensor:
         from kvlab.kernels import decode_attention, quantize_write
 
-        slot = self._base[layer] + self.step
+        slot = self.slots.slot(layer)
         quantize_write(self.keys[layer], k, slot)
         quantize_write(self.values[layer], v, slot)
-        length = slot + 1
         bsz, n_heads, _, dim = q.shape
         if self.attention == "fused":
-            used = length.to(torch.int32).expand(bsz).contiguous()
             out = decode_attention(q.reshape(bsz, n_heads, dim).contiguous(), self.keys[layer], self.values[layer],
-                                   used, self.scale, workspace=self.workspaces[layer])
+                                   self.slots.used(layer), self.scale, workspace=self.workspaces[layer])
             return out.to(q.dtype)
         keys = self.keys[layer].dequantize().to(self.dtype).transpose(1, 2)
         values = self.values[layer].dequantize().to(self.dtype).transpose(1, 2)
-        return sdpa_decode(q, keys, values, length, self.scale)
+        return sdpa_decode(q, keys, values, slot + 1, self.scale)
+
+    def begin(self) -> None:
+        self.slots.begin()
 
     def advance(self) -> None:
-        self.step.add_(1)
+        self.slots.advance()

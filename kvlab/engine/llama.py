@@ -4,7 +4,8 @@ Why the model's own modules: the fast step must compute what transformers comput
 compare tokens one for one) with the weights the user loaded, so it calls the model's embedding,
 norms, projections, MLP, rotary embedding and LM head directly and replaces only what sits between
 the projections and ``o_proj``: the cache update and attention, which go to a static KV store
-(:mod:`kvlab.engine.kvstore`). No weight is copied or fused, so memory is the model's.
+(:mod:`kvlab.engine.kvstore`). No weight is copied: q/k/v and gate/up become views into one
+fused tensor each (one GEMM instead of three and two), so memory is the model's.
 
 Supported: decoder-only models whose layers are Llama's (``input_layernorm`` -> attention with
 ``q/k/v/o_proj`` and rotary embeddings -> ``post_attention_layernorm`` -> MLP) with full attention
@@ -76,8 +77,15 @@ def _concat_into_views(linears: list, attr: str) -> torch.Tensor | None:
 
 def rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
     """transformers' Llama RMSNorm (normalize in float32, cast back, then scale) in 3 kernels."""
-    eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
-    return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+    return _rms(x, norm.weight, norm_eps(norm))
+
+
+def norm_eps(norm) -> float:
+    return getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -85,15 +93,51 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def attention_inputs(hidden, norm_w, eps: float, qkv_w, qkv_b, cos, sin, heads: tuple[int, int, int]):
+    """Norm, fused q/k/v projection and RoPE of one layer: ``q [B, Hq, 1, D]``, ``k``/``v [B, Hkv, 1, D]``.
+
+    Pure (tensors in, tensors out), so the same function runs eagerly (CPU, the reference) or
+    compiled once for every layer (their shapes are equal; the weights are arguments).
+    """
+    n_heads, n_kv, dim = heads
+    bsz = hidden.shape[0]
+    qkv = F.linear(_rms(hidden, norm_w, eps), qkv_w, qkv_b)
+    q, k, v = qkv.split((n_heads * dim, n_kv * dim, n_kv * dim), dim=-1)
+    q = q.view(bsz, 1, n_heads, dim).transpose(1, 2)
+    k = k.view(bsz, 1, n_kv, dim).transpose(1, 2)
+    v = v.view(bsz, 1, n_kv, dim).transpose(1, 2)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+
+def layer_output(hidden, attn, o_w, o_b, norm_w, eps: float, gu_w, gu_b, down_w, down_b, act):
+    """``o_proj``, residual, norm, fused gate/up, activation, ``down_proj``, residual: the rest of a layer."""
+    bsz = hidden.shape[0]
+    hidden = hidden + F.linear(attn.reshape(bsz, 1, -1), o_w, o_b)
+    gate, up = F.linear(_rms(hidden, norm_w, eps), gu_w, gu_b).chunk(2, -1)
+    return hidden + F.linear(act(gate) * up, down_w, down_b)
+
+
+STEP_COMPILE = ("none", "layers", "reduce-overhead")
+
+
 class LlamaFamilyStep:
     """``step(token [B, 1], position [B, 1], kv) -> logits [B, V]``: one token through every layer.
 
-    ``kv.attend(layer, q, k, v)`` (q ``[B, Hq, 1, D]``, k/v ``[B, Hkv, 1, D]``, post-RoPE) stores
-    the new K/V and returns attention output ``[B, Hq, D]``.
+    ``kv.begin()`` runs once per step; ``kv.attend(layer, q, k, v)`` (q ``[B, Hq, 1, D]``, k/v
+    ``[B, Hkv, 1, D]``, post-RoPE) stores the new K/V and returns attention output ``[B, Hq, D]``.
+
+    ``compile="layers"`` runs :func:`attention_inputs` and :func:`layer_output` through
+    ``torch.compile`` (one compiled graph each, shared by all layers): inductor fuses the norms,
+    RoPE, residual adds and the activation, which eagerly are ~20 small kernels per layer. The
+    store's writes and attention stay outside (their kernels are already single launches).
+    ``"reduce-overhead"`` leaves the layers eager here: :class:`kvlab.engine.fast.FastDecoder`
+    compiles the whole step with torch's own CUDA graphs instead of capturing one itself.
     """
 
-    def __init__(self, model):
+    def __init__(self, model, compile: str = "none"):
         check_model(model)
+        if compile not in STEP_COMPILE:
+            raise EngineError(f"compile={compile!r}: use one of {', '.join(STEP_COMPILE)}")
         config = model.config
         inner = model.model
         self.embed = inner.embed_tokens
@@ -109,28 +153,31 @@ class LlamaFamilyStep:
             self.qkv = [_fuse_linears([la.self_attn.q_proj, la.self_attn.k_proj, la.self_attn.v_proj])
                         for la in self.layers]
             self.gate_up = [_fuse_linears([la.mlp.gate_proj, la.mlp.up_proj]) for la in self.layers]
-        self.q_width = self.num_heads * self.head_dim
-        self.kv_width = self.num_kv_heads * self.head_dim
+        self.heads = (self.num_heads, self.num_kv_heads, self.head_dim)
+        self.act = self.layers[0].mlp.act_fn  # one object for every layer (a compile guard, not 32)
+        if any(type(la.mlp.act_fn) is not type(self.act) for la in self.layers):
+            raise EngineError("the fast engine needs one activation function in every layer: use --engine hf")
+        self.compile = compile
+        self._inputs, self._output = attention_inputs, layer_output
+        if compile == "layers":  # dynamic=False: one shape per engine; the graph fixes it anyway
+            self._inputs = torch.compile(attention_inputs, dynamic=False)
+            self._output = torch.compile(layer_output, dynamic=False)
 
     @property
     def num_layers(self) -> int:
         return len(self.layers)
 
     def __call__(self, token: torch.Tensor, position: torch.Tensor, kv) -> torch.Tensor:
-        bsz = token.shape[0]
         hidden = self.embed(token)  # [B, 1, H]
         cos, sin = self.rotary(hidden, position)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, 1, D]
+        kv.begin()
         for i, layer in enumerate(self.layers):
-            qkv = F.linear(rms_norm(layer.input_layernorm, hidden), *self.qkv[i])
-            q, k, v = qkv.split((self.q_width, self.kv_width, self.kv_width), dim=-1)
-            q = q.view(bsz, 1, self.num_heads, self.head_dim).transpose(1, 2)
-            k = k.view(bsz, 1, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            v = v.view(bsz, 1, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+            attn, mlp = layer.self_attn, layer.mlp
+            q, k, v = self._inputs(hidden, layer.input_layernorm.weight, norm_eps(layer.input_layernorm),
+                                   *self.qkv[i], cos, sin, self.heads)
             out = kv.attend(i, q, k, v)  # [B, Hq, D]
-            hidden = hidden + layer.self_attn.o_proj(out.reshape(bsz, 1, self.q_width))
-            gate, up = F.linear(rms_norm(layer.post_attention_layernorm, hidden), *self.gate_up[i]).chunk(2, -1)
-            hidden = hidden + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+            hidden = self._output(hidden, out, attn.o_proj.weight, attn.o_proj.bias,
+                                  layer.post_attention_layernorm.weight, norm_eps(layer.post_attention_layernorm),
+                                  *self.gate_up[i], mlp.down_proj.weight, mlp.down_proj.bias, self.act)
         return self.lm_head(rms_norm(self.norm, hidden))[:, -1]

@@ -11,12 +11,18 @@ once before capturing. The cost of fixing the grid: while a row is much shorter 
 only ``cdiv(length, split_len)`` splits work; an engine that decodes long runs at short lengths can
 capture one graph per capacity bucket.
 
+Two kernels do the split step (the reduce is shared): ``split`` (``_decode_kernels``) and ``fold``
+(``_fold_kernels``, which never dequantizes: group scales and zeros fold into the operands;
+``fold_asm`` is fold with int4 codes unpacked by inline PTX). ``LaunchConfig.variant`` picks one,
+:data:`DEFAULT_VARIANT` when it says nothing.
+
 triton is imported only when a kernel runs, so kvlab imports without it.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from functools import cache
 
@@ -31,24 +37,56 @@ PROGRAMS_PER_SM = 4  # split so that a full-length step has about this many prog
 BACKENDS = ("auto", "triton", "reference")
 
 
+VARIANTS = ("split", "fold", "fold_asm")
+# The split kernel that runs when a LaunchConfig does not name one (read at launch time):
+# "split" dequantizes code tiles to float16 before its products (_decode_kernels), "fold" folds
+# the scales and zeros into the operands instead (_fold_kernels), "fold_asm" is fold with int4
+# codes unpacked by inline PTX, four bytes at a time (int4 on CUDA only; fold elsewhere). Flip
+# after benchmarks/quant_attention.py --tune has measured them on the GPU.
+DEFAULT_VARIANT = "split"
+
+
 @dataclass(frozen=True)
 class LaunchConfig:
     """Tuning knobs of the split kernel (none changes the result beyond float rounding).
 
     Defaults are a known-good flash-decoding shape, not yet tuned on the H200:
-    ``benchmarks/quant_attention.py --tune`` times the alternatives.
+    ``benchmarks/quant_attention.py --tune`` times the alternatives (and prints a
+    :data:`TUNED_CONFIGS` to paste). ``variant`` picks the kernel (:data:`VARIANTS`; ``None``:
+    :data:`DEFAULT_VARIANT` at launch); a store the ``fold`` kernel cannot read (int2 with group
+    32) runs ``split``.
     """
 
     block_n: int = BLOCK_N
     num_warps: int = 4
     num_stages: int = 2
     programs_per_sm: int = PROGRAMS_PER_SM
+    variant: str | None = None
 
     def __post_init__(self):
         if self.block_n not in (16, 32, 64, 128, 256):
             raise FormatError(f"block_n must be a power of two in 16..256, not {self.block_n}")
         if self.num_warps not in (1, 2, 4, 8, 16) or not 1 <= self.num_stages <= 6 or self.programs_per_sm < 1:
             raise FormatError(f"bad launch config {self}: num_warps in 1..16 (power of two), num_stages in 1..6")
+        if self.variant is not None and self.variant not in VARIANTS:
+            raise FormatError(f"variant must be one of {', '.join(VARIANTS)}, not {self.variant!r}")
+
+
+# Launch configs measured best per format label ("bf16", "fp8", "int4-g64", ...): make_workspace
+# uses them when not given a config. The int formats read by the fold kernel (scales and zeros folded
+# into the operands) with the default geometry: on the H200 at the Llama-3.1-8B attention shape and
+# 16k it took 0.42-0.67x split's time for int4 (g32/64/128) and int2-g64 at batch 1, 16 and 32
+# (reports/h200-2026-12-03b/quant_attention.json); bf16 and fp8 stay on split (fold 1.00-1.03x).
+# The launch geometry itself (block_n, warps, stages) is not tuned yet (`quant_attention.py --tune`).
+TUNED_CONFIGS: dict[str, LaunchConfig] = {
+    **{f"int4-g{g}": LaunchConfig(variant="fold_asm") for g in (32, 64, 128)},
+    **{f"int2-g{g}": LaunchConfig(variant="fold") for g in (64, 128)},
+}
+
+
+def default_config(k_store: KVStore) -> LaunchConfig:
+    """The tuned config for the store's format, else the defaults (with :data:`DEFAULT_VARIANT`)."""
+    return TUNED_CONFIGS.get(k_store.format.label) or LaunchConfig()
 
 
 def plan_splits(batch: int, kv_heads: int, capacity: int, sm_count: int, block_n: int = BLOCK_N,
@@ -88,7 +126,7 @@ def make_workspace(q_heads: int, k_store: KVStore, num_splits: int | None = None
                    config: LaunchConfig | None = None) -> DecodeWorkspace:
     """Buffers for :func:`decode_attention` on ``k_store``'s device; ``num_splits`` overrides the plan."""
     device = k_store.device
-    config = config or LaunchConfig()
+    config = config or default_config(k_store)
     block = config.block_n
     if num_splits is None:
         sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
@@ -115,6 +153,29 @@ def kernel_supports(k_store: KVStore) -> str | None:
     if d & (d - 1) or d // pack < 16:
         return f"head_dim {d} must be a power of two with head_dim / {pack} >= 16 for {fmt.label}"
     return None
+
+
+def fold_supports(k_store: KVStore) -> bool:
+    """Whether the ``fold`` kernel reads this store: per-group products at least 16 deep, 8 slices of q."""
+    fmt = k_store.format
+    if not isinstance(fmt, IntFormat):
+        return True
+    pack = 8 // fmt.bits
+    return fmt.group // pack >= 16 and (k_store.head_dim // fmt.group) * pack <= 8
+
+
+def kernel_variant(config: LaunchConfig, k_store: KVStore) -> str:
+    """The kernel that runs for ``config`` on ``k_store``: its variant, or ``split`` where fold cannot,
+    and ``fold`` for ``fold_asm`` where the store is not int4 or triton interprets (no PTX there)."""
+    variant = config.variant or DEFAULT_VARIANT
+    if variant == "split" or not fold_supports(k_store):
+        return "split"
+    asm_ok = isinstance(k_store.format, IntFormat) and k_store.format.bits == 4 and not _interpreted()
+    return "fold_asm" if variant == "fold_asm" and asm_ok else "fold"
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def decode_attention(q: torch.Tensor, k_store: KVStore, v_store: KVStore, lengths: torch.Tensor, scale: float,
@@ -178,16 +239,29 @@ def _launch(q, k_store, v_store, lengths, scale, group, out, workspace):
         return t if t is not None else lengths  # an unused pointer for formats without scales/zeros
 
     splits, config = workspace.num_splits, workspace.config
-    kern._decode_split_kernel[(batch * k_store.kv_heads, splits)](
-        q, codes(k_store), extra(k_store.scale), extra(k_store.zero),
-        codes(v_store), extra(v_store.scale), extra(v_store.zero), lengths,
-        workspace.part_out, workspace.part_lse,
-        float(scale) * math.log2(math.e), q_heads, k_store.kv_heads, k_store.capacity, workspace.split_len,
-        splits, group,
-        D=head_dim, BLOCK_H=max(16, triton_next_pow2(group)), BLOCK_N=config.block_n,
-        FMT=kind, BITS=bits, PACK=pack, QGROUP=qgroup,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+    args = (q, codes(k_store), extra(k_store.scale), extra(k_store.zero),
+            codes(v_store), extra(v_store.scale), extra(v_store.zero), lengths,
+            workspace.part_out, workspace.part_lse,
+            float(scale) * math.log2(math.e), q_heads, k_store.kv_heads, k_store.capacity, workspace.split_len,
+            splits, group)
+    grid = (batch * k_store.kv_heads, splits)
+    variant = kernel_variant(config, k_store)
+    if variant != "split":
+        from kvlab.kernels import _fold_kernels as fold
+
+        gp = triton_next_pow2(group)
+        row_groups = head_dim // qgroup if kind == kern.FMT_INT else 1
+        fold._decode_fold_kernel[grid](
+            *args, D=head_dim, BLOCK_M=max(16, triton_next_pow2(row_groups * gp)), GP=gp, NG=row_groups,
+            BLOCK_N=config.block_n, FMT=kind, BITS=bits, PACK=pack, ASM=variant == "fold_asm",
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+    else:
+        kern._decode_split_kernel[grid](
+            *args, D=head_dim, BLOCK_H=max(16, triton_next_pow2(group)), BLOCK_N=config.block_n,
+            FMT=kind, BITS=bits, PACK=pack, QGROUP=qgroup,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
     kern._decode_reduce_kernel[(batch * q_heads,)](
         workspace.part_out, workspace.part_lse, lengths, out, q_heads, k_store.capacity, workspace.split_len,
         splits, D=head_dim, SPLITS_P2=max(2, triton_next_pow2(splits)),

@@ -9,7 +9,7 @@
     kept_positions(cache)                     # per layer, the prompt positions each KV head kept
 
 transformers' cache internals are touched only in :mod:`kvlab.policies.cache`,
-:mod:`kvlab.policies.quantized` and :mod:`kvlab.policies.kvq`; kvlab supports transformers >= 5.17, < 5.25.
+:mod:`kvlab.policies.quantized`, :mod:`kvlab.policies.kvq` and :mod:`kvlab.policies.decoding`; kvlab supports transformers >= 5.17, < 5.25.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 
 from kvlab.policies.base import Policy, PolicyError
 from kvlab.policies.cache import EvictionError, cache_stats, kept_positions
+from kvlab.policies.decoding import DecodingPolicy
 from kvlab.policies.eviction import EvictionPolicy
 from kvlab.policies.full import FullPolicy
 from kvlab.policies.knorm import KnormPolicy
@@ -34,7 +35,8 @@ from kvlab.policies.tova import TOVAPolicy
 POLICIES: dict[str, type[Policy]] = {
     cls.name: cls
     for cls in (FullPolicy, StreamingLLMPolicy, SnapKVPolicy, PyramidKVPolicy, TOVAPolicy, KnormPolicy,
-                RandomPolicy, QuantoPolicy, HQQPolicy, FP8Policy, KVQFp8Policy, KVQInt4Policy, KVQInt2Policy)
+                RandomPolicy, QuantoPolicy, HQQPolicy, FP8Policy, KVQFp8Policy, KVQInt4Policy, KVQInt2Policy,
+                DecodingPolicy)
 }
 
 
@@ -46,7 +48,9 @@ def make_policy(method: str, **params: Any) -> Policy:
     allowed = [row["name"] for row in cls.describe()]
     unknown = sorted(set(params) - set(allowed))
     if unknown:
-        hint = f"; {method} takes: {', '.join(allowed)}" if allowed else f"; {method} takes no parameters"
+        own = [name for name in allowed if name != "prefill_chunk"]  # every policy takes prefill_chunk
+        hint = (f"; {method} takes: {', '.join(own)}" if own else f"; {method} takes no parameters") \
+            + " (and prefill_chunk, like every method)"
         raise PolicyError(f"unknown parameter(s) {', '.join(unknown)} for {method}{hint}")
     return cls(**params)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar
 
 from kvlab.budget import keep_problem
@@ -106,12 +106,32 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
+def check_prefill_chunk(chunk: Any) -> int | None:
+    if chunk is None:
+        return None
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise PolicyError(f"prefill_chunk must be a whole number of tokens >= 1 (or null for a one-shot "
+                          f"prefill), got {chunk!r}")
+    return chunk
+
+
 @dataclass(frozen=True)
 class Policy:
-    """Base of every cache policy. Subclasses set ``name``/``summary`` and implement ``make_cache``."""
+    """Base of every cache policy. Subclasses set ``name``/``summary`` and implement ``make_cache``.
+
+    ``prefill_chunk`` (every policy): the prompt goes through the model this many tokens at a time
+    (:func:`kvlab.chunked.prefill`); an evicting cache compresses as it streams in
+    (:mod:`kvlab.policies.chunking`). None: one forward over the whole prompt.
+    """
 
     name: ClassVar[str] = ""
     summary: ClassVar[str] = ""
+
+    prefill_chunk: int | None = field(default=None, kw_only=True, metadata={
+        "help": "prefill the prompt this many tokens at a time, compressing as it streams in (null: one shot)"})
+
+    def __post_init__(self):
+        object.__setattr__(self, "prefill_chunk", check_prefill_chunk(self.prefill_chunk))
 
     @property
     def keep(self) -> float:
@@ -125,12 +145,22 @@ class Policy:
 
     @property
     def label(self) -> str:
-        return self.name
+        return self.chunk_label(self.name)
+
+    def chunk_label(self, text: str) -> str:
+        """``text`` plus the prefill chunk, when there is one (so plots keep chunked runs apart)."""
+        return text if self.prefill_chunk is None else f"{text} chunk {self.prefill_chunk}"
+
+    def chunk_params(self) -> dict[str, Any]:
+        """``{"prefill_chunk": n}`` when chunked, else nothing (one-shot runs keep their ids)."""
+        return {} if self.prefill_chunk is None else {"prefill_chunk": self.prefill_chunk}
 
     def params(self) -> dict[str, Any]:
         """Everything that identifies the run, JSON-safe, for records."""
         out: dict[str, Any] = {"method": self.name}
         for f in fields(self):
+            if f.name == "prefill_chunk" and self.prefill_chunk is None:
+                continue
             out[f.name] = _json_safe(getattr(self, f.name))
         out.setdefault("keep", self.keep)
         out.setdefault("bits", self.bits)

@@ -10,6 +10,11 @@ counts tokens logically: ``get_seq_length()`` is every token seen (so model-made
 Methods that need attention scores (SnapKV, PyramidKV, TOVA) wait for the prefill queries, handed
 over by :mod:`kvlab.policies.attention` right after the layer's attention call.
 
+Chunked prefill (:mod:`kvlab.policies.chunking`): between ``begin_stream(n)`` and ``end_stream()``
+every update is a chunk of one ``n``-token prompt; the layer keeps a running budget of
+``policy.budget(n)`` rows (kept rows + the new chunk are rescored whenever they exceed it) and holds
+them unquantized until the prompt ends, then stores them (quantizing, for evict-then-quantize).
+
 Evict-then-quantize: the same mixin over a transformers quantized layer stores the kept K/V by
 quantizing them into ``_quantized_keys``/``_quantized_values`` with an empty residual and sets
 ``cumulative_length`` to the logical count. The attribute names and the residual/flush logic
@@ -20,6 +25,8 @@ residual_length``); later decode steps run the stock quantized ``update``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from typing import Any
 
@@ -50,6 +57,30 @@ class EvictionMixin:
         self.prompt_length: int | None = None
         self._kept: torch.Tensor | None = None  # int32 [B, Hkv, n_kept]; None = all prompt positions
         self._awaiting: tuple | None = None
+        self._stream_length: int | None = None  # while a prompt streams in: its full length
+        self._staged: tuple[torch.Tensor, torch.Tensor] | None = None  # kept K/V while streaming
+
+    # -- chunked prefill (kvlab.policies.chunking) ----------------------------------------------
+    def begin_stream(self, prompt_length: int) -> None:
+        """The next updates are chunks of one ``prompt_length``-token prompt (budget: its full length)."""
+        if self.prompt_length is not None:
+            raise EvictionError("a chunked prefill must start on a fresh cache (this layer already holds a prompt)")
+        self._stream_length = prompt_length
+
+    def end_stream(self) -> None:
+        """The prompt is in: store the kept rows the way this layer stores K/V."""
+        if self._awaiting is not None:
+            raise EvictionError(f"layer {self.layer_idx}: the prompt ended while a chunk still waited for its "
+                                f"queries: call policy.prepare(model) before the first forward")
+        self._stream_length = None
+        if self._staged is not None:
+            keys, values = self._staged
+            self._staged = None
+            self._store(keys, values)
+
+    @property
+    def _streaming(self) -> bool:
+        return self._stream_length is not None and self.logical_length < self._stream_length
 
     # -- inspection ---------------------------------------------------------------------------
     @property
@@ -71,7 +102,7 @@ class EvictionMixin:
                 f"{self.policy.name} needs the prefill queries of layer {self.layer_idx}, but the attention "
                 f"function never handed them over: call policy.prepare(model) before the first forward"
             )
-        if self.prompt_length is None:
+        if self.prompt_length is None or self._streaming:
             return self._prefill(key_states, value_states)
         n_new = key_states.shape[-2]
         out = self._append(key_states, value_states, *args, **kwargs)
@@ -109,22 +140,34 @@ class EvictionMixin:
         if self._kept is not None:
             self._kept = self._kept[indices]
 
-    # -- eviction -----------------------------------------------------------------------------
-    def _prefill(self, keys: torch.Tensor, values: torch.Tensor):
+    # -- eviction ---------------------------------------------------------------------------------
+    def _prefill(self, new_keys: torch.Tensor, new_values: torch.Tensor):
+        """A whole prompt (one shot) or its next chunk: append, then evict to the budget if over it.
+
+        Returns the K/V the chunk attends to (kept rows + the chunk), so its attention is exact."""
         if not self.is_initialized:
-            DynamicLayer.lazy_initialization(self, keys, values)
-        n = keys.shape[-2]
+            DynamicLayer.lazy_initialization(self, new_keys, new_values)
+        start, c = self.logical_length, new_keys.shape[-2]
+        total = self._stream_length or c
+        keys, values, positions = new_keys, new_values, None  # None: rows are positions 0..n-1
+        if self._staged is not None:
+            keys = torch.cat([self._staged[0], new_keys], dim=-2)
+            values = torch.cat([self._staged[1], new_values], dim=-2)
+            self._staged = None
+            if self._kept is not None:
+                new_pos = torch.arange(start, start + c, device=self._kept.device, dtype=self._kept.dtype)
+                positions = torch.cat([self._kept, new_pos.expand(*self._kept.shape[:2], c)], dim=-1)
         self._batch_heads = tuple(keys.shape[:2])
-        self.prompt_length = self.logical_length = n
-        n_kept = min(n, self.policy.budget(n, self.layer_idx, self.num_layers))
-        if n_kept >= n:
-            self._store(keys, values)
-            self.physical_length = n
+        self.prompt_length = self.logical_length = start + c
+        rows = keys.shape[-2]
+        n_kept = min(rows, self.policy.budget(total, self.layer_idx, self.num_layers))
+        if n_kept >= rows:
+            self._keep(keys, values, positions)
         elif self.policy.needs_attention:
-            self._awaiting = (keys, values, n_kept)
+            self._awaiting = (keys, values, n_kept, positions)
             attention.expect_queries(self.layer_idx, self)
         else:
-            self._evict(keys, values, n_kept, None)
+            self._evict(keys, values, n_kept, None, positions)
         return keys, values
 
     def awaits(self, key: torch.Tensor) -> bool:
@@ -133,18 +176,26 @@ class EvictionMixin:
 
     def receive_queries(self, query: torch.Tensor, attention_mask, scaling) -> None:
         """Called by kvlab's attention function right after this layer's prefill attention."""
-        keys, values, n_kept = self._awaiting
+        keys, values, n_kept, positions = self._awaiting
         self._awaiting = None
         window = self.policy.query_window(keys.shape[-2])
         probs = attention.window_attention(query, keys, scaling, window, attention_mask)
-        self._evict(keys, values, n_kept, probs)
+        self._evict(keys, values, n_kept, probs, positions)
 
-    def _evict(self, keys, values, n_kept: int, attn: torch.Tensor | None) -> None:
+    def _evict(self, keys, values, n_kept: int, attn: torch.Tensor | None, positions=None) -> None:
         idx = self.policy.select(keys, values, attn, n_kept, self.layer_idx, self.num_layers)
         gather = idx.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
-        self._store(keys.gather(2, gather), values.gather(2, gather))
-        self._kept = idx.to(torch.int32)
-        self.physical_length = n_kept
+        kept = idx.to(torch.int32) if positions is None else positions.gather(-1, idx.to(positions.device))
+        self._keep(keys.gather(2, gather), values.gather(2, gather), kept)
+
+    def _keep(self, keys, values, positions: torch.Tensor | None) -> None:
+        """Hold these rows: staged unquantized while a prompt streams in, else stored."""
+        self._kept = positions
+        self.physical_length = keys.shape[-2]
+        if self._stream_length is not None and self.logical_length < self._stream_length:
+            self._staged = (keys, values)
+        else:
+            self._store(keys, values)
 
     def _store(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         raise NotImplementedError
@@ -290,3 +341,49 @@ def cache_stats(cache) -> dict[str, Any]:
         "bytes": int(sum(_layer_bytes(layer) for layer in layers)),
         "physical_tokens_per_layer": per_layer,
     }
+
+
+@contextmanager
+def profiler_scopes(cache, update: str, quantize: str, dequantize: str) -> Iterator[None]:
+    """Profiler scopes named ``update`` around ``cache.update`` and ``quantize``/``dequantize``
+    around its layers' (de)quantization, for as long as the context lasts.
+
+    The hook :mod:`kvlab.anatomy` uses to classify ops without knowing transformers' cache classes:
+    the methods are shadowed by instance attributes (layers created lazily on the first update
+    included) and the instance attributes are deleted on exit, so the cache is as it was.
+    """
+    from torch.profiler import record_function
+
+    undo: list = []
+
+    def scoped(fn, name):
+        def wrapper(*args, **kwargs):
+            with record_function(name):
+                return fn(*args, **kwargs)
+
+        wrapper.__kvlab_scoped__ = True
+        return wrapper
+
+    def wrap_layers():
+        for layer in getattr(cache, "layers", None) or []:
+            for attr, name in (("_quantize", quantize), ("_dequantize", dequantize)):
+                fn = getattr(layer, attr, None)
+                if fn is not None and not getattr(fn, "__kvlab_scoped__", False):
+                    setattr(layer, attr, scoped(fn, name))
+                    undo.append((layer, attr))
+
+    original_update = cache.update
+
+    def scoped_update(*args, **kwargs):
+        wrap_layers()
+        with record_function(update):
+            return original_update(*args, **kwargs)
+
+    cache.update = scoped_update
+    wrap_layers()
+    try:
+        yield
+    finally:
+        for obj, attr in reversed(undo):
+            delattr(obj, attr)  # the instance attribute shadowed the class method
+        del cache.update

@@ -28,6 +28,7 @@ class EvictionPolicy(Policy):
     needs_attention: ClassVar[bool] = False
 
     def __post_init__(self):
+        super().__post_init__()
         object.__setattr__(self, "keep", check_keep(self.keep))
         object.__setattr__(self, "quant", QuantSpec.coerce(self.quant))
 
@@ -67,7 +68,7 @@ class EvictionPolicy(Policy):
     @property
     def label(self) -> str:
         text = f"{self.name} {self.keep:.0%}"
-        return f"{text} + {self.quant.label}" if self.quant else text
+        return self.chunk_label(f"{text} + {self.quant.label}" if self.quant else text)
 
     def check(self, model) -> None:
         shape = model_shape(model)

@@ -434,6 +434,7 @@ class QuantizedPolicy(Policy):
     """A whole-cache quantized policy (no eviction); subclasses say how to build the :class:`QuantSpec`."""
 
     def __post_init__(self):
+        super().__post_init__()
         object.__setattr__(self, "_spec", self._make_spec())
 
     def _make_spec(self) -> QuantSpec:
@@ -449,10 +450,10 @@ class QuantizedPolicy(Policy):
 
     @property
     def label(self) -> str:
-        return self.spec.label
+        return self.chunk_label(self.spec.label)
 
     def params(self) -> dict[str, Any]:
-        return {"method": self.name, **self.spec.params(), "keep": 1.0, "bits": self.bits}
+        return {"method": self.name, **self.spec.params(), "keep": 1.0, "bits": self.bits, **self.chunk_params()}
 
     def check(self, model) -> None:
         self.spec.check(model_shape(model))

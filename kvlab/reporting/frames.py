@@ -40,7 +40,8 @@ def failed_records(records: pd.DataFrame) -> pd.DataFrame:
     failed = records[records["status"] != "ok"]
     if "method" in failed.columns and not failed.empty:
         failed = failed.assign(label=fill_labels(records)[failed.index])
-    cols = [c for c in ("sweep_dir", "method", "label", "ctx", "batch", "repeat", "error") if c in failed.columns]
+    cols = [c for c in ("sweep_dir", "method", "label", "engine", "ctx", "batch", "repeat", "error")
+            if c in failed.columns]
     return _int_columns(failed[cols].copy())
 
 
@@ -52,6 +53,11 @@ def with_derived(df: pd.DataFrame) -> pd.DataFrame:
         df["label"] = "?"
     else:
         df["label"] = fill_labels(df)
+    if "engine" in df.columns:
+        df["engine"] = df["engine"].fillna("hf")  # records from before the engine column
+    if "engine" in df.columns and df["engine"].nunique() > 1:  # hf and fast: a method on each is two rows
+        df["label"] = [f"{lab} · {engine_tag(row)}" for lab, row in zip(df["label"].astype(str),
+                                                                          df.to_dict("records"), strict=True)]
     if "model" in df.columns and df["model"].nunique() > 1:  # a sweep over models: keep them apart
         prefix = df["model"].astype(str) + " · "
         labels = df["label"].astype(str)
@@ -62,6 +68,16 @@ def with_derived(df: pd.DataFrame) -> pd.DataFrame:
     if any(c in df.columns for c in ("tokens_per_s", "decode_s")):
         df["tokens_per_s"] = decode_throughput(df)
     return _int_columns(df)
+
+
+def engine_tag(record: dict) -> str:
+    """``hf``, ``fast``, or for a quantized store on ``fast`` what it really ran (e.g. ``fast int4-g64
+    fused``: quanto's method label, kvlab's format and kernel)."""
+    engine = record.get("engine") or "hf"
+    fmt = record.get("kv_format")
+    if engine == "fast" and isinstance(fmt, str) and fmt != "model dtype":
+        return f"fast {fmt} {record.get('fast_attention') or ''}".strip()
+    return engine
 
 
 def _int_columns(df: pd.DataFrame, cols: Sequence[str] = ("ctx", "batch", "new_tokens", "repeat")) -> pd.DataFrame:

@@ -62,11 +62,18 @@ def group_task(job: GroupJob, mailbox, gid: str) -> None:
         send(("fatal", f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
 
 
-def task_resources(params) -> dict[str, float]:
-    """One whole GPU per task on CUDA (never a fraction: sharing a GPU corrupts power and latency),
-    else ``threads`` CPUs (1 when unset)."""
+def task_resources(params, cluster: dict[str, float] | None = None) -> dict[str, float]:
+    """One whole GPU per task on CUDA (never a fraction: sharing a GPU corrupts power and latency)
+    with its share of the cluster's CPUs (``threads`` if set), else ``threads`` CPUs (1 when unset).
+
+    Why a GPU task takes its CPU share: Ray gives a task ``OMP_NUM_THREADS = num_cpus``, and at
+    batch 1 the ``hf`` step is bound by the host: on the H200 a task asking for 1 CPU ran with one
+    torch thread and 1.36x local's ms/step (reports/h200-2026-12-03b, section 6).
+    """
     if str(params.device).startswith("cuda"):
-        return {"num_gpus": 1, "num_cpus": 1}
+        cluster = cluster or {}
+        share = int(cluster.get("CPU", 1) // max(1.0, cluster.get("GPU", 1)))
+        return {"num_gpus": 1, "num_cpus": params.threads or max(1, share)}
     return {"num_cpus": params.threads or 1}
 
 
@@ -96,11 +103,11 @@ class RayExecutor:
             ray.init(address=self.address)
         return True
 
-    def transport(self, params, mailbox) -> Callable[[GroupJob], Iterator[tuple]]:
+    def transport(self, params, mailbox, resources: dict[str, float]) -> Callable[[GroupJob], Iterator[tuple]]:
         ray = self.ray
         # a fresh worker process per group (max_calls=1), as with `process`: nothing (a poisoned CUDA
         # context, leaked memory) carries over from one group to the next
-        task = ray.remote(max_retries=0, max_calls=1)(group_task).options(**task_resources(params))
+        task = ray.remote(max_retries=0, max_calls=1)(group_task).options(**resources)
 
         def run(job: GroupJob) -> Iterator[tuple]:
             gid = uuid.uuid4().hex
@@ -138,15 +145,15 @@ class RayExecutor:
     def run(self, params, pending, sink, budget, *, sweep_name, loader, sampler_factory) -> None:
         started = self._connect()
         try:
-            resources = task_resources(params)
             cluster = self.ray.cluster_resources()
+            resources = task_resources(params, cluster)
             if resources.get("num_gpus") and not cluster.get("GPU"):
                 raise ValueError(f"device: {params.device!r} but the Ray cluster has no GPU "
                                  f"(resources: {cluster}); start its nodes with GPUs, or --set device=cpu")
             slots = slots_for(resources, cluster)
             sink.log(f"kvlab sweep: ray executor, {slots} task(s) at a time with {resources} each")
             mailbox = self._mailbox()
-            drive(shape_groups(pending), self.transport(params, mailbox), slots=slots, params=params, sink=sink,
+            drive(shape_groups(pending), self.transport(params, mailbox, resources), slots=slots, params=params, sink=sink,
                   budget=budget, sweep_name=sweep_name, loader=loader, sampler_factory=sampler_factory)
         finally:
             if started:
