@@ -105,6 +105,8 @@ def gpu_tables(one_df, many_df, index: dict[str, int]) -> list[str]:
     if len(alone) > 1:
         lines.append(f"the one-GPU sweep ran on {len(alone)} GPUs ({', '.join(alone)}): it was not restricted to one")
     uuids = sorted({str(u) for u in many_df.get("gpu_uuid", []) if u}, key=lambda u: index.get(norm_uuid(u), 99))
+    if not uuids:
+        lines.append("no run of the 2-GPU sweep names a GPU: no per-GPU comparison")
     for uuid in uuids:
         same = len(alone) == 1 and norm_uuid(uuid) == norm_uuid(alone[0])
         what = ("the control, the same GPU alone and beside the other task" if same
