@@ -157,6 +157,10 @@ class WindowResult:
     temp_end_c: float | None = None
     n_samples: int = 0
     timeline: Timeline | None = None
+    # where the window sits on the wall clock and on the GPU's cumulative counter, so a sweep's
+    # windows can be laid against per-GPU counter readings (kvlab.runner.attribution)
+    start_unix: float | None = None
+    counter_start_j: float | None = None
 
     @property
     def seconds(self) -> float:
@@ -214,6 +218,7 @@ class NullSampler:
         self._sync()
         handle = Window(phase, self._clock, self._sync)
         handle.phase_edges.append(self._clock())
+        start_unix = time.time()
         try:
             yield handle
         finally:
@@ -221,7 +226,7 @@ class NullSampler:
             t1 = self._clock()
             handle.result = WindowResult(
                 self.source, handle.phase_edges[0], t1, list(handle.phase_names), list(handle.phase_edges),
-                phase_j={n: None for n in handle.phase_names},
+                phase_j={n: None for n in handle.phase_names}, start_unix=start_unix,
             )
 
     def measure_idle(self, seconds: float, sub_s: float = 1.0) -> float | None:
@@ -374,6 +379,7 @@ class NvmlSampler:
         try:
             self._sync()
             t0 = self._clock()
+            start_unix = time.time()
             c0 = self._counter_j()
             handle.phase_edges.append(t0)
             try:
@@ -384,10 +390,11 @@ class NvmlSampler:
                 t1 = self._clock()
         finally:
             poller.stop()
-        handle.result = self._result(handle, t0, t1, c1 - c0, poller, temp0)
+        handle.result = self._result(handle, t0, t1, c0, c1, poller, temp0, start_unix)
 
-    def _result(self, handle: Window, t0: float, t1: float, joules: float, poller: _Poller,
-                temp0: float | None) -> WindowResult:
+    def _result(self, handle: Window, t0: float, t1: float, c0: float, c1: float, poller: _Poller,
+                temp0: float | None, start_unix: float) -> WindowResult:
+        joules = c1 - c0
         tl = poller.timeline
         inst_t, inst_p = tl.instant
         avg_t, avg_p = tl.average
@@ -404,7 +411,7 @@ class NvmlSampler:
             phase_j=dict(zip(names, parts, strict=True)) if parts else {n: None for n in names},
             peak_mem_nvml_bytes=poller.mem_max if self.memory else None,
             temp_start_c=temp0, temp_end_c=self._temperature(),
-            n_samples=poller.n_polls, timeline=tl,
+            n_samples=poller.n_polls, timeline=tl, start_unix=start_unix, counter_start_j=c0,
         )
 
     def measure_idle(self, seconds: float, sub_s: float = 1.0) -> float | None:
@@ -436,7 +443,8 @@ Sampler = NvmlSampler | NullSampler
 # ---------------------------------------------------------------------------------------------
 
 
-def _norm_uuid(uuid: Any) -> str:
+def norm_uuid(uuid: Any) -> str:
+    """A GPU's UUID as one key whatever its spelling: lower case, without ``GPU-``/``MIG-``."""
     text = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
     text = text.strip().lower()
     for prefix in ("gpu-", "mig-"):
@@ -450,15 +458,15 @@ def torch_device_uuid(device: str) -> str:
 
     dev = torch.device(device)
     index = dev.index if dev.index is not None else torch.cuda.current_device()
-    return _norm_uuid(torch.cuda.get_device_properties(index).uuid)
+    return norm_uuid(torch.cuda.get_device_properties(index).uuid)
 
 
 def find_handle(nvml, uuid: str):
     """The NVML handle whose UUID matches ``uuid`` (prefix-insensitive), or None."""
-    want = _norm_uuid(uuid)
+    want = norm_uuid(uuid)
     for i in range(nvml.nvmlDeviceGetCount()):
         handle = nvml.nvmlDeviceGetHandleByIndex(i)
-        if _norm_uuid(nvml.nvmlDeviceGetUUID(handle)) == want:
+        if norm_uuid(nvml.nvmlDeviceGetUUID(handle)) == want:
             return handle
     return None
 
@@ -488,10 +496,10 @@ def visible_device_uuid(nvml, device: str, environ: dict[str, str] | None = None
         entry = entries[index]
         if entry.isdigit():
             return str(_decoded(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(int(entry)))))
-        want = _norm_uuid(entry)
+        want = norm_uuid(entry)
         found = [_decoded(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(i)))
                  for i in range(nvml.nvmlDeviceGetCount())]
-        matches = [u for u in found if _norm_uuid(u).startswith(want)]
+        matches = [u for u in found if norm_uuid(u).startswith(want)]
         return str(matches[0]) if len(matches) == 1 else None
     except Exception:
         return None

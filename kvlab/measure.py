@@ -387,6 +387,9 @@ def measure_generation(
         "j_per_token_10hz": e10 / n_out if e10 is not None else None,
         # beyond the documented columns
         "window_s": res.seconds,
+        # the window on the wall clock and on the GPU's cumulative counter (kvlab.runner.attribution)
+        "window_start_unix": res.start_unix,
+        "energy_counter_start_j": res.counter_start_j,
         "decode_j_per_token": (res.phase_j.get("decode") / (batch * (new_tokens - 1))
                                if res.phase_j.get("decode") is not None and new_tokens > 1 else None),
         "energy_instant_j": res.energy_instant_j,

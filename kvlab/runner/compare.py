@@ -139,11 +139,15 @@ def render(table, walls: dict, base: str, other: str, target: float = TARGET, ex
         lines.append(f"  first to last record: {base} {b['first_to_last_s']:.0f} s, {other} {o['first_to_last_s']:.0f} s "
                      f"({walls['per_run_overhead_s']:+.2f} s per run{share}; timestamps to the second)")
     lines.extend(extra_lines)
+    lines.extend(table_lines(table, base, other))
+    return "\n".join(lines)
+
+
+def table_lines(table, base: str, other: str, empty: str = "no configuration has ok records in both folders") -> list[str]:
+    """Per configuration and metric: each side's mean [CI], the ratio other/base [CI]; then how many agree."""
     if table is None or len(table) == 0:
-        lines.append("no configuration has ok records in both folders")
-        return "\n".join(lines)
-    lines.append("")
-    lines.append(f"per configuration: mean [95% bootstrap CI] over repeats; ratio {other}/{base} [95% CI]")
+        return [empty]
+    lines = ["", f"per configuration: mean [95% bootstrap CI] over repeats; ratio {other}/{base} [95% CI]"]
     head = f"{'metric':8s} {'label':24s} {'ctx':>6s} {'b':>3s} {'n':>5s}  {base:28s} {other:28s} {'ratio':22s}"
     lines.append(head)
     for _, row in table.iterrows():
@@ -163,7 +167,7 @@ def render(table, walls: dict, base: str, other: str, target: float = TARGET, ex
     if any(busy.values()):
         lines.append("runs flagged contended (other work took the CPU during decode; their times are suspect): "
                      + ", ".join(f"{ex} {n}" for ex, n in busy.items()))
-    return "\n".join(lines)
+    return lines
 
 
 def provenance_lines(folder: Path) -> list[str]:
