@@ -675,7 +675,8 @@ def _base_record(session, run, sweep_name, kind, policy) -> dict[str, Any]:
 
     rec = _identity_record(run, sweep_name, kind)
     model = model_columns(session.loaded)
-    rec.update(weights=model.get("weights"), dtype=model.get("dtype"), gpu_name=model["gpu_name"],
+    rec.update(weights=model.get("weights"), dtype=model.get("dtype"),
+               gpu_name=session.gpu_name or model["gpu_name"],  # the sampler's GPU, found by UUID
                gpu_uuid=session.gpu_uuid, host=session.host)
     if policy is not None:
         from kvlab.weights_quant import weights_label
