@@ -206,6 +206,12 @@ def test_sweep_defaults_on_cuda_run_the_study_at_the_asked_context():
     assert {v.method for _, v in check_params(params, check_device=False)} >= {"full", "snapkv", "quanto", "fp8"}
 
 
+def test_sweep_defaults_note_says_the_users_budget_not_the_default():
+    """On the H200 `-p time_budget_s 110` printed "stopping cleanly after 540 s" (2026-12-03)."""
+    d = report.sweep_defaults({"ctx": 16384, "time_budget_s": 110, "repeats": 2}, cuda_available=True)
+    assert "after 110 s" in d.note and "2 repeats" in d.note
+
+
 def test_sweep_defaults_on_cpu_run_the_smoke_sweep_or_say_what_to_run():
     d = report.sweep_defaults({"ctx": 1024}, cuda_available=False)
     assert d.params_file == "params/smoke.yaml" and d.values == {"device": "cpu"}

@@ -74,9 +74,10 @@ def sweep_defaults(given: dict[str, Any], cuda_available: bool) -> SweepDefaults
     ctx = _ctx_list(given.get("ctx"))
     if str(device).startswith("cuda"):
         values = {**GPU_DEFAULTS, "device": device}
+        run = {**values, **given}  # what will run: the note says the user's values where given
         note = (f"no params file: the study's methods on the llama-3.1-8b shape (synthetic weights) on {device} "
-                f"at ctx {', '.join(map(str, ctx or values['ctx']))}, 3 repeats, stopping cleanly after "
-                f"{values['time_budget_s']} s (rerun to resume)")
+                f"at ctx {', '.join(map(str, ctx or values['ctx']))}, {run['repeats']} repeats, stopping "
+                f"cleanly after {run['time_budget_s']} s (rerun to resume)")
         return SweepDefaults(None, values, note)
     too_long = [c for c in ctx if c + CPU_NEW_TOKENS > CPU_MAX_CONTEXT]
     if too_long and not given.get("models"):
