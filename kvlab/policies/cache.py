@@ -42,7 +42,25 @@ class EvictionError(PolicyError):
     """The cache was driven in a way eviction cannot honour (e.g. scores never arrived)."""
 
 
-class EvictionMixin:
+class LogicalLengthMixin:
+    """A cache layer that holds fewer rows (``physical_length``) than the tokens it has seen
+    (``logical_length``): the sequence length and the attention mask follow the logical count, the
+    mask's key length the physical one (transformers 5.x ``get_mask_sizes``)."""
+
+    logical_length: int
+    physical_length: int
+
+    def get_seq_length(self) -> int:
+        return self.logical_length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.physical_length + query_length, self.logical_length - self.physical_length
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class EvictionMixin(LogicalLengthMixin):
     """Prefill eviction with logical/physical bookkeeping, over a DynamicLayer or a quantized layer."""
 
     def _init_eviction(self, policy, layer_idx: int, num_layers: int) -> None:
@@ -109,15 +127,6 @@ class EvictionMixin:
         self.logical_length += n_new
         self.physical_length += n_new
         return out
-
-    def get_seq_length(self) -> int:
-        return self.logical_length
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.physical_length + query_length, self.logical_length - self.physical_length
-
-    def get_max_length(self) -> int:
-        return -1
 
     def reset(self) -> None:
         if self._awaiting is not None:

@@ -30,7 +30,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from kvlab.policies import attention
 from kvlab.policies.base import Policy, PolicyError, check_int, hf_model, model_shape
-from kvlab.policies.cache import EvictionError
+from kvlab.policies.cache import EvictionError, LogicalLengthMixin
 
 SCORERS = ("snapkv", "tova", "knorm", "streamingllm", "random")
 
@@ -49,7 +49,7 @@ def make_scorer(score: str, score_params: dict[str, Any] | None):
     return make_policy(score, **params)
 
 
-class DecodingLayer(DynamicLayer):
+class DecodingLayer(LogicalLengthMixin, DynamicLayer):
     """A DynamicLayer that evicts back to ``target`` rows every ``interval`` tokens after the prompt.
 
     Counts tokens logically like :class:`kvlab.policies.cache.EvictingLayer` (``get_seq_length`` is
@@ -148,15 +148,6 @@ class DecodingLayer(DynamicLayer):
             self.compressions += 1
         self._since = 0
         self._queries = []
-
-    def get_seq_length(self) -> int:
-        return self.logical_length
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.physical_length + query_length, self.logical_length - self.physical_length
-
-    def get_max_length(self) -> int:
-        return -1
 
     def reset(self) -> None:
         if self._awaiting_key is not None:
