@@ -35,14 +35,15 @@ KEYS = ("method", "label", "ctx", "batch")
 TARGET = 0.05
 
 
-def read_walls(path: Path) -> dict[str, dict[str, Any]]:
-    """``walls.jsonl`` as {executor: {start, end, rc}}; a later line for an executor wins."""
+def read_walls(path: Path, key: str = "executor") -> dict[str, dict[str, Any]]:
+    """``walls.jsonl`` (one line per timed sweep: start, end, rc) as {row[key]: row}; a later line
+    for the same sweep wins (a retried start)."""
     walls: dict[str, dict[str, Any]] = {}
     if path.is_file():
         for line in path.read_text().splitlines():
             if line.strip():
                 row = json.loads(line)
-                walls[row["executor"]] = row
+                walls[row[key]] = row
     return walls
 
 

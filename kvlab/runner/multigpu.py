@@ -25,7 +25,6 @@ Exit status: 0 when the report could be made, 2 when a sweep folder is missing.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -33,20 +32,10 @@ from typing import Any
 
 from kvlab.energy import norm_uuid
 from kvlab.runner.attribution import TOLERANCE, attribute, read_counters, render, sweep_records
+from kvlab.runner.compare import read_walls
 
 TARGET = 0.55
 MANY, ONE = "gpu2", "gpu1"
-
-
-def read_walls(path: Path) -> dict[str, dict[str, Any]]:
-    """``walls.jsonl`` as {sweep: row}; a later line for a sweep wins (a retried start)."""
-    walls: dict[str, dict[str, Any]] = {}
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                row = json.loads(line)
-                walls[row["sweep"]] = row
-    return walls
 
 
 def wall_s(row: dict[str, Any] | None) -> float:
@@ -149,7 +138,7 @@ def report(folder: Path, target: float = TARGET, tolerance: float = TOLERANCE) -
         frames[sweep] = df[df["status"] == "ok"] if len(df) else df
         records[sweep] = sweep_records(folder / sweep)
     index = gpu_index(sorted((folder / "counters").glob("*.json")))
-    lines = wall_lines(read_walls(folder / "walls.jsonl"), {k: len(v) for k, v in frames.items()}, target)
+    lines = wall_lines(read_walls(folder / "walls.jsonl", key="sweep"), {k: len(v) for k, v in frames.items()}, target)
     lines.append("")
     for sweep in (MANY, ONE):
         lines.extend(gpu_lines(sweep, records[sweep], index))
