@@ -33,11 +33,16 @@ def both_engines(loaded, policy, prompt, n_new):
     cache = policy.make_cache(model)
     first = prefill(model, prompt, cache)[:, -1].argmax(-1)
     ref = greedy_decode(model, cache, first, n_new, prompt.shape[1])
-    decoder = FastEngine(loaded).decoder(policy, prompt.shape[0], prompt.shape[1], n_new)
-    fast_cache = decoder.prefill_cache()
-    first_fast = prefill(model, prompt, fast_cache)[:, -1].argmax(-1)
-    decoder.load(fast_cache)
-    return ref, decoder.decode(first_fast, n_new, prompt.shape[1]), decoder
+    return ref, *fast_tokens(FastEngine(loaded), loaded, policy, prompt, n_new)
+
+
+def fast_tokens(engine, loaded, policy, prompt, n_new):
+    """Prefill ``prompt`` into ``engine``'s decoder for ``policy`` and decode: (tokens, decoder)."""
+    decoder = engine.decoder(policy, prompt.shape[0], prompt.shape[1], n_new)
+    cache = decoder.prefill_cache()
+    first = prefill(loaded.model, prompt, cache)[:, -1].argmax(-1)
+    decoder.load(cache)
+    return decoder.decode(first, n_new, prompt.shape[1]), decoder
 
 
 @pytest.mark.parametrize("method", DENSE)
@@ -209,11 +214,7 @@ def test_the_compiled_layer_functions_give_the_eager_tokens(tiny, method):
     out = {}
     with policy.attach(tiny, warm=False):
         for compile in ("none", "layers"):
-            decoder = FastEngine(tiny, compile=compile).decoder(policy, 2, 48, 12)
-            cache = decoder.prefill_cache()
-            first = prefill(tiny.model, prompt, cache)[:, -1].argmax(-1)
-            decoder.load(cache)
-            out[compile] = decoder.decode(first, 12, 48)
+            out[compile], _ = fast_tokens(FastEngine(tiny, compile=compile), tiny, policy, prompt, 12)
     assert torch.equal(out["none"], out["layers"])
 
 
@@ -228,11 +229,7 @@ def test_triton_attention_stores_bf16_and_follows_the_flash_path(tiny):
     out = {}
     with policy.attach(lm, warm=False):
         for attention in ("sdpa", "triton"):
-            decoder = FastEngine(lm, attention=attention).decoder(policy, 2, 48, 8)
-            cache = decoder.prefill_cache()
-            first = prefill(lm.model, prompt, cache)[:, -1].argmax(-1)
-            decoder.load(cache)
-            out[attention] = decoder.decode(first, 8, 48)
+            out[attention], decoder = fast_tokens(FastEngine(lm, attention=attention), lm, policy, prompt, 8)
             assert decoder.stats()["kv_format"] == ("bf16" if attention == "triton" else "model dtype")
     assert (out["sdpa"] == out["triton"]).float().mean() >= 0.9
     with pytest.raises(EngineError, match="bfloat16"):
