@@ -154,6 +154,7 @@ class LlamaFamilyStep:
                         for la in self.layers]
             self.gate_up = [_fuse_linears([la.mlp.gate_proj, la.mlp.up_proj]) for la in self.layers]
         self.heads = (self.num_heads, self.num_kv_heads, self.head_dim)
+        self.eps = [(norm_eps(la.input_layernorm), norm_eps(la.post_attention_layernorm)) for la in self.layers]
         self.act = self.layers[0].mlp.act_fn  # one object for every layer (a compile guard, not 32)
         if any(type(la.mlp.act_fn) is not type(self.act) for la in self.layers):
             raise EngineError("the fast engine needs one activation function in every layer: use --engine hf")
@@ -174,10 +175,10 @@ class LlamaFamilyStep:
         kv.begin()
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            q, k, v = self._inputs(hidden, layer.input_layernorm.weight, norm_eps(layer.input_layernorm),
-                                   *self.qkv[i], cos, sin, self.heads)
+            eps_in, eps_post = self.eps[i]
+            q, k, v = self._inputs(hidden, layer.input_layernorm.weight, eps_in, *self.qkv[i], cos, sin, self.heads)
             out = kv.attend(i, q, k, v)  # [B, Hq, D]
             hidden = self._output(hidden, out, attn.o_proj.weight, attn.o_proj.bias,
-                                  layer.post_attention_layernorm.weight, norm_eps(layer.post_attention_layernorm),
+                                  layer.post_attention_layernorm.weight, eps_post,
                                   *self.gate_up[i], mlp.down_proj.weight, mlp.down_proj.bias, self.act)
         return self.lm_head(rms_norm(self.norm, hidden))[:, -1]
