@@ -25,3 +25,16 @@ def smollm2():
     from kvlab.models import load_model
 
     return load_model("smollm2-135m", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def ray_fake_gpus():
+    """A new local Ray cluster (never one already running here) with two fake GPUs for scheduling."""
+    from pathlib import Path
+
+    ray = pytest.importorskip("ray")
+    repo = Path(__file__).resolve().parent.parent
+    ray.init(address="local", num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": f"{repo}:{repo / 'tests'}"}})
+    yield ray
+    ray.shutdown()

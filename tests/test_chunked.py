@@ -6,12 +6,12 @@ import dataclasses
 
 import pytest
 import torch
+from tiny_models import load_tiny_d32
 
 from kvlab.chunked import chunk_bounds, prefill
 from kvlab.decode import generate_text, greedy_decode
 from kvlab.decode import prefill as one_shot
 from kvlab.engine.fast import FastEngine
-from kvlab.models import LoadedModel, preset_config, spec_from_config
 from kvlab.policies import POLICIES, EvictionPolicy, PolicyError, QuantizedPolicy, cache_stats, kept_positions
 from kvlab.policies import make_policy as _make
 
@@ -21,15 +21,7 @@ NEW = 6
 
 @pytest.fixture(scope="module")
 def lm():
-    """tiny-llama with head_dim 32, so every quantized format of the registry can store it."""
-    from transformers import AutoModelForCausalLM
-
-    config = preset_config("tiny-llama")
-    config.head_dim = 32
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
-    return LoadedModel(model, None, spec_from_config(config, name="tiny-llama-d32", dtype="float32"),
-                       "synthetic", "tiny-llama-d32", "cpu", "float32")
+    return load_tiny_d32()
 
 
 def registry_kwargs(name: str) -> dict:

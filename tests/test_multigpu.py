@@ -88,19 +88,10 @@ def test_the_device_script_parses():
     assert done.returncode == 0, done.stderr
 
 
-@pytest.fixture(scope="module")
-def two_fake_gpus():
-    ray = pytest.importorskip("ray")
-    path = f"{REPO}:{REPO / 'tests'}"
-    # a new local cluster (never one that is running here) with two fake GPUs for scheduling
-    ray.init(address="local", num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": path}})
-    yield ray
-    ray.shutdown()
 
 
 @pytest.mark.slow
-def test_ray_places_every_window_on_its_gpu(tmp_path, two_fake_gpus):
+def test_ray_places_every_window_on_its_gpu(tmp_path, ray_fake_gpus):
     from sweep_workers import cpu_loader, fake_gpu_sampler
 
     from kvlab.params import parse_params

@@ -3,11 +3,12 @@ the same greedy tokens on the hf engine (dequantize, then attend) and the fast e
 
 import pytest
 import torch
+from tiny_models import load_tiny_d32
 
 from kvlab.decode import cache_kwarg, generate_text, greedy_decode, prefill
 from kvlab.engine.fast import FastEngine
 from kvlab.engine.kvstore import parse_kv_format
-from kvlab.models import LoadedModel, get_spec, preset_config, spec_from_config
+from kvlab.models import get_spec
 from kvlab.policies import EvictionError, cache_stats, kept_positions, make_policy
 from kvlab.policies.base import PolicyError
 from kvlab.policies.cache import EvictingLayer, evicting_quantized_class
@@ -19,15 +20,7 @@ FORMATS = ["fp8", "int4-g32", "int2-g32"]
 
 @pytest.fixture(scope="module")
 def lm():
-    """tiny-llama with head_dim 32 (the preset's 16 is smaller than the smallest int group, 32)."""
-    from transformers import AutoModelForCausalLM
-
-    config = preset_config("tiny-llama")
-    config.head_dim = 32
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
-    return LoadedModel(model, None, spec_from_config(config, name="tiny-llama-d32", dtype="float32"),
-                       "synthetic", "tiny-llama-d32", "cpu", "float32")
+    return load_tiny_d32()
 
 
 def prompt(batch=1, n=N, seed=1):

@@ -160,19 +160,10 @@ def test_a_killed_process_worker_costs_its_run_and_the_sweep_goes_on(tmp_path):
 # --- the ray executor (a local cluster) -------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray = pytest.importorskip("ray")
-    path = f"{REPO}:{REPO / 'tests'}"
-    # a new local cluster (never one that is running here) with two fake GPUs for scheduling
-    ray.init(address="local", num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": path}})
-    yield ray
-    ray.shutdown()
 
 
 @pytest.mark.slow
-def test_ray_executor_matches_local_survives_a_killed_worker_and_resumes(tmp_path, ray_cluster):
+def test_ray_executor_matches_local_survives_a_killed_worker_and_resumes(tmp_path, ray_fake_gpus):
     local, mixed = tmp_path / "local", tmp_path / "mixed"
     run_sweep(small(), local, progress=False, log=quiet)
     run_sweep(small(executor="process", max_runs=2), mixed, progress=False, log=quiet)
@@ -191,7 +182,7 @@ def test_ray_executor_matches_local_survives_a_killed_worker_and_resumes(tmp_pat
 
 
 @pytest.mark.slow
-def test_ray_gives_each_task_a_gpu_and_its_sampler_binds_that_gpu(tmp_path, ray_cluster):
+def test_ray_gives_each_task_a_gpu_and_its_sampler_binds_that_gpu(tmp_path, ray_fake_gpus):
     p = small(executor="ray", device="cuda")
     s = run_sweep(p, tmp_path, progress=False, check_device=False, loader=cpu_loader,
                   sampler_factory=fake_gpu_sampler, log=quiet)
