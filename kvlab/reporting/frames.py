@@ -56,8 +56,8 @@ def with_derived(df: pd.DataFrame) -> pd.DataFrame:
     if "engine" in df.columns:
         df["engine"] = df["engine"].fillna("hf")  # records from before the engine column
     if "engine" in df.columns and df["engine"].nunique() > 1:  # hf and fast: a method on each is two rows
-        df["label"] = [f"{lab} · {engine_tag(row)}" for lab, row in zip(df["label"].astype(str),
-                                                                          df.to_dict("records"), strict=True)]
+        tags = df[[c for c in ("engine", "kv_format", "fast_attention") if c in df.columns]].to_dict("records")
+        df["label"] = [f"{lab} · {engine_tag(row)}" for lab, row in zip(df["label"].astype(str), tags, strict=True)]
     if "model" in df.columns and df["model"].nunique() > 1:  # a sweep over models: keep them apart
         prefix = df["model"].astype(str) + " · "
         labels = df["label"].astype(str)
