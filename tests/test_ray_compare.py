@@ -82,3 +82,14 @@ def test_missing_wall_times_are_said_not_guessed(tmp_path):
     (tmp_path / "walls.jsonl").unlink()
     text = compare(tmp_path)
     assert "overhead: unknown (walls.jsonl lacks a wall time)" in text and "configurations agree" in text
+
+
+def test_a_cluster_started_before_the_sweep_is_timed_apart(tmp_path):
+    n = fake_pair(tmp_path)
+    with open(tmp_path / "walls.jsonl", "a") as f:
+        f.write(json.dumps({"executor": "ray-cluster", "start": T0 - 10, "end": T0 - 4, "rc": 0}) + "\n")
+    local_wall = 30 + 6 * (n - 1) + 3
+    text = compare(tmp_path)
+    assert "ray overhead: +17.0 s" in text  # the sweep through the running cluster
+    share = 100 * (17 + 6) / local_wall
+    assert f"ray's cluster was started before the sweep joined it: 6.0 s; counting that start, ray's overhead is +23.0 s = +{share:.1f}%" in text

@@ -3,7 +3,8 @@
 ``scripts/device/ray_compare.sh`` runs ``params/ray-compare.yaml`` through ``--executor local`` and
 then ``--executor ray`` into ``DIR/local`` and ``DIR/ray``, and appends one line per sweep to
 ``DIR/walls.jsonl`` (``{"executor", "start", "end", "rc"}``, epoch seconds around the whole
-``kvlab sweep`` process). Then::
+``kvlab sweep`` process; a line for ``ray-cluster`` times the ``ray start --head`` that ran before
+the ``ray`` sweep joined that cluster, as a user's sweep joins a running one). Then::
 
     python -m kvlab.runner.compare DIR [--base local --other ray] [--target 0.05]
 
@@ -12,7 +13,8 @@ prints what each executor cost and whether it changed the measurements:
 - wall time of each sweep process and the other's overhead, in seconds and as a share of the base
   sweep's wall time (issue #17's target: at most 5%), split into the part before the first record
   (Ray's start, a worker process, its imports and model load) and the part from the first record
-  to the last (what each run costs; ``created_at`` has one-second resolution);
+  to the last (what each run costs; ``created_at`` has one-second resolution); when the cluster was
+  started beforehand, the overhead also counting that start;
 - per configuration (method, ctx, batch), ms/step, J/token and TTFT over the repeats: each
   executor's mean with its 95% bootstrap CI, and the ratio other/base with its CI; a configuration
   agrees when every ratio CI contains 1.
@@ -76,6 +78,11 @@ def wall_summary(walls: dict[str, dict[str, Any]], records: dict[str, Any], base
             out["per_run_overhead_s"] = (o["first_to_last_s"] - b["first_to_last_s"]) / n
             per_run = b["first_to_last_s"] / (b["runs"] - 1) if b["runs"] > 1 else 0.0
             out["per_run_overhead"] = out["per_run_overhead_s"] / per_run if per_run else math.nan
+    cluster = walls.get(f"{other}-cluster", {})
+    if "start" in cluster and "end" in cluster:  # a cluster started (and timed) before the sweep joined it
+        out["cluster_start_s"] = cluster["end"] - cluster["start"]
+        out["overhead_with_cluster_s"] = out["overhead_s"] + out["cluster_start_s"]
+        out["overhead_with_cluster"] = out["overhead_with_cluster_s"] / b["wall_s"] if b["wall_s"] else math.nan
     return out
 
 
@@ -131,6 +138,11 @@ def render(table, walls: dict, base: str, other: str, target: float = TARGET, ex
         verdict = "within" if walls["overhead"] <= target else "over"
         lines.append(f"{other} overhead: {walls['overhead_s']:+.1f} s = {100 * walls['overhead']:+.1f}% of {base}'s "
                      f"wall time ({verdict} the {100 * target:.0f}% target)")
+    if "cluster_start_s" in walls:
+        verdict = "within" if walls["overhead_with_cluster"] <= target else "over"
+        lines.append(f"  {other}'s cluster was started before the sweep joined it: {walls['cluster_start_s']:.1f} s; "
+                     f"counting that start, {other}'s overhead is {walls['overhead_with_cluster_s']:+.1f} s = "
+                     f"{100 * walls['overhead_with_cluster']:+.1f}% ({verdict} the target)")
     if "startup_overhead_s" in walls:
         lines.append(f"  before the first record: {base} {b['before_first_s']:.0f} s, {other} {o['before_first_s']:.0f} s "
                      f"({walls['startup_overhead_s']:+.0f} s: starting {other}, its worker, imports, model load)")

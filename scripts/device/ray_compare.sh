@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue #17 on the H200: params/ray-compare.yaml through `--executor local`, then `--executor ray`
 # (a local Ray cluster started by kvlab on the one GPU), into outputs/ray-compare/{local,ray};
-# prints both wall times, ray's overhead and, per configuration, ms/step, J/token and TTFT with
+# prints both wall times, ray's overhead (without and with starting Ray's cluster) and, per configuration, ms/step, J/token and TTFT with
 # their CIs side by side (python -m kvlab.runner.compare), and packs the folder into
 # $OUT/ray-compare.tgz. One device call, about 5 minutes:
 #
@@ -56,7 +56,24 @@ sweep() {  # EXECUTOR [--set ...]: one timed sweep, its wall time appended to wa
   return "$rc"
 }
 sweep local "$@"
-sweep ray "$@"
+# Ray's cluster is started first, timed on its own (a "ray-cluster" line in walls.jsonl), and the
+# sweep joins it (--ray-address auto), as a user's sweep joins a running cluster; the comparison
+# gives ray's overhead both without and with that start.
+cluster() {
+  local t0 t1 rc
+  t0=$(date +%s.%N)
+  python3 -m ray.scripts.scripts start --head --include-dashboard=false --disable-usage-stats > "$out/ray-start.log" 2>&1
+  rc=$?
+  t1=$(date +%s.%N)
+  printf '{"executor": "ray-cluster", "start": %s, "end": %s, "rc": %s}\n' "$t0" "$t1" "$rc" >> "$out/walls.jsonl"
+  say "ray start --head: exit $rc, $(python3 -c "print(round($t1 - $t0, 1))") s"
+  return "$rc"
+}
+if cluster; then
+  sweep ray --set ray_address=auto "$@"
+else
+  tail -5 "$out/ray-start.log"; sweep ray "$@"  # no running cluster: the sweep starts its own
+fi
 rc=$?
 # Ray's raylet gives up when its dashboard agent (a Python process) has not written its port within
 # 15 s, which a loaded machine can miss; the sweep then ends before any run with exit 1. Once more
