@@ -224,6 +224,20 @@ def test_write_kernel_matches_the_torch_write(name, group, scale_dtype, per_row)
     assert got.dequantize().abs().sum() > 0
 
 
+@pytest.mark.parametrize("name,group", [("fp8", None), ("int4", 32), ("bf16", None)])
+def test_write_kernel_writes_a_row_slice_of_a_store(name, group):
+    """The fast engine loads a batch prefilled in row groups through ``store.rows(...)``: views at an
+    offset into the same buffers, which the kernel must write and nothing around them."""
+    fmt = make_format(name, group=group)
+    want, got = (fmt.alloc(4, 2, 6, 64, device=DEVICE) for _ in range(2))
+    x = torch.randn(2, 2, 3, 64, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    slots = torch.tensor([0, 5, 2], device=DEVICE)
+    fmt.write(want.rows(slice(1, 3)), x, slots)
+    quantize_write(got.rows(slice(1, 3)), x, slots, backend="triton")
+    assert mismatches(got, want) <= ALLOWED
+    assert got.dequantize()[1:3].abs().sum() > 0 and not got.dequantize()[[0, 3]].any()
+
+
 def test_write_kernel_rounds_to_fp8_and_bf16_like_torch():
     """Every e4m3 value, the midpoints between neighbours (ties to even), subnormals, signs and -0."""
     grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()

@@ -1,8 +1,9 @@
 """Static KV buffers for the fast engine: sized once, written in place, attended by length.
 
 Each layer ``l`` owns buffers of ``capacity_l = kept_l + new_tokens`` slots. The prefill's kept K/V
-fill slots ``[0, kept_l)``; decode step ``s`` writes its token at slot ``kept_l + s`` and attends over
-the first ``kept_l + s + 1`` slots. ``step`` is a device tensor advanced inside the step, so a
+fill slots ``[0, kept_l)`` (``load``: every batch row at once, or a slice of rows per call when the
+batch is prefilled in row groups); decode step ``s`` writes its token at slot ``kept_l + s`` and
+attends over the first ``kept_l + s + 1`` slots. ``step`` is a device tensor advanced inside the step, so a
 captured CUDA graph replays every step unchanged: nothing on the host changes between tokens.
 
 :class:`DenseStore` keeps K/V at the model dtype in ``[B, C, Hkv, D]`` (the layout flash attention's
@@ -79,6 +80,19 @@ def cumulative_offsets(batch: int, capacity: int, device) -> tuple[torch.Tensor,
     """flash varlen's ``cu_seqlens`` for one query per sequence and ``capacity`` slots each."""
     cu_q = torch.arange(batch + 1, device=device, dtype=torch.int32)
     return cu_q, cu_q * capacity
+
+
+def row_slice(rows: slice | None, batch: int, got: int, layer: int) -> slice:
+    """``rows`` (None: all ``batch`` rows) as a plain ``start:stop`` slice holding ``got`` rows."""
+    if rows is None:
+        rows = slice(None)
+    if not isinstance(rows, slice) or rows.step not in (None, 1):
+        raise ValueError(f"rows must be a contiguous slice of batch rows such as slice(0, 4), got {rows!r}")
+    start, stop, _ = rows.indices(batch)
+    if stop - start != got:
+        raise ValueError(f"layer {layer} holds {got} sequences, rows {start}:{stop} of the store's batch of "
+                         f"{batch} are {max(0, stop - start)}")
+    return slice(start, stop)
 
 
 class ProfileScope:
@@ -163,14 +177,16 @@ class DenseStore(ProfileScope):
         """Bytes one token takes in one layer (K and V, all KV heads, one sequence)."""
         return 2 * self.layout.kv_heads * self.layout.head_dim * self.keys[0].element_size()
 
-    def load(self, layer_kv) -> None:
-        """Copy each layer's kept prefill K/V (``[B, Hkv, n_l, D]`` pairs) into its first slots."""
+    def load(self, layer_kv, rows: slice | None = None) -> None:
+        """Copy each layer's kept prefill K/V (``[b, Hkv, n_l, D]`` pairs) into its first slots, of
+        batch rows ``rows`` (None: all, ``b = B``)."""
         for i, (k, v) in enumerate(layer_kv):
             n = k.shape[-2]
             if n != self.layout.kept[i]:
                 raise ValueError(f"layer {i} kept {n} tokens, the store was sized for {self.layout.kept[i]}")
-            self.keys[i][:, :n].copy_(k.transpose(1, 2))
-            self.values[i][:, :n].copy_(v.transpose(1, 2))
+            r = row_slice(rows, self.layout.batch, k.shape[0], i)
+            self.keys[i][r, :n].copy_(k.transpose(1, 2))
+            self.values[i][r, :n].copy_(v.transpose(1, 2))
         self.step.zero_()
 
     def begin(self) -> None:
@@ -244,16 +260,19 @@ class QuantizedStore(ProfileScope):
     def bytes_per_slot(self) -> int:
         return 2 * self.fmt.bytes_per_token(self.layout.kv_heads, self.layout.head_dim)
 
-    def load(self, layer_kv) -> None:
+    def load(self, layer_kv, rows: slice | None = None) -> None:
+        """Quantize each layer's kept prefill K/V into its first slots, of batch rows ``rows`` (as
+        :meth:`DenseStore.load`)."""
         from kvlab.kernels import quantize_write
 
         for i, (k, v) in enumerate(layer_kv):
             n = k.shape[-2]
             if n != self.layout.kept[i]:
                 raise ValueError(f"layer {i} kept {n} tokens, the store was sized for {self.layout.kept[i]}")
+            r = row_slice(rows, self.layout.batch, k.shape[0], i)
             slots = torch.arange(n, device=k.device)
-            quantize_write(self.keys[i], k.contiguous(), slots)
-            quantize_write(self.values[i], v.contiguous(), slots)
+            quantize_write(self.keys[i].rows(r), k.contiguous(), slots)
+            quantize_write(self.values[i].rows(r), v.contiguous(), slots)
         self.step.zero_()
 
     def attend(self, layer: int, q, k, v) -> torch.Tensor:

@@ -3,7 +3,8 @@
 Each format is an object that owns its layout and its arithmetic:
 
 - ``alloc(batch, kv_heads, capacity, head_dim, device)`` -> a :class:`KVStore` of static buffers;
-- ``write(store, x, positions)`` quantizes ``x [B, Hkv, n, D]`` into slots ``positions``;
+- ``write(store, x, positions)`` quantizes ``x [B, Hkv, n, D]`` into slots ``positions`` (into some
+  batch rows only through ``store.rows(slice(r0, r1))``, a view of the same buffers);
 - ``quantize(x)`` -> a :class:`KVStore` holding exactly ``x``'s tokens (the pure function tests use);
 - ``dequantize(store, length)`` -> ``[B, Hkv, length, D]`` float32, the ground truth of the kernels;
 - ``bytes_per_token(kv_heads, head_dim)``: bytes one token takes in one store (codes + scales).
@@ -78,6 +79,17 @@ class KVStore:
 
     def dequantize(self, length: int | None = None) -> torch.Tensor:
         return self.format.dequantize(self, length)
+
+    def rows(self, rows: slice) -> KVStore:
+        """Batch rows ``rows`` of this store, as views of its buffers: writing into the result writes
+        into this store (each tensor stays contiguous, so the write kernel takes it too)."""
+        if rows.step not in (None, 1):
+            raise FormatError(f"rows must be a contiguous slice of batch rows, got a step of {rows.step}")
+        start, stop, _ = rows.indices(self.batch)
+        if start >= stop:
+            raise FormatError(f"rows {start}:{stop} hold no batch row of a store of {self.batch}")
+        return KVStore(self.format, *(t[start:stop] if t is not None else None
+                                      for t in (self.codes, self.scale, self.zero)), self.head_dim)
 
 
 class KVFormat:

@@ -3,7 +3,8 @@
     quantize_write(store, x, positions)   # x [B, Hkv, n, D]; positions [n] or [B, n] on the device
 
 Same contract as :meth:`kvlab.kernels.formats.KVFormat.write`: fixed-shape, no host sync, so a
-CUDA graph can capture it (call once before capturing: triton compiles on the first call).
+CUDA graph can capture it (call once before capturing: triton compiles on the first call). Some
+batch rows only: pass ``store.rows(slice(r0, r1))`` (views of the same contiguous buffers).
 """
 
 from __future__ import annotations
