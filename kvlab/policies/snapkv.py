@@ -19,8 +19,10 @@ from kvlab.policies.eviction import EvictionPolicy
 
 def protect_tail(scores: torch.Tensor, tail: int) -> torch.Tensor:
     """Append ``tail`` positions scored above every other score, later ones higher."""
-    bsz, heads, _ = scores.shape
-    top = scores.max() + 1 if scores.numel() else torch.tensor(1.0, device=scores.device)
+    bsz, heads, n = scores.shape
+    # above each sequence's own maximum: nothing of one sequence depends on another row of the batch
+    top = (scores.amax(dim=(1, 2), keepdim=True) + 1 if n
+           else torch.ones(bsz, 1, 1, device=scores.device, dtype=scores.dtype))
     ramp = torch.arange(tail, device=scores.device, dtype=scores.dtype) / max(tail, 1)
     return torch.cat([scores, (top + ramp).expand(bsz, heads, tail)], dim=-1)
 
