@@ -12,6 +12,15 @@ harness, NVML energy counter). Prints per pair: median ms/step (ITL), decode J/t
 95% bootstrap CI over repeats), the HBM floor ((weight + KV bytes) / copy bandwidth) and the
 ratio to it; then the fast/hf ratio per method, and the fast engine's logit error and top-1
 agreement against hf (teacher-forced, bf16). Every row, failures included, goes to ``--out``.
+
+``--prefill-rows N`` prefills the fast engines' batch N sequences at a time into their static
+buffers (``kvlab.engine.fast.FastDecoder.prefill``), so a batch whose whole-batch prefill cache does
+not fit beside the store still runs, e.g. batch 32 at 16k:
+
+    python benchmarks/engines.py --batch 32 --ctx 16384 --new-tokens 64 --repeats 1 --max-decoders 1 \
+        --methods full fp8 quanto4 --engines fast --compare-steps 0 --prefill-rows 4 --out $OUT/engines-b32.json
+
+hf rows cannot prefill in row groups: with a batch above N they are refused (use ``--engines fast``).
 """
 
 from __future__ import annotations
@@ -129,6 +138,9 @@ def main() -> int:
                          "category and the top kernels)")
     ap.add_argument("--attention", default="auto", help="fast engine attention: auto, flash, sdpa")
     ap.add_argument("--max-decoders", type=int, default=8, help="fast-engine layouts kept alive (1 at large batch)")
+    ap.add_argument("--prefill-rows", type=int, default=None, metavar="N",
+                    help="fast engines: prefill N sequences at a time into the static buffers (one group's "
+                         "prefill cache at a time; default: the whole batch at once); hf refuses a batch above N")
     ap.add_argument("--compare-steps", type=int, default=32, help="teacher-forced steps for the logit check")
     ap.add_argument("--kernel-variant", choices=["split", "fold", "fold_asm"], default=None,
                     help="fused quantized attention's split kernel for every format (default: kvlab's "
@@ -137,6 +149,12 @@ def main() -> int:
                     help="a benchmarks/quant_attention.py --tune JSON: its winners become the tuned launch configs")
     ap.add_argument("--out", default="engines.json")
     args = ap.parse_args()
+    if args.prefill_rows is not None:
+        if args.prefill_rows < 1:
+            ap.error(f"--prefill-rows {args.prefill_rows}: give a number of sequences >= 1")
+        if "hf" in args.engines and any(b > args.prefill_rows for b in args.batch):
+            ap.error(f"--prefill-rows {args.prefill_rows} with hf at batch {max(args.batch)}: transformers' decode "
+                     f"cache cannot be put together from row groups; drop hf from --engines (or run it apart)")
     if args.kernel_variant:
         force_kernel_variant(args.kernel_variant)
     if args.launch_configs:
@@ -202,7 +220,8 @@ def main() -> int:
                         print(f"b{batch} {name} {engine}: decoder built in {setup_s:.1f} s", flush=True)
                     m = measure_generation(loaded, policies[name], ctx=args.ctx, batch=batch,
                                            new_tokens=args.new_tokens, sampler=sampler, input_ids=ids,
-                                           engine=engines[engine])
+                                           engine=engines[engine],
+                                           prefill_rows=None if engine == "hf" else args.prefill_rows)
                     r = m.record
                     kv_bytes = r.get("cache_bytes") or 0
                     floor_ms = (weight_bytes + kv_bytes) / bw * 1000 if bw else None
@@ -211,6 +230,7 @@ def main() -> int:
                                peak_mem_bytes=r.get("peak_mem_bytes"), cache_bytes=kv_bytes,
                                weight_bytes=weight_bytes, floor_ms=floor_ms,
                                kv_format=r.get("kv_format"), fast_attention=r.get("fast_attention"),
+                               prefill_rows=r.get("prefill_rows"),
                                cuda_graph=r.get("cuda_graph"), energy_source=r.get("energy_source"),
                                tokens=m.tokens[:, :8].tolist())
                     del m

@@ -265,6 +265,7 @@ def measure_generation(
     probe: bool = False,
     on_step: Callable[[int], None] | None = None,
     engine=None,
+    prefill_rows: int | None = None,
 ) -> Measurement:
     """Generate exactly ``new_tokens`` per sequence from an exact-length prompt and measure it.
 
@@ -272,12 +273,16 @@ def measure_generation(
     ``policy.prepare`` is idempotent and called again here for direct callers. ``engine``: None for
     transformers' decode loop (``hf``), or a :class:`kvlab.engine.fast.FastEngine`, whose decoder for
     this shape is built (and its CUDA graph captured) before the energy window opens; copying the
-    kept K/V into its static buffers counts as prefill.
+    kept K/V into its static buffers counts as prefill. ``prefill_rows`` (fast engine only): prefill
+    that many sequences at a time into the static buffers (:meth:`FastDecoder.prefill`), so a large
+    batch's peak holds one group's prefill cache; ignored (and recorded as None) when it is at least
+    ``batch``. The prefill window covers every group.
     """
     import torch
 
     from kvlab.chunked import prefill
     from kvlab.decode import greedy_decode
+    from kvlab.engine import prefill_rows as groups_of
     from kvlab.policies import cache_stats
 
     if new_tokens < 1:
@@ -289,6 +294,7 @@ def measure_generation(
     ids = input_ids if input_ids is not None else make_prompt(loaded, ctx, batch, prompt_id, seed)
     if tuple(ids.shape) != (batch, ctx):
         raise MeasureError(f"prompt has shape {tuple(ids.shape)}, expected ({batch}, {ctx})")
+    rows = groups_of(prefill_rows, batch, "hf" if engine is None else engine.name)
 
     policy.prepare(model)
     if cuda:
@@ -307,19 +313,18 @@ def measure_generation(
             on_step(i)
 
     decoder = engine.decoder(policy, batch, ctx, new_tokens) if engine is not None else None
-    cache = decoder.prefill_cache() if decoder is not None else policy.make_cache(model)
+    cache = policy.make_cache(model) if decoder is None else None  # fast: a cache per row group, in the window
+    chunk = getattr(policy, "prefill_chunk", None)
     try:
         with sdpa_context(sdpa_backend), torch.no_grad(), sampler.window("prefill") as win:
             t0 = win.phase_edges[0]
             clock.mark()  # 0: prefill start
             if probe_prefill:
                 probe_prefill.start()
-            logits = prefill(model, ids, cache, getattr(policy, "prefill_chunk", None))
-            last = logits[:, -1, :] if logits.dim() == 3 else logits
-            first = last.argmax(dim=-1, keepdim=True)
-            if decoder is not None:
-                decoder.load(cache)
-                cache = None  # the static buffers hold the kept K/V now
+            if decoder is None:
+                first = prefill(model, ids, cache, chunk)[:, -1, :].argmax(dim=-1, keepdim=True)
+            else:  # into the static buffers, ``rows`` sequences at a time
+                first = decoder.prefill(ids, chunk, rows)
             clock.mark()  # 1: first token
             if probe_prefill:
                 probe_prefill.stop()
@@ -398,7 +403,7 @@ def measure_generation(
         "temp_start_c": res.temp_start_c,
         "temp_end_c": res.temp_end_c,
         **{f"decode_{k}": v for k, v in host.items()},
-        **engine_columns(engine, stats if decoder is not None else None),
+        **engine_columns(engine, stats if decoder is not None else None, rows),
     }
     threads = torch.get_num_threads()
     contended, why = contention(host, decode_s, threads, device)

@@ -80,6 +80,10 @@ class SweepParams(BaseModel):
     prefill_chunk: list[int | None] = Field(
         [None], description="prefill chunk sizes in tokens, each run for every method (null: one-shot prefill)")
     batch: list[int] = [1]
+    prefill_rows: int | None = Field(
+        None, description="fast engine: prefill this many sequences at a time into the static KV buffers, "
+                          "freeing each group's prefill cache before the next (a batch's peak holds one "
+                          "group's); null or >= batch: the whole batch at once")
     new_tokens: int = Field(128, ge=1, description="exactly this many new tokens per sequence (EOS ignored)")
     prompts: int = Field(1, ge=1, description="prompt ids 0..prompts-1 (seeded, exact length)")
     repeats: int = Field(1, ge=1)
@@ -142,6 +146,15 @@ class SweepParams(BaseModel):
             if v is not None and v < 1:
                 raise ValueError(f"{v}: a chunk is at least 1 token (null: one-shot prefill)")
         return values or [None]
+
+    @field_validator("prefill_rows", mode="before")
+    @classmethod
+    def _rows(cls, value):
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError("give a whole number of sequences >= 1 per prefill group (null: the whole batch)")
+        return value
 
     @field_validator("ctx", "batch")
     @classmethod
@@ -316,6 +329,21 @@ def load_params(path: str | Path, sets: Iterable[str] = ()) -> SweepParams:
     return parse_params(data)
 
 
+def prefill_rows_problems(params: SweepParams) -> list[str]:
+    """Why ``prefill_rows`` cannot run with the rest of the plan (one line each)."""
+    if params.prefill_rows is None:
+        return []
+    problems = []
+    if "hf" in params.engine:
+        problems.append("prefill_rows: needs engine: fast only (transformers' decode cache cannot be put together "
+                        "from row groups without holding the whole batch's cache); set engine: fast, or drop "
+                        "prefill_rows for the hf runs (another sweep)")
+    if params.budget_gb is not None:
+        problems.append("prefill_rows: not with budget_gb (admission fits peaks that grow with the batch's "
+                        "whole prefill); drop one of them")
+    return problems
+
+
 def check_params(params: SweepParams, check_device: bool = True) -> list[tuple[int, MethodVariant]]:
     """Validate against models, policies and (with ``check_device``) this machine's device and its
     memory, without loading weights; returns the method variants.
@@ -355,6 +383,7 @@ def check_params(params: SweepParams, check_device: bool = True) -> list[tuple[i
 
     problems += weights_quant_problems(params.weights_quant, params.engine)
     problems += budget_problems(params)
+    problems += prefill_rows_problems(params)
 
     # models, weights, context limits and memory (for the most compressed method that builds)
     from kvlab.policies import make_policy

@@ -95,10 +95,11 @@ class RunSpec:
     budget_gb: float | str | None = None  # an at-budget run: batch is the admitted batch (kvlab.admission)
     budget_bytes: int | None = None  # the budget resolved (not identity: "gpu" resolves per machine)
     budget_fit: dict[str, Any] | None = None  # how the batch was admitted (not identity; recorded)
+    prefill_rows: int | None = None  # fast engine: sequences prefilled at a time (None: the whole batch)
 
     def identity(self) -> dict[str, Any]:
-        """Everything but ``repeat``; ``engine`` only when not ``hf`` and the workload fields only
-        when set, so runs recorded before these axes existed keep their ids."""
+        """Everything but ``repeat``; ``engine`` only when not ``hf`` and the workload fields and
+        ``prefill_rows`` only when set, so runs recorded before these existed keep their ids."""
         d = asdict(self)
         d.pop("repeat")
         d.pop("budget_bytes")
@@ -130,7 +131,8 @@ class RunSpec:
         return (self.variant.key(), self.engine)
 
 
-IDENTITY_DEFAULTS = {"ctx_dist": None, "ctx_sample": None, "weights_quant": "none", "budget_gb": None}
+IDENTITY_DEFAULTS = {"ctx_dist": None, "ctx_sample": None, "weights_quant": "none", "budget_gb": None,
+                     "prefill_rows": None}
 EXECUTION_KEYS = ("executor", "ray_address")
 
 
@@ -158,6 +160,7 @@ def block_order(n: int, seed: int, *key: Any) -> list[int]:
 def expand(params: SweepParams, variants: list[tuple[int, MethodVariant]]) -> list[RunSpec]:
     """All runs in execution order: model > weights_quant > ctx (or a distribution's draws) > batch >
     (repeat, prompt) blocks > shuffled (variant, engine) pairs."""
+    from kvlab.engine import prefill_rows
     from kvlab.workload import workload_points
 
     vs = [(v, engine) for _, v in variants for engine in params.engine]
@@ -176,7 +179,7 @@ def expand(params: SweepParams, variants: list[tuple[int, MethodVariant]]) -> li
                                 policy_kwargs=dict(vs[k][0].kwargs), ctx=point.ctx, batch=batch,
                                 new_tokens=params.new_tokens, prompt_id=prompt_id, seed=params.seed,
                                 repeat=repeat, engine=vs[k][1], ctx_dist=point.dist, ctx_sample=point.sample,
-                                weights_quant=wq,
+                                weights_quant=wq, prefill_rows=prefill_rows(params.prefill_rows, batch, vs[k][1]),
                             ))
     return runs
 
@@ -363,7 +366,7 @@ def _identity_record(run: RunSpec, sweep: str, kind: str = "perf") -> dict[str, 
         "status": None, "error": None, "model": run.model, "weights": run.weights or "real",
         "device": run.device, "dtype": run.dtype, "method": run.method,
         "policy_params": dict(run.policy_kwargs), "keep": v.keep, "bits": v.bits,
-        "prefill_chunk": v.prefill_chunk,
+        "prefill_chunk": v.prefill_chunk, "prefill_rows": run.prefill_rows,
         "ctx": run.ctx, "batch": run.batch, "new_tokens": run.new_tokens, "prompt_id": run.prompt_id,
         "repeat": run.repeat, "seed": run.seed, "sdpa_backend": run.sdpa_backend,
         "attn_implementation": run.attn_implementation, "engine": run.engine,
@@ -665,7 +668,7 @@ def _measure(params, session, run: RunSpec, policy, probe: bool):
     return measure_generation(
         session.loaded, policy, ctx=run.ctx, batch=run.batch, new_tokens=run.new_tokens,
         prompt_id=run.prompt_id, seed=run.seed, sampler=session.sampler, sdpa_backend=run.sdpa_backend,
-        idle_w=session.idle_w, probe=probe, engine=session.engine(run.engine),
+        idle_w=session.idle_w, probe=probe, engine=session.engine(run.engine), prefill_rows=run.prefill_rows,
     )
 
 

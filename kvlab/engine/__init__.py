@@ -8,6 +8,8 @@
   replay of a CUDA graph (eagerly on CPU): the model's own weights and modules, kvlab's attention
   over the static buffers, greedy argmax on the GPU, no host sync inside the token loop
   (:mod:`kvlab.engine.fast`). What a method costs when the implementation is not the bottleneck.
+  ``prefill_rows`` prefills a large batch a group of sequences at a time into those buffers
+  (:func:`prefill_rows`), so its peak holds one group's full-length prefill cache, not the batch's.
 """
 
 from __future__ import annotations
@@ -30,4 +32,22 @@ def check_engine(name: str) -> str:
     return name
 
 
-__all__ = ["ENGINES", "EngineError", "check_engine"]
+def prefill_rows(rows: int | None, batch: int, engine: str = "fast") -> int | None:
+    """The sequences per prefill group of a run at ``batch`` asked for ``rows``: None when unset or
+    when one group would hold the whole batch (the plain prefill, with the plain run id). Only the
+    fast engine fills its cache by row groups: transformers' decode cache cannot be put together from
+    groups without holding the whole batch's cache, so ``hf`` with fewer rows than the batch fails."""
+    if rows is None:
+        return None
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+        raise EngineError(f"prefill_rows={rows!r}: give a whole number of sequences >= 1 (None: all at once)")
+    if rows >= batch:
+        return None
+    if engine != "fast":
+        raise EngineError(f"prefill_rows={rows} below batch {batch} needs the fast engine, not {engine}: "
+                          f"transformers' decode cache cannot be put together from row groups without holding "
+                          f"the whole batch's")
+    return rows
+
+
+__all__ = ["ENGINES", "EngineError", "check_engine", "prefill_rows"]

@@ -7,6 +7,8 @@
     decoder.load(cache)                                 # kept K/V -> static buffers (slots 0..kept)
     tokens = decoder.decode(first, n, start_position=ctx, on_step=...)
 
+    first = decoder.prefill(ids, chunk, rows=4)         # the three middle lines, 4 sequences at a time
+
 The decode loop (``FastDecoder.decode``) reads top to bottom: set the first token, then replay the
 graph ``n - 1`` times. The graph holds the whole step: embedding, every layer (the model's own
 modules, kvlab's attention over the static store), the LM head, argmax, and the writes of the new
@@ -106,12 +108,37 @@ class FastDecoder:
         """A fresh transformers cache to prefill into: the policy's own, minus any quantization."""
         return self.prefill_policy.make_cache(self.model)
 
-    def load(self, cache) -> None:
-        """Move the prefilled cache's kept K/V into the static buffers (a copy, inside prefill)."""
+    def load(self, cache, rows: slice | None = None) -> None:
+        """Move the prefilled cache's kept K/V into the static buffers (a copy, inside prefill):
+        into batch rows ``rows`` when the cache holds a group of the batch's sequences."""
         from kvlab.policies.cache import layer_tensors
 
-        self.store.load(layer_tensors(cache))
+        self.store.load(layer_tensors(cache), rows)
         self.logical_tokens = int(cache.get_seq_length())
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, chunk: int | None = None, rows: int | None = None) -> torch.Tensor:
+        """Prefill ``input_ids [B, n]`` through transformers into the static buffers; the first
+        tokens ``[B, 1]`` (greedy, from the prefill's last logits).
+
+        ``rows``: prefill that many sequences at a time (None: the whole batch at once). Each group
+        gets a fresh :meth:`prefill_cache`, its kept K/V go into its rows of the store, and its cache is
+        freed before the next group starts, so the peak holds one group's full-length prefill cache
+        and activations instead of the batch's. Every policy the engine runs selects per sequence, so
+        the tokens are those of the whole-batch prefill. ``chunk``: each group's prompt goes through
+        in chunks of that many tokens (:func:`kvlab.chunked.prefill`).
+        """
+        from kvlab.chunked import chunk_bounds, prefill
+        from kvlab.engine import prefill_rows
+
+        firsts = []
+        for start, stop in chunk_bounds(input_ids.shape[0], prefill_rows(rows, input_ids.shape[0])):
+            cache = self.prefill_cache()
+            logits = prefill(self.model, input_ids[start:stop], cache, chunk)
+            firsts.append(logits[:, -1, :].argmax(dim=-1, keepdim=True))
+            self.load(cache, slice(start, stop))
+            del cache, logits  # before the next group's prefill: one group's cache at a time
+        return torch.cat(firsts)
 
     @torch.no_grad()
     def decode(self, first_token: torch.Tensor, n_new: int, start_position: int | torch.Tensor,
