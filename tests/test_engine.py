@@ -67,6 +67,20 @@ def test_the_decoder_is_sized_once_and_reused(tiny):
         a.decode(torch.zeros(1, dtype=torch.long), 9, 64)
 
 
+def test_a_new_layout_drops_kept_buffers_that_would_not_fit_beside_it(tiny):
+    """On CUDA the engine keeps built stores under a share of the memory, the new one counted."""
+    engine = FastEngine(tiny)
+    full, snap = make_policy("full"), make_policy("snapkv", keep=0.25, window_size=8)
+    small = engine.layout(snap, 2, 64, 8).dense_bytes(4)
+    big = engine.layout(full, 2, 64, 8).dense_bytes(4)
+    engine.max_kept_bytes = big + small  # room for both, not for two full stores
+    a = engine.decoder(snap, 2, 64, 8)
+    b = engine.decoder(full, 2, 64, 8)
+    assert engine.decoder(snap, 2, 64, 8) is a and len(engine._decoders) == 2
+    engine.decoder(full, 4, 64, 8)  # twice the full store: both others must go first
+    assert list(engine._decoders.values())[0] is not b and len(engine._decoders) == 1
+
+
 def test_generate_text_on_fast_matches_hf_with_a_question_appended(tiny):
     policy = make_policy("tova", keep=0.5)
     hf = generate_text(tiny, ids(batch=1), policy, 12, question_ids=ids(batch=1, n=5, seed=2)[0])

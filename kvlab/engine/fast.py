@@ -186,8 +186,9 @@ class FastEngine:
     step is compiled (:data:`~kvlab.engine.llama.STEP_COMPILE`; ``None``: :data:`DEFAULT_COMPILE`
     for the device). ``max_decoders`` bounds how many layouts keep their buffers and graphs alive at
     once (a sweep interleaves a shape's methods; each has its layout), and on CUDA so does
-    ``keep_fraction``: the buffers kept alive for reuse stay under that share of the device's memory
-    (at batch 16 and 16k a full cache's buffers alone are 34 GB; a layout evicted here is simply
+    ``keep_fraction``: the buffers kept alive for reuse, with the new layout's (counted as a dense
+    cache), stay under that share of the device's memory (at batch 16 and 16k a full cache's buffers
+    alone are 34 GB, so every other layout is dropped before one is built; a layout evicted here is simply
     built and captured again when next asked for, outside any measured window).
     """
 
@@ -241,7 +242,10 @@ class FastEngine:
         while len(self._decoders) >= self.max_decoders:
             self._decoders.popitem(last=False)
         if self.max_kept_bytes is not None:
-            while self._decoders and sum(d.store.bytes_allocated() for d in self._decoders.values()) \
+            # the new store counts too: at batch 16 and 16k a full store (34 GB) beside the kept stores of
+            # the other methods and its own prefill cache ran out of the H200's memory (2026-12-03c)
+            new = layout.dense_bytes(torch.empty((), dtype=self.dtype).element_size())
+            while self._decoders and sum(d.store.bytes_allocated() for d in self._decoders.values()) + new \
                     > self.max_kept_bytes:
                 self._decoders.popitem(last=False)
             torch.cuda.empty_cache()

@@ -36,6 +36,10 @@ class Layout:
     def capacity(self) -> tuple[int, ...]:
         return tuple(k + self.new_tokens for k in self.kept)
 
+    def dense_bytes(self, element_size: int) -> int:
+        """Bytes of K and V at full capacity stored densely (an upper bound for quantized formats)."""
+        return 2 * sum(self.capacity) * self.batch * self.kv_heads * self.head_dim * element_size
+
 
 def flash_available(device, dtype) -> bool:
     return torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16)
