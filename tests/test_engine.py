@@ -250,3 +250,21 @@ def test_triton_attention_stores_bf16_and_follows_the_flash_path(tiny):
         FastEngine(tiny, attention="triton").decoder(make_policy("full"), 1, 16, 4)
     with pytest.raises(EngineError, match="use one of"):
         FastEngine(tiny, attention="cuda-magic")
+
+
+def test_a_sweep_warms_a_quantized_policy_only_for_the_engine_that_needs_it(tiny, monkeypatch):
+    """On ``fast`` quanto's store is kvlab's own: its CUDA build (95 s on a fresh H200) is not needed."""
+    from kvlab.params import MethodVariant
+    from kvlab.policies.quantized import QuantizedPolicy
+    from kvlab.sweep import _ModelSession, _policy_for
+
+    warmed = []
+    monkeypatch.setattr(QuantizedPolicy, "warmup", lambda self, model: warmed.append(self.name))
+    session = _ModelSession(tiny, sampler=None, idle_w=None, gpu_name=None)
+    variant = MethodVariant("quanto", {"nbits": 4, "q_group_size": 16})
+    with session.attached:
+        policy = _policy_for(session, variant, "fast")
+        assert warmed == []
+        assert _policy_for(session, variant, "hf") is policy and warmed == ["quanto"]
+        _policy_for(session, variant, "hf")
+        assert warmed == ["quanto"]  # once per engine
