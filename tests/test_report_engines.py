@@ -57,3 +57,21 @@ def test_a_quantized_store_on_fast_says_what_it_ran():
     assert engine_tag({"engine": "fast", "kv_format": "int4-g64", "fast_attention": "fused"}) == "fast int4-g64 fused"
     assert engine_tag({"engine": "fast", "kv_format": "model dtype", "fast_attention": "flash"}) == "fast"
     assert engine_tag({"engine": None}) == "hf"
+
+
+def test_a_method_on_quantized_weights_is_compared_with_the_full_cache_on_the_same_weights():
+    """The H200 stack sweep (2026-12-03c) compared every cache with the full cache of all three weight
+    formats pooled; each is now compared within its weights (the weights' own cost: the stack section)."""
+    # decode J/token: float weights full 8, quanto 12 (1.5x); int8 weights full 18, quanto 24 (1.33x)
+    means = {("none", "full"): 8.0, ("none", "quanto"): 12.0, ("int8", "full"): 18.0, ("int8", "quanto"): 24.0}
+    rows = [{"kind": "perf", "status": "ok", "model": "m", "engine": "hf", "method": method, "weights_quant": w,
+             "label": ("full" if method == "full" else "quanto int4") + ("" if w == "none" else f" · w-{w}"),
+             "ctx": 16384, "batch": 1, "repeat": r, "decode_j_per_token": mean * (1 + 0.01 * (r - 1)),
+             "contended": False}
+            for (w, method), mean in means.items() for r in range(3)]
+    perf = report.perf_records(pd.DataFrame(rows))
+    rel = report.relative_to_baseline(perf, "decode_j_per_token")
+    assert dict(zip(rel["label"], rel["ratio"], strict=True)) == pytest.approx(
+        {"quanto int4": 1.5, "quanto int4 · w-int8": 24 / 18})
+    pays = report.compression_pays(perf)
+    assert dict(zip(pays["label"], pays["n_base"], strict=True)) == {"quanto int4": 3, "quanto int4 · w-int8": 3}

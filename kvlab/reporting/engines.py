@@ -39,8 +39,13 @@ def engine_comparison(records: pd.DataFrame, metric: str = "decode_j_per_token",
     df = df.assign(_value=pd.to_numeric(df[metric], errors="coerce"))
     if "model" not in df.columns:
         df = df.assign(model="")
+    if "weights_quant" not in df.columns:
+        df = df.assign(weights_quant="none")
+    df = df.assign(weights_quant=df["weights_quant"].fillna("none"))
     rows: list[dict[str, Any]] = []
-    for (model, ctx, batch), cell in df.groupby(["model", "ctx", "batch"], sort=True):
+    # the baseline is the full cache on the same weights (a weight-quantized run is not compared
+    # with the float-weights full cache here: that is the stack section's comparison)
+    for (model, _weights, ctx, batch), cell in df.groupby(["model", "weights_quant", "ctx", "batch"], sort=True):
         def values(label=None, engine=None, method=None, c=cell):
             sel = c["engine"] == engine
             sel &= (c["label"] == label) if label is not None else (c["method"] == method)

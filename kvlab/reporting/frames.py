@@ -55,6 +55,8 @@ def with_derived(df: pd.DataFrame) -> pd.DataFrame:
         df["label"] = fill_labels(df)
     if "engine" in df.columns:
         df["engine"] = df["engine"].fillna("hf")  # records from before the engine column
+    if "weights_quant" in df.columns:
+        df["weights_quant"] = df["weights_quant"].fillna("none")  # records from before weight quantization
     if "engine" in df.columns and df["engine"].nunique() > 1:  # hf and fast: a method on each is two rows
         tags = df[[c for c in ("engine", "kv_format", "fast_attention") if c in df.columns]].to_dict("records")
         df["label"] = [f"{lab} · {engine_tag(row)}" for lab, row in zip(df["label"].astype(str), tags, strict=True)]

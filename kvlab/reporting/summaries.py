@@ -31,12 +31,18 @@ STUDY_METRICS = {
 }
 
 
+# What makes two runs comparable: a method is compared with the baseline method run on the same model,
+# engine and weights (int8 weights x quanto's cache against int8 weights x the full cache; the
+# weights' own cost is the stack section's), at the same context and batch.
+CELL = ("model", "engine", "weights_quant", "ctx", "batch")
+
+
 def relative_to_baseline(records: pd.DataFrame, metric: str = "j_per_token", baseline: str = "full",
-                         ctx: int | None = None, within: Sequence[str] = ("model", "engine", "ctx", "batch"),
+                         ctx: int | None = None, within: Sequence[str] = CELL,
                          n_boot: int = 2000,
                          level: float = 0.95, seed: int = 0) -> pd.DataFrame:
-    """Each label's mean ``metric`` over the baseline method's, within the same model, engine, ctx
-    and batch (only at ``ctx`` when given).
+    """Each label's mean ``metric`` over the baseline method's, within the same model, engine,
+    weights, ctx and batch (:data:`CELL`; only at ``ctx`` when given).
 
     ``change_pct`` is the headline number: +35 means 35% more J/token than the full cache.
     """
@@ -305,7 +311,7 @@ def compression_pays(records: pd.DataFrame, baseline: str = "full", metrics: Seq
     are left out of every ratio and counted in ``n_contended``."""
     metrics = list(metrics or PAYS_METRICS)
     perf = all_perf_records(records)
-    within = [c for c in ("model", "engine", "ctx", "batch") if c in perf.columns]
+    within = [c for c in CELL if c in perf.columns]
     ratio_cols = [f"{m}_ratio{s}" for m in metrics for s in ("", "_lo", "_hi")]
     if perf.empty or "method" not in perf.columns or not {"ctx", "batch"} <= set(within):
         return pd.DataFrame(columns=["label", "ctx", "batch", "n", "n_base", "n_contended", *ratio_cols, "verdict"])
