@@ -394,13 +394,21 @@ class _ModelSession:
         self._fast = None
 
     def engine(self, name: str):
-        """None for ``hf``; the model's :class:`~kvlab.engine.fast.FastEngine` (made once) for ``fast``."""
+        """None for ``hf``; the model's :class:`~kvlab.engine.fast.FastEngine` (made once) for ``fast``.
+
+        A run's peak memory must be its own: the engine keeps one decoder (its static buffers and
+        graph) at a time, and an ``hf`` run first drops it. In the H200 campaign of 2026-12-03c the
+        engine kept the other methods' stores for reuse, which put them into every later run's peak
+        (hf full at batch 16: 120.5 GB) and ran the full cache out of memory. Rebuilding a decoder
+        (allocating its buffers, capturing its graph) happens before a run's window opens."""
         if name == "hf":
+            if self._fast is not None and self._fast.clear():
+                _release_memory(str(self.loaded.device))
             return None
         if self._fast is None:
             from kvlab.engine.fast import FastEngine
 
-            self._fast = FastEngine(self.loaded)
+            self._fast = FastEngine(self.loaded, max_decoders=1)
         return self._fast
 
 

@@ -268,3 +268,16 @@ def test_a_sweep_warms_a_quantized_policy_only_for_the_engine_that_needs_it(tiny
         assert _policy_for(session, variant, "hf") is policy and warmed == ["quanto"]
         _policy_for(session, variant, "hf")
         assert warmed == ["quanto"]  # once per engine
+
+
+def test_a_sweep_holds_one_fast_decoder_and_drops_it_for_an_hf_run(tiny):
+    """A run's peak memory is its own: no other method's static buffers are held during it."""
+    from kvlab.sweep import _ModelSession
+
+    session = _ModelSession(tiny, sampler=None, idle_w=None, gpu_name=None)
+    engine = session.engine("fast")
+    engine.decoder(make_policy("full"), 1, 64, 8)
+    engine.decoder(make_policy("snapkv", keep=0.25, window_size=8), 1, 64, 8)
+    assert len(engine._decoders) == 1
+    assert session.engine("hf") is None and len(engine._decoders) == 0
+    assert session.engine("fast") is engine

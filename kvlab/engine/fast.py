@@ -265,5 +265,8 @@ class FastEngine:
         return QuantizedStore(layout, kv_format, self.step.num_heads, self.dtype, self.device, self.step.scaling,
                               self.quant_attention)
 
-    def clear(self) -> None:
+    def clear(self) -> int:
+        """Drop every kept decoder (buffers and graphs); how many were dropped."""
+        n = len(self._decoders)
         self._decoders.clear()
+        return n
