@@ -4,13 +4,17 @@
 #
 #   bash scripts/device/build-carry.sh          # from the project root; then carry
 #                                               # [".whl", ".whl-tf", ".device"] in the first call
+#                                               # (+ ".whl-nb" for papermill or `kvlab report`)
 #   bash scripts/device/build-carry.sh ray      # only .whl-ray/ (issue #17's Ray comparison)
 #
-#   .whl/     wheels the machine lacks (CPython 3.12, manylinux x86_64): optimum-quanto, gguf, hqq
-#             (PyPI has only its sdist: built here with `pip wheel --no-deps`, it is pure Python),
-#             einops, termcolor, pydantic and its parts, papermill and the Jupyter kernel stack,
-#             plotly. The machine already has torch, numpy, pandas, pyarrow, pyyaml, tqdm,
-#             safetensors, accelerate, tokenizers (2026-11: torch 2.11, transformers 5.17).
+#   .whl/     wheels the machine lacks (CPython 3.12, manylinux x86_64) that sweeps, benchmarks and
+#             Ray need (about 4 MB): optimum-quanto, gguf, hqq (PyPI has only its sdist: built here
+#             with `pip wheel --no-deps`, it is pure Python), einops, termcolor, pydantic and its
+#             parts, jsonschema and its parts. The machine already has torch, numpy, pandas, pyarrow,
+#             pyyaml, tqdm, safetensors, accelerate, tokenizers (2026-11: torch 2.11, transformers 5.17).
+#   .whl-nb/  papermill, the Jupyter kernel stack, ipywidgets and plotly (about 27 MB): carry it only
+#             for notebook and report calls, so that a sweep's call has room for .device/ and its
+#             records (.whl + .whl-tf + .device + the tree come to about 42 MB).
 #   .whl-tf/  transformers 5.24 (kvlab needs >= 5.17 < 5.25; FP8 needs >= 5.21), installed by
 #             setup.sh into its own folder ahead of the machine's copy on PYTHONPATH.
 #   .device/  quanto_cuda_build.tgz, optimum-quanto's prebuilt CUDA extension. It can only be built
@@ -40,18 +44,22 @@ cd "$(dirname "$0")/../.."
 py=${PYTHON:-python3}
 whl=${WHEEL_DIR:-.whl}
 whl_tf=${WHEEL_TF_DIR:-.whl-tf}
+whl_nb=${WHEEL_NB_DIR:-.whl-nb}
 target=(--python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
         --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
         --platform manylinux1_x86_64)
-pkgs=(
+pkgs=(  # .whl/: what sweeps, benchmarks and Ray need
   optimum-quanto==0.2.7 gguf einops termcolor
+  jsonschema jsonschema-specifications referencing rpds-py
+  pydantic pydantic-core annotated-types typing-inspection
+)
+nb_pkgs=(  # .whl-nb/: papermill, the Jupyter kernel stack, widgets and plotly (notebooks, reports)
   papermill nbclient nbformat jupyter_client jupyter_core ipykernel pyzmq traitlets tornado
-  fastjsonschema jsonschema jsonschema-specifications referencing rpds-py entrypoints tenacity
+  fastjsonschema entrypoints tenacity
   ansicolors ipython ipython_pygments_lexers debugpy matplotlib-inline nest-asyncio decorator
   jedi parso pexpect ptyprocess prompt_toolkit wcwidth stack_data executing asttokens pure_eval
   comm ipywidgets widgetsnbextension jupyterlab_widgets platformdirs
   plotly narwhals
-  pydantic pydantic-core annotated-types typing-inspection
 )
 
 build_ray() {
@@ -89,11 +97,14 @@ if [ "${1:-}" = ray ]; then
   exit 0
 fi
 
-rm -rf "$whl" "$whl_tf"
-mkdir -p "$whl" "$whl_tf" .device
-echo "build-carry: downloading ${#pkgs[@]} wheels into $whl/"
+rm -rf "$whl" "$whl_nb" "$whl_tf"
+mkdir -p "$whl" "$whl_nb" "$whl_tf" .device
+echo "build-carry: downloading ${#pkgs[@]} wheels into $whl/ and ${#nb_pkgs[@]} into $whl_nb/"
 for p in "${pkgs[@]}"; do
   "$py" -m pip download -q --no-deps --only-binary=:all: "${target[@]}" -d "$whl" "$p"
+done
+for p in "${nb_pkgs[@]}"; do
+  "$py" -m pip download -q --no-deps --only-binary=:all: "${target[@]}" -d "$whl_nb" "$p"
 done
 echo "build-carry: building hqq's wheel from its sdist (PyPI has no wheel)"
 "$py" -m pip wheel -q --no-deps --no-build-isolation -w "$whl" "hqq==0.2.8.post1" \
@@ -106,4 +117,4 @@ else
   echo "build-carry: no .device/quanto_cuda_build.tgz: quanto builds its CUDA extension on the GPU machine" \
        "(about 90 s once); keep it with \`bash scripts/device/campaign.sh quanto-build\` (see above)"
 fi
-du -sh "$whl" "$whl_tf" .device
+du -sh "$whl" "$whl_nb" "$whl_tf" .device

@@ -1,8 +1,9 @@
 # Source at the start of every command on the lent GPU machine (it has no package registry):
 #   . scripts/device/setup.sh
-# with carry [".whl", ".whl-tf", ".device"] on a fresh machine (scripts/device/build-carry.sh builds
-# them here). It installs the carried wheels (optimum-quanto, gguf, hqq, einops, termcolor, pydantic
-# and its parts, papermill and the kernel stack) into /tmp/site and
+# with carry [".whl", ".whl-tf", ".device"] on a fresh machine, plus ".whl-nb" for papermill or
+# `kvlab report` (scripts/device/build-carry.sh builds them here). It installs the carried wheels
+# (optimum-quanto, gguf, hqq, einops, termcolor, pydantic and its parts; with .whl-nb papermill, the
+# kernel stack and plotly) into /tmp/site and
 # transformers 5.24 (FP8 needs >= 5.21; the machine has 5.17) into /tmp/site-tf, both ahead of the
 # machine's packages on PYTHONPATH. On a warm machine (an earlier call of this session left
 # /tmp/site) it installs nothing, so optimum-quanto's CUDA extension built by that call survives:
@@ -15,6 +16,12 @@ if [ ! -f "$_ready" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-tf .whl-tf/*.whl || return 1
   fi
   touch "$_ready"
+fi
+# the notebook stack (papermill, Jupyter, plotly) when carried, once per machine, with its own mark:
+# a warm machine whose first call carried only .whl/ installs it when a later call brings it
+if [ -d .whl-nb ] && [ ! -f /tmp/site/.kvlab-ready-nb ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-nb/*.whl \
+    && touch /tmp/site/.kvlab-ready-nb || return 1
 fi
 unset _ready
 # Without .device/quanto_cuda_build.tgz nothing happens here and quanto JIT-builds its CUDA
