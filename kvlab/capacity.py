@@ -3,7 +3,10 @@
 Why: peak memory grows linearly with the batch (weights + fixed overhead, plus a per-sequence
 slope), so two measured peaks predict the largest batch a card holds. The slope is what a sequence
 really costs; its kept cache (``cache_bytes / batch``) is only part of it, the rest being the
-prefill's transients (activations, K/V not yet evicted or quantized). Pure functions: the
+prefill's transients (activations, K/V not yet evicted or quantized). On the fast engine with row
+groups (``prefill_rows``) the transients of one group are a constant, in the intercept, so the slope
+should be the kept cache plus the static store's new-token slots and the transients per sequence
+about zero; a small negative from noise is kept as measured, never clipped. Pure functions: the
 benchmark (``benchmarks/capacity.py``) measures, these do the arithmetic.
 """
 
@@ -46,23 +49,47 @@ def max_batch(line: PeakLine, usable_bytes: float) -> int | None:
     return max(0, math.floor((usable_bytes - line.intercept) / line.slope))
 
 
+def cap_for_batch(line: PeakLine, batch: int) -> float:
+    """The memory at which ``line`` predicts ``batch`` as the largest batch: halfway between its
+    peaks at ``batch`` and ``batch + 1`` (on a full device the room above the predicted batch's peak
+    falls anywhere in ``[0, slope)``; half a sequence is its middle). A confirm run under this cap
+    checks the line where the whole device would take too long to fill."""
+    if line.slope <= 0 or batch < 1:
+        raise ValueError(f"a memory cap needs a positive slope and a batch >= 1, got slope {line.slope}, "
+                         f"batch {batch}")
+    return line.peak(batch) + line.slope / 2
+
+
 @dataclass(frozen=True)
 class SequenceSplit:
-    """Where the memory goes: shared (weights, fixed overhead) and per sequence (kept cache, transients)."""
+    """Where the memory goes: shared (weights, fixed overhead) and per sequence (kept cache, the
+    static store's new-token slots, transients)."""
 
     weights_bytes: float
     fixed_bytes: float  # intercept - weights: the CUDA context share torch sees, workspaces, buffers
     per_sequence_bytes: float  # the slope
     kept_cache_bytes: float  # per sequence, after prefill
-    transient_bytes: float  # per sequence: slope - kept cache
+    transient_bytes: float  # per sequence: slope - kept cache - new-token slots (signed: noise stays)
+    new_token_slots_bytes: float = 0.0  # per sequence: a static store's room for the generated tokens
 
-    def as_dict(self) -> dict[str, float]:
-        return asdict(self)
+    @property
+    def transient_share(self) -> float | None:
+        """Transients as a share of the slope (None without a positive slope)."""
+        return self.transient_bytes / self.per_sequence_bytes if self.per_sequence_bytes > 0 else None
+
+    def as_dict(self) -> dict[str, float | None]:
+        return {**asdict(self), "transient_share": self.transient_share}
 
 
-def split_sequence(line: PeakLine, weights_bytes: float, kept_cache_bytes: float) -> SequenceSplit:
+def split_sequence(line: PeakLine, weights_bytes: float, kept_cache_bytes: float,
+                   allocated_cache_bytes: float | None = None) -> SequenceSplit:
+    """Split the slope. ``allocated_cache_bytes`` (per sequence; the fast engine's static store,
+    kept tokens + new-token slots): its part above the kept cache is counted as slots, not transients.
+    The transients are what is left, signed: a slope a little under the kept cache (noise in the
+    peaks) gives a small negative, reported as it is."""
+    slots = 0.0 if allocated_cache_bytes is None else allocated_cache_bytes - kept_cache_bytes
     return SequenceSplit(weights_bytes, line.intercept - weights_bytes, line.slope, kept_cache_bytes,
-                         line.slope - kept_cache_bytes)
+                         line.slope - kept_cache_bytes - slots, slots)
 
 
 def above(batch: int, fraction: float = 0.02) -> int:
