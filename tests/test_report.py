@@ -69,6 +69,8 @@ def test_ratio_ci_of_exact_groups():
     r, lo, hi = report.ratio_ci([2.0, 2.2, 1.8], [1.0, 1.1, 0.9])
     assert r == pytest.approx(2.0) and lo < 2.0 < hi
     assert math.isnan(report.ratio_ci([1.0], [])[0])
+    r, lo, hi = report.ratio_ci([0.595, 0.602], [1.526])  # one baseline run: a ratio, no CI
+    assert r == pytest.approx(0.5985 / 1.526) and math.isnan(lo) and math.isnan(hi)
 
 
 def test_method_summary_columns_and_counts(perf):
@@ -509,7 +511,7 @@ def test_pays_verdict_reads_the_ci():
     assert report.pays_verdict(0.8, 0.7, 0.9) == "pays"
     assert report.pays_verdict(1.2, 1.1, 1.3) == "costs"
     assert report.pays_verdict(1.0, 0.9, 1.1) == "no clear difference"
-    assert report.pays_verdict(0.8, math.nan, math.nan) == "no CI (one run each)"
+    assert report.pays_verdict(0.8, math.nan, math.nan) == "no CI (one run on a side)"
     assert report.pays_verdict(math.nan, math.nan, math.nan) == "no J/token data"
 
 
@@ -541,7 +543,7 @@ def test_compression_pays_per_cell():
     assert rows[("snapkv 10%", 1)]["j_per_token_ratio"] == pytest.approx(0.8)
     assert rows[("snapkv 10%", 1)]["verdict"] == "pays"
     assert rows[("quanto int4", 4)]["j_per_token_ratio"] == pytest.approx(1.25)
-    assert rows[("quanto int4", 4)]["verdict"] == "no CI (one run each)"
+    assert rows[("quanto int4", 4)]["verdict"] == "no CI (one run on a side)"
     assert rows[("quanto int4", 16)]["verdict"] == "failed: OOM"
     assert rows[("quanto int4", 32)]["verdict"] == "ran where full failed: OOM"
     table = report.pays_table(pays)

@@ -39,7 +39,7 @@ def _ratio(values, base) -> tuple[float, float, float]:
 def concurrency_verdict(tput: tuple[float, float, float], itl: tuple[float, float, float]) -> str:
     """What the budget did, read from the throughput and ITL ratios' CIs (at budget / single)."""
     if any(math.isnan(x) for x in (*tput, *itl)):
-        return "no CI (one run each)" if not math.isnan(tput[0]) else "no data"
+        return "no CI (one run on a side)" if not math.isnan(tput[0]) else "no data"
     rises, slower = tput[1] > 1, itl[1] > 1
     if rises and slower:
         return "throughput rises while each request gets slower"

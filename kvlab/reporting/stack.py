@@ -49,7 +49,7 @@ def stack_verdict(value: float, lo: float, hi: float) -> str:
     if math.isnan(value):
         return "no data"
     if math.isnan(lo):
-        return "no CI (one run each)"
+        return "no CI (one run on a side)"
     if lo > 1:
         return "the costs compound (more than weights x cache)"
     if hi < 1:

@@ -293,7 +293,7 @@ def pays_verdict(ratio: float, lo: float, hi: float) -> str:
     if ratio is None or math.isnan(ratio):
         return "no J/token data"
     if lo is None or hi is None or math.isnan(lo) or math.isnan(hi):
-        return "no CI (one run each)"
+        return "no CI (one run on a side)"
     if hi < 1:
         return "pays"
     if lo > 1:
