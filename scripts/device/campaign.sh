@@ -24,6 +24,9 @@
 #   quality-rest      variable tracking at 4k (the part the first pass did not reach)
 #   quality-fp8       full vs fp8 on the needle task (checks the saturating fp8 cast on CUDA)
 #   anatomy           per-op anatomy of a decode step per method at 16k (torch.profiler)
+#   capacity-fast     capacity at 16k and 32k on the fast engine, prefilled in row groups (#14)
+#   engines-b32       batch 32 at 16k on the fast engine: full, fp8, int4 (#13)
+#   engines-b1-fold   batch 1 on the fast engine with the fold kernels, and fast-vs-hf agreement (#12, #13)
 set -uo pipefail
 out=outputs/h200
 mkdir -p "$out" "${OUT:-/tmp/out}"
@@ -137,6 +140,35 @@ step_anatomy() {
   timeout "$(left)" python3 -m kvlab anatomy --model llama-3.1-8b --weights synthetic --device cuda --ctx 16384 \
     --methods full snapkv quanto fp8 --params '{"snapkv": {"keep": 0.1}, "quanto": {"nbits": 4}}' \
     --steps 8 --warmup 3 --sdpa-backend flash --json > "$out/anatomy/anatomy_16k.json"
+}
+
+# Issue #14 on the fast engine with row-grouped prefill (benchmarks/capacity.py's docstring says why
+# these configs and caps): 16k then 32k; each writes its rows as measured.
+step_capacity_fast() {
+  mkdir -p "$out/capacity"
+  local t=$(( $(left) / 2 )); [ "$t" -gt 260 ] && t=260
+  timeout "$t" python3 benchmarks/capacity.py --engine fast --prefill-rows 4 --ctx 16384 --methods full snapkv10 \
+    --chunks none 2048 --confirm full@once snapkv10@2048 --confirm-max-batch 64 --time-budget-s $(( t - 20 )) \
+    --out "$out/capacity/capacity-fast-16k.json"
+  t=$(( $(left) - 10 )); [ "$t" -gt 240 ] && t=240
+  [ "$t" -gt 60 ] || { say "capacity 32k skipped: ${t}s left"; return 0; }
+  timeout "$t" python3 benchmarks/capacity.py --engine fast --prefill-rows 2 --ctx 32768 --methods full snapkv10 \
+    --chunks 2048 --confirm all --confirm-max-batch 32 --time-budget-s $(( t - 25 )) \
+    --out "$out/capacity/capacity-fast-32k.json"
+}
+
+# Issue #13: batch 32 at 16k on the fast engine (full, fp8, int4 stores; 4 sequences prefilled at a
+# time, so the batch fits), and batch 1 with the fold kernels plus the compiled step's teacher-forced
+# agreement with hf (issue #12's GPU check).
+step_engines_b32() {
+  mkdir -p "$out/engines"
+  timeout "$(left)" python3 benchmarks/engines.py --batch 32 --ctx 16384 --new-tokens 64 --repeats 2 --max-decoders 1 \
+    --methods full fp8 quanto4 --engines fast --compare-steps 0 --prefill-rows 4 --out "$out/engines/engines-b32-fast.json"
+}
+step_engines_b1_fold() {
+  mkdir -p "$out/engines"
+  timeout "$(left)" python3 benchmarks/engines.py --batch 1 --ctx 16384 --new-tokens 128 --repeats 3 --max-decoders 1 \
+    --methods full fp8 quanto4 --engines fast --compare-steps 32 --out "$out/engines/engines-b1-fold.json"
 }
 
 for s in "$@"; do
