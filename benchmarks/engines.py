@@ -136,6 +136,8 @@ def main() -> int:
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="also profile STEPS replays of each fast variant's full-cache step (kernels by "
                          "category and the top kernels)")
+    ap.add_argument("--profile-methods", nargs="+", default=["full"], choices=list(METHODS), metavar="METHOD",
+                    help="the methods --profile profiles (default: full; each must be in --methods)")
     ap.add_argument("--attention", default="auto", help="fast engine attention: auto, flash, sdpa")
     ap.add_argument("--max-decoders", type=int, default=8, help="fast-engine layouts kept alive (1 at large batch)")
     ap.add_argument("--prefill-rows", type=int, default=None, metavar="N",
@@ -149,6 +151,9 @@ def main() -> int:
                     help="a benchmarks/quant_attention.py --tune JSON: its winners become the tuned launch configs")
     ap.add_argument("--out", default="engines.json")
     args = ap.parse_args()
+    if args.profile and set(args.profile_methods) - set(args.methods):
+        ap.error(f"--profile-methods {' '.join(args.profile_methods)}: each must also be in --methods "
+                 f"({' '.join(args.methods)})")
     if args.prefill_rows is not None:
         if args.prefill_rows < 1:
             ap.error(f"--prefill-rows {args.prefill_rows}: give a number of sequences >= 1")
@@ -273,20 +278,23 @@ def main() -> int:
 
 
 def profile_variants(result: dict, loaded, policies: dict, engines: dict, args, batch: int) -> None:
-    """Where each fast variant's step goes: kernels by category, then the largest kernels."""
+    """Where each fast variant's step goes, per ``--profile-methods`` method: kernels by category,
+    then the largest kernels."""
     from kvlab.engine.anatomy import fast_anatomy
 
-    for engine in [e for e in args.engines if e in FAST_VARIANTS and e != "fast-deq"]:
+    for engine, method in [(e, m) for e in args.engines if e in FAST_VARIANTS and e != "fast-deq"
+                           for m in args.profile_methods if m in policies]:  # a failed setup is recorded
         try:
-            a = fast_anatomy(loaded, policies["full"], args.ctx, batch, steps=args.profile, engine=engines[engine])
+            a = fast_anatomy(loaded, policies[method], args.ctx, batch, steps=args.profile, engine=engines[engine])
         except Exception as err:
-            result.setdefault("profiles", []).append({"engine": engine, "batch": batch, "error": repr(err)})
-            print(f"profile {engine}: {err!r}", flush=True)
+            result.setdefault("profiles", []).append({"engine": engine, "method": method, "batch": batch,
+                                                      "error": repr(err)})
+            print(f"profile {engine} {method}: {err!r}", flush=True)
             continue
         top = a.top_ops(20)
         kernels_per_step = float(a.ops["calls"].sum())
         result.setdefault("profiles", []).append({
-            "engine": engine, "batch": batch, "label": a.label, "wall_ms": a.wall_ms, "busy_ms": a.busy_ms,
+            "engine": engine, "method": method, "batch": batch, "label": a.label, "wall_ms": a.wall_ms, "busy_ms": a.busy_ms,
             "by_category": a.by_category, "kernels_per_step": kernels_per_step,
             "top": top.to_dict(orient="records")})
         print(f"\nprofile b{batch} {a.label}: wall {a.wall_ms:.2f} ms/step, kernels busy {a.busy_ms:.2f} ms, "

@@ -26,6 +26,7 @@
 #   anatomy           per-op anatomy of a decode step per method at 16k (torch.profiler)
 #   capacity-fast     capacity at 16k and 32k on the fast engine, prefilled in row groups (#14)
 #   engines-b32       batch 32 at 16k on the fast engine: full, fp8, int4 (#13)
+#   engines-b16-profile  the fast step's kernels at batch 16 for full, fp8 and int4 (#13)
 #   engines-b1-fold   batch 1 on the fast engine with the fold kernels, and fast-vs-hf agreement (#12, #13)
 set -uo pipefail
 out=outputs/h200
@@ -164,6 +165,12 @@ step_engines_b32() {
   mkdir -p "$out/engines"
   timeout "$(left)" python3 benchmarks/engines.py --batch 32 --ctx 16384 --new-tokens 64 --repeats 2 --max-decoders 1 \
     --methods full fp8 quanto4 --engines fast --compare-steps 0 --prefill-rows 4 --out "$out/engines/engines-b32-fast.json"
+}
+step_engines_b16_profile() {  # where the int4 and fp8 steps' time goes at batch 16 (#13's goal figures)
+  mkdir -p "$out/engines"
+  timeout "$(left)" python3 benchmarks/engines.py --batch 16 --ctx 16384 --new-tokens 32 --repeats 1 --max-decoders 1 \
+    --methods full fp8 quanto4 --engines fast --compare-steps 0 --profile 4 --profile-methods full fp8 quanto4 \
+    --out "$out/engines/engines-b16-profile.json"
 }
 step_engines_b1_fold() {
   mkdir -p "$out/engines"
