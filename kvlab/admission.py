@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvlab.capacity import fit_peaks
 from kvlab.records import RECORDS_FILE, canonical_json, read_records
 
 if TYPE_CHECKING:
@@ -68,19 +69,6 @@ def resolve_budget_bytes(budget_gb: float | str, device: str) -> int:
 
     free, _total = torch.cuda.mem_get_info(torch.device(device))
     return int(free * (1 - GPU_MARGIN))
-
-
-def fit_peaks(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """(base bytes, bytes per sequence) of ``peak = base + per_sequence x batch`` by least squares
-    over (batch, peak) points; needs two distinct batches."""
-    batches = {b for b, _ in points}
-    if len(batches) < 2:
-        raise ValueError(f"need peaks at two batch sizes to fit bytes per sequence, got batches {sorted(batches)}")
-    n = len(points)
-    mb = sum(b for b, _ in points) / n
-    mp = sum(p for _, p in points) / n
-    slope = sum((b - mb) * (p - mp) for b, p in points) / sum((b - mb) ** 2 for b, _ in points)
-    return mp - slope * mb, slope
 
 
 def admit(base: float, per_sequence: float, budget_bytes: float, cap: int | None = None) -> int:
@@ -148,7 +136,8 @@ def admission_plan(probes: list[RunSpec], records: dict[str, dict[str, Any]], bu
         for b, p in points:
             peaks.setdefault(b, []).append(p)
         try:
-            adm.base_bytes, adm.per_sequence_bytes = fit_peaks([(b, statistics.median(v)) for b, v in peaks.items()])
+            line = fit_peaks([(b, statistics.median(v)) for b, v in peaks.items()])
+            adm.base_bytes, adm.per_sequence_bytes = line.intercept, line.slope
             fitted = admit(adm.base_bytes, adm.per_sequence_bytes, budget_bytes)
         except ValueError as err:
             adm.reason = f"no fit from the probe records: {err}"

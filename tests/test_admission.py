@@ -11,9 +11,9 @@ from kvlab.admission import (
     admit,
     at_budget,
     budget_problems,
-    fit_peaks,
     run_budgeted,
 )
+from kvlab.capacity import fit_peaks
 from kvlab.params import ParamsError, check_params, parse_params
 from kvlab.records import load_records
 from kvlab.reporting.admission import budget_lines, budget_summary, budget_table
@@ -27,8 +27,8 @@ BASE, PER_SEQ = {"full": 1.0 * GB, "streamingllm": 1.0 * GB}, {"full": 0.1 * GB,
 
 
 def test_fit_and_admit_are_plain_arithmetic():
-    base, per = fit_peaks([(1, 11.0), (2, 13.0), (4, 17.0)])
-    assert (base, per) == pytest.approx((9.0, 2.0))
+    line = fit_peaks([(1, 11.0), (2, 13.0), (4, 17.0)])
+    assert (line.intercept, line.slope) == pytest.approx((9.0, 2.0))
     assert admit(9.0, 2.0, 20.0) == 5 and admit(9.0, 2.0, 20.0, cap=3) == 3 and admit(9.0, 2.0, 8.0) == 0
     with pytest.raises(ValueError, match="two batch sizes"):
         fit_peaks([(1, 5.0), (1, 6.0)])

@@ -2,11 +2,10 @@
 at least the prompt is the one-shot prefill exactly; smaller chunks keep the one-shot budget,
 never hold more than budget + chunk rows, and decode on both engines."""
 
-import dataclasses
 
 import pytest
 import torch
-from tiny_models import load_tiny_d32
+from tiny_models import load_tiny_d32, registry_kwargs
 
 from kvlab.chunked import chunk_bounds, prefill
 from kvlab.decode import generate_text, greedy_decode
@@ -22,20 +21,6 @@ NEW = 6
 @pytest.fixture(scope="module")
 def lm():
     return load_tiny_d32()
-
-
-def registry_kwargs(name: str) -> dict:
-    """Each registry method with knobs that fit a 100-token prompt and head_dim 32."""
-    cls = POLICIES[name]
-    knobs = {f.name for f in dataclasses.fields(cls)}
-    kw = {}
-    if issubclass(cls, EvictionPolicy):
-        kw["keep"] = 0.3
-        if "window_size" in knobs:
-            kw["window_size"] = 8
-    elif issubclass(cls, QuantizedPolicy) and "q_group_size" in knobs:
-        kw["q_group_size"] = 32
-    return kw
 
 
 def make(name, **extra):

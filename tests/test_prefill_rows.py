@@ -3,11 +3,10 @@ buffers. Every registry policy the fast engine runs selects per sequence, so any
 whole-batch prefill's tokens exactly; the stores write row slices; sweeps, records and run ids carry
 it only where it changes the run; hf and bad values are refused before any model loads."""
 
-import dataclasses
 
 import pytest
 import torch
-from tiny_models import load_tiny_d32
+from tiny_models import load_tiny_d32, registry_kwargs
 
 from kvlab.engine import EngineError, prefill_rows
 from kvlab.engine.fast import FastEngine
@@ -15,7 +14,7 @@ from kvlab.engine.kvstore import DenseStore, Layout, QuantizedStore
 from kvlab.kernels import make_format, quantize_write
 from kvlab.measure import measure_generation
 from kvlab.params import ParamsError, check_params, parse_params
-from kvlab.policies import POLICIES, EvictionPolicy, PolicyError, QuantizedPolicy, make_policy
+from kvlab.policies import POLICIES, PolicyError, make_policy
 from kvlab.sweep import expand
 
 N = 64
@@ -28,25 +27,9 @@ def lm():
     return load_tiny_d32()
 
 
-def registry_kwargs(name: str) -> dict:
-    """Each registry method with knobs that fit a 64-token prompt and head_dim 32."""
-    cls = POLICIES[name]
-    knobs = {f.name for f in dataclasses.fields(cls)}
-    kw = {}
-    if issubclass(cls, EvictionPolicy):
-        kw["keep"] = 0.3
-        if "window_size" in knobs:
-            kw["window_size"] = 8
-        if "beta" in knobs:
-            kw["beta"] = 2  # a real pyramid at 64 tokens: the layers keep different lengths
-    elif issubclass(cls, QuantizedPolicy) and "q_group_size" in knobs:
-        kw["q_group_size"] = 32
-    return kw
-
-
 def runs_on_fast(name: str) -> bool:
     try:
-        make_policy(name, **registry_kwargs(name)).fast_storage()
+        make_policy(name, **registry_kwargs(name, pyramid_beta=2)).fast_storage()
     except PolicyError:
         return False  # hqq (no kernel), decoding (shrinks the cache while decoding)
     return True
@@ -74,7 +57,7 @@ def fast_tokens(lm, policy, ids, rows):
 @pytest.mark.parametrize("method,extra", [(m, {}) for m in FAST] + EXTRA,
                          ids=[*FAST, *(f"{m}-{next(iter(e))}" for m, e in EXTRA)])
 def test_row_groups_give_the_whole_batch_tokens(lm, method, extra):
-    policy = make_policy(method, **{**registry_kwargs(method), **extra})
+    policy = make_policy(method, **{**registry_kwargs(method, pyramid_beta=2), **extra})
     with policy.attach(lm, warm=False):
         ids = prompt()
         whole, decoder = fast_tokens(lm, policy, ids, None)

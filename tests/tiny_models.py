@@ -1,4 +1,6 @@
-"""Tiny random models the tests build themselves (no download, no GGUF)."""
+"""Tiny random models the tests build themselves (no download, no GGUF), and registry knobs that fit them."""
+
+import dataclasses
 
 import torch
 
@@ -17,3 +19,22 @@ def load_tiny_d32():
     return LoadedModel(model, None, spec_from_config(config, name="tiny-llama-d32", dtype="float32"),
                        "synthetic", "tiny-llama-d32", "cpu", "float32")
 
+
+
+def registry_kwargs(name: str, pyramid_beta: int | None = None) -> dict:
+    """Each registry method with knobs that fit a prompt of 64-100 tokens and head_dim 32
+    (``pyramid_beta``: PyramidKV's beta, e.g. 2 for layers of different lengths at 64 tokens)."""
+    from kvlab.policies import POLICIES, EvictionPolicy, QuantizedPolicy
+
+    cls = POLICIES[name]
+    knobs = {f.name for f in dataclasses.fields(cls)}
+    kw = {}
+    if issubclass(cls, EvictionPolicy):
+        kw["keep"] = 0.3
+        if "window_size" in knobs:
+            kw["window_size"] = 8
+        if "beta" in knobs and pyramid_beta is not None:
+            kw["beta"] = pyramid_beta
+    elif issubclass(cls, QuantizedPolicy) and "q_group_size" in knobs:
+        kw["q_group_size"] = 32
+    return kw

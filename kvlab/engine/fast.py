@@ -244,7 +244,7 @@ class FastEngine:
         if self.max_kept_bytes is not None:
             # the new store counts too: at batch 16 and 16k a full store (34 GB) beside the kept stores of
             # the other methods and its own prefill cache ran out of the H200's memory (2026-12-03c)
-            new = layout.dense_bytes(torch.empty((), dtype=self.dtype).element_size())
+            new = layout.dense_bytes(self.dtype.itemsize)
             while self._decoders and sum(d.store.bytes_allocated() for d in self._decoders.values()) + new \
                     > self.max_kept_bytes:
                 self._decoders.popitem(last=False)

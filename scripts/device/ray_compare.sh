@@ -23,10 +23,7 @@ deadline=${KVLAB_DEADLINE_S:-410}
 say() { echo "== [$(( SECONDS - start ))s] $*"; }
 out=outputs/ray-compare
 mkdir -p "${OUT:-/tmp/out}"
-if [ -e "$out" ]; then
-  n=1; while [ -e "$out.$n" ]; do n=$((n + 1)); done; mv "$out" "$out.$n"
-fi
-mkdir -p "$out"
+fresh_dir "$out"
 # one import of everything both executors load, so that neither pays Python's first compile of
 # the carried packages (installed with --no-compile) and a missing piece fails here, in seconds
 python3 - <<'PY' || exit 1

@@ -30,10 +30,7 @@ params=params/h200x2-ray.yaml
 out=outputs/ray-multigpu
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-if [ -e "$out" ]; then
-  n=1; while [ -e "$out.$n" ]; do n=$((n + 1)); done; mv "$out" "$out.$n"
-fi
-mkdir -p "$out/counters"
+fresh_dir "$out" && mkdir -p "$out/counters"
 # one import of everything the sweeps load (the carried packages are installed without .pyc, so
 # neither sweep pays the first compile), and two GPUs or nothing
 python3 - <<'PY' || exit 1

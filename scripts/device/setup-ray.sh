@@ -17,3 +17,11 @@ if [ ! -f /tmp/raysite/.kvlab-ready ]; then
 fi
 export PYTHONPATH=/tmp/raysite${PYTHONPATH:+:$PYTHONPATH}
 export RAY_USAGE_STATS_ENABLED=0 RAY_memory_monitor_refresh_ms=0
+# fresh_dir DIR: the Ray device scripts' output folder, an earlier run's moved aside to DIR.N
+# (a rerun on a warm machine starts afresh and loses nothing)
+fresh_dir() {
+  if [ -e "$1" ]; then
+    local n=1; while [ -e "$1.$n" ]; do n=$((n + 1)); done; mv "$1" "$1.$n"
+  fi
+  mkdir -p "$1"
+}
