@@ -17,6 +17,8 @@ import plotly.graph_objects as go
 from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
+from kvlab.reporting.text import ci_text, fmt_ctx, is_baseline_label, runs_text  # noqa: F401 (re-exported)
+
 GB = 1e9
 BASELINE_COLOR = "#555555"
 PALETTE = qualitative.Plotly + qualitative.D3
@@ -62,8 +64,6 @@ def empty_figure(title: str, reason: str) -> go.Figure:
 _LABEL_COLORS: dict[str, str] = {}
 
 
-def is_baseline_label(label: str) -> bool:
-    return label == "full" or label.endswith("(full)")
 
 
 def color_map(labels: Iterable[str]) -> dict[str, str]:
@@ -94,9 +94,6 @@ def _error_y(df: pd.DataFrame, col: str) -> dict | None:
                 arrayminus=(df[col] - df[lo]).tolist(), thickness=1.2, width=4)
 
 
-def fmt_ctx(ctx: float) -> str:
-    ctx = int(ctx)
-    return f"{ctx // 1024}k" if ctx >= 1024 and ctx % 1024 == 0 else f"{ctx:,}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,23 +194,8 @@ def study_table(summary: pd.DataFrame, columns: dict[str, str], title: str,
     return fig
 
 
-def runs_text(summary: pd.DataFrame) -> list:
-    """A summary's runs column: ``n``, or '3 (2 contended)' where runs were measured while other
-    processes took the CPU (``n_contended``)."""
-    busy = summary["n_contended"] if "n_contended" in summary.columns else pd.Series(0, index=summary.index)
-    if not busy.fillna(0).astype(int).gt(0).any():
-        return [int(n) for n in summary["n"]]
-    return [f"{int(n)} ({int(c)} contended)" if c else str(int(n))
-            for n, c in zip(summary["n"], busy.fillna(0), strict=True)]
 
 
-def ci_text(v, lo, hi) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "n/a"
-    digits = 3 if abs(v) < 10 else 1
-    if lo is None or hi is None or (isinstance(lo, float) and math.isnan(lo)):
-        return f"{v:.{digits}f}"
-    return f"{v:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"
 
 
 def relative_to_baseline(rel: pd.DataFrame, metric_title: str = "J/token",

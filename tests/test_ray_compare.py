@@ -93,3 +93,17 @@ def test_a_cluster_started_before_the_sweep_is_timed_apart(tmp_path):
     assert "ray overhead: +17.0 s" in text  # the sweep through the running cluster
     share = 100 * (17 + 6) / local_wall
     assert f"ray's cluster was started before the sweep joined it: 6.0 s; counting that start, ray's overhead is +23.0 s = +{share:.1f}%" in text
+
+
+def test_the_comparison_runs_without_plotly(tmp_path):
+    """The GPU box that runs ray_compare.sh has no notebook stack: the comparison (and the report
+    tables it uses) must not import plotly. A subprocess where `import plotly` fails shows it."""
+    import subprocess
+    import sys
+
+    fake_pair(tmp_path)
+    code = ("import sys; sys.modules['plotly'] = None; from kvlab.runner.compare import main; "
+            f"raise SystemExit(main([{str(tmp_path)!r}]))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "ray overhead" in done.stdout

@@ -13,9 +13,9 @@ import math
 
 import pandas as pd
 
-from kvlab.plots import ci_text, is_baseline_label
 from kvlab.reporting.frames import contended_mask, perf_records
 from kvlab.reporting.stats import ratio_ci
+from kvlab.reporting.text import ci_text, is_baseline_label
 
 BUDGET_METRICS = {"tokens_per_s": "throughput (tok/s)", "itl_median_ms": "ITL p50 (ms)",
                   "decode_j_per_token": "decode J/token"}

@@ -13,9 +13,9 @@ from typing import Any
 
 import pandas as pd
 
-from kvlab.plots import fmt_ctx
 from kvlab.reporting.frames import contended_mask, fill_labels
 from kvlab.reporting.stats import ratio_ci
+from kvlab.reporting.text import fmt_ctx
 
 ENGINE_COLUMNS = ("hf", "fast")
 

@@ -13,9 +13,9 @@ import math
 import numpy as np
 import pandas as pd
 
-from kvlab.plots import ci_text
 from kvlab.reporting.frames import contended_mask, perf_records
 from kvlab.reporting.stats import ratio_ci
+from kvlab.reporting.text import ci_text
 
 STACK_METRICS = {"decode_j_per_token": "decode J/token", "itl_median_ms": "ITL p50 (ms)"}
 WEIGHTS_SUFFIX = " · w-"

@@ -11,8 +11,8 @@ import numpy as np
 import pandas as pd
 
 from kvlab.metrics import bootstrap_ci
-from kvlab.plots import ci_text, is_baseline_label, runs_text
 from kvlab.reporting.frames import contended_mask
+from kvlab.reporting.text import ci_text, is_baseline_label, runs_text
 
 
 def ratio_ci(values: Sequence[float], baseline: Sequence[float], n_boot: int = 2000,

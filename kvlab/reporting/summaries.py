@@ -10,7 +10,6 @@ from typing import Any
 import pandas as pd
 
 from kvlab.metrics import bootstrap_ci
-from kvlab.plots import ci_text, fmt_ctx
 from kvlab.reporting.frames import (
     DEFAULT_CTX,
     _ok,
@@ -21,6 +20,7 @@ from kvlab.reporting.frames import (
     smallest_batch,
 )
 from kvlab.reporting.stats import _ordered, format_ci, method_summary, ratio_ci
+from kvlab.reporting.text import ci_text, fmt_ctx
 
 STUDY_METRICS = {
     "peak_mem_gb": "peak memory (GB)",

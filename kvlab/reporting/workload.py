@@ -14,9 +14,9 @@ import math
 import numpy as np
 import pandas as pd
 
-from kvlab.plots import ci_text, is_baseline_label
 from kvlab.reporting.frames import contended_mask, perf_records
 from kvlab.reporting.summaries import pays_verdict
+from kvlab.reporting.text import ci_text, is_baseline_label
 
 ITL_QUANTILES = (50, 90, 99)
 UNIT_KEYS = ("ctx_sample", "repeat", "prompt_id")  # one request of the workload, shared by every method
