@@ -95,6 +95,30 @@ def test_compare_engines_reports_agreement_and_logit_error(tiny):
     out = compare_engines(tiny, make_policy("full"), ids(batch=1), 6)
     assert out["top1_agree"] == 1.0
     assert out["max_abs_logit_err"] < 1e-4 * max(1.0, out["max_abs_logit"])
+    assert out["margins_where_disagree"] == []
+
+
+def test_compare_engines_keeps_the_reference_margin_where_the_engines_disagree(tiny, monkeypatch):
+    """A fast step that adds 1 to the reference's second-best token flips the steps whose top-2 gap is
+    below 1; each flipped step's gap is recorded."""
+    from kvlab.engine import llama
+
+    real = llama.LlamaFamilyStep.__call__
+    seen = []
+
+    def nudged(self, token, position, store):
+        logits = real(self, token, position, store)
+        second = logits.float().topk(2, dim=-1).indices[..., 1]
+        seen.append(logits.float().topk(2, dim=-1).values)
+        return logits.scatter_add(-1, second.unsqueeze(-1), torch.ones_like(logits[..., :1]))
+
+    monkeypatch.setattr(llama.LlamaFamilyStep, "__call__", nudged)
+    out = compare_engines(tiny, make_policy("full"), ids(batch=1), 6)
+    gaps = [(v[..., 0] - v[..., 1]).item() for v in seen]
+    flipped = [g for g in gaps if g < 1]
+    assert flipped, "the tiny model has no step with a top-2 gap under 1: pick another nudge"
+    assert out["top1_agree"] == pytest.approx(1 - len(flipped) / 6)
+    assert out["margins_where_disagree"] == pytest.approx(flipped, abs=1e-3)
 
 
 def test_fusing_projections_keeps_the_model_output(tiny):
