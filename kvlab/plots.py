@@ -64,8 +64,6 @@ def empty_figure(title: str, reason: str) -> go.Figure:
 _LABEL_COLORS: dict[str, str] = {}
 
 
-
-
 def color_map(labels: Iterable[str]) -> dict[str, str]:
     """label -> colour, stable across figures (see _LABEL_COLORS)."""
     out = {}
@@ -92,8 +90,6 @@ def _error_y(df: pd.DataFrame, col: str) -> dict | None:
         return None
     return dict(type="data", symmetric=False, array=(df[hi] - df[col]).tolist(),
                 arrayminus=(df[col] - df[lo]).tolist(), thickness=1.2, width=4)
-
-
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,10 +188,6 @@ def study_table(summary: pd.DataFrame, columns: dict[str, str], title: str,
     ))
     fig.update_layout(title=title, height=120 + 28 * len(summary), margin=dict(t=60, b=10))
     return fig
-
-
-
-
 
 
 def relative_to_baseline(rel: pd.DataFrame, metric_title: str = "J/token",
