@@ -6,9 +6,9 @@
 # Every step writes under outputs/h200/ (unpack it here with scripts/device/unpack.sh, then carry it
 # in the next call: sweeps resume from their records), and the script ends by packing that folder
 # into $OUT/h200.tgz. Steps run until KVLAB_DEADLINE_S seconds after the script started (default
-# 540), so the pack always happens
-# inside the call's limit: a step that would overrun is stopped by `timeout`, and a sweep is
-# given the time left as its time_budget_s, so it stops cleanly between runs.
+# 540), so the pack always happens inside the call's limit: a step that would overrun is stopped
+# by `timeout`, and a sweep is given the time left as its time_budget_s, so it stops cleanly
+# between runs.
 #
 # Steps:
 #   quanto-build      time optimum-quanto's CUDA extension load (the JIT build on a fresh machine);
