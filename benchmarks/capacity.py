@@ -39,8 +39,8 @@ by ``--table FILE`` from a written file).
 The fast engine (``--engine fast``) holds one decoder at a time and drops it after every point
 (then empties torch's CUDA cache), so each peak is that point's own; its step runs eagerly inside
 the captured graph (``--fast-compile none``, the default here): the benchmark measures memory, and
-the compiled step (``layers``, ``dynamic=False``) would recompile for every new batch (~7 s each;
-past torch's recompile limit of 8 it falls back to eager anyway), inside the measured point.
+the compiled step (``layers``, ``dynamic=False``) would recompile for every new batch (past
+torch's recompile limit of 8 it falls back to eager anyway), inside the measured point.
 
 Row groups (``--prefill-rows N``, fast only): a batch is prefilled N sequences at a time, each
 group's kept K/V written into the static store's rows and its prefill cache freed before the next

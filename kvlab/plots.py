@@ -17,7 +17,7 @@ import plotly.graph_objects as go
 from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
-from kvlab.reporting.text import ci_text, fmt_ctx, is_baseline_label, runs_text  # noqa: F401 (re-exported)
+from kvlab.reporting.text import ci_text, fmt_ctx, is_baseline_label, runs_text
 
 GB = 1e9
 BASELINE_COLOR = "#555555"

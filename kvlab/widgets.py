@@ -17,6 +17,7 @@ import plotly.io as pio
 
 from kvlab import budget, plots
 from kvlab.models import PRESETS, ModelSpec, get_spec
+from kvlab.reporting.text import fmt_ctx
 
 GB = 1e9
 QUANT_BITS = (8, 4, 2)
@@ -201,7 +202,7 @@ def budget_views(inputs: BudgetInputs) -> BudgetViews:
         "cache": plots.cache_vs_context(tables["cache"], free_bytes=free if free > 0 else None, gpu_name=gpu.name,
                                         note=no_room),
         "capacity": (plots.capacity(tables["capacity"], gpu.name, inputs.ctx) if no_room is None
-                     else plots.empty_figure(f"Capacity on {gpu.name} at {plots.fmt_ctx(inputs.ctx)} context",
+                     else plots.empty_figure(f"Capacity on {gpu.name} at {fmt_ctx(inputs.ctx)} context",
                                              no_room)),
         "decode": plots.decode_split(tables["decode"], gpu.name),
         "compression": plots.compression_vs_context(tables["compression"]),

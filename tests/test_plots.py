@@ -9,6 +9,7 @@ import pytest
 from synthetic_records import fake_records
 
 from kvlab import plots, report
+from kvlab.reporting.text import ci_text
 
 
 @pytest.fixture(scope="module")
@@ -117,9 +118,9 @@ def test_study_table_cells_show_mean_and_ci(perf):
 
 
 def test_ci_text_formats():
-    assert plots.ci_text(math.nan, math.nan, math.nan) == "n/a"
-    assert plots.ci_text(1.23456, math.nan, math.nan) == "1.235"
-    assert plots.ci_text(12.34, 11.0, 13.0) == "12.3 [11.0, 13.0]"
+    assert ci_text(math.nan, math.nan, math.nan) == "n/a"
+    assert ci_text(1.23456, math.nan, math.nan) == "1.235"
+    assert ci_text(12.34, 11.0, 13.0) == "12.3 [11.0, 13.0]"
 
 
 def test_colors_are_stable_across_figures_and_full_is_grey(perf):
