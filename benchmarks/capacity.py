@@ -56,6 +56,17 @@ between the line's peaks at B and B + 1); the above run under the same cap shoul
 It checks the same line where filling the whole device would take too long; the full-device
 prediction stays in the fit (``predicted_max_batch``), rows say ``memory_cap_bytes``.
 
+Two lines on CUDA: the allocated peaks (``torch.cuda.max_memory_allocated``, what the tensors
+need: ``predicted_max_batch``) and the reserved peaks (``max_memory_reserved``, what the caching
+allocator holds, its slack included: ``predicted_max_batch_reserved``). An out-of-memory error comes
+when the reserved memory hits the device, and the fraction cap limits reserved memory too, so the cap
+is placed on the reserved line. On the H200 (2026-12-03, ``reports/h200-2026-12-03e``) the allocated
+line predicted the allocated peak of every confirm run within 0.8%, but reserved ran 0.6-6.8 GB above
+allocated: 16k full, predicted 54, ran out of memory at 54 and ran at 52 (the reserved line says 52),
+and caps placed on the allocated line (half a SnapKV sequence of room, 0.11 GB) ran out of memory at
+SnapKV's 64 and 61. For the full cache the largest batch lay between the two predictions (16k: 52-54,
+52 ran; 32k: 27-28, 28 ran and 29 did not); caps on the reserved line are not yet measured.
+
 The H200 call (139.8 GiB = 150.1 GB; weights 16.1 GB; the full cache 2.15 GB per 16k sequence and
 SnapKV 10% 0.215 GB, twice that at 32k; transformers' prefill ~0.7 s per 16k sequence (2026-12-02:
 0.66-0.69 s at batch 4-32), ~1.65 s estimated per 32k one (quadratic attention)). Expected: 16k full
@@ -155,12 +166,14 @@ def memory_cap(device: str, cap_bytes: float | None):
         yield
         return
     release(device)
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), device)
+    index = torch.device(device).index  # the fraction wants an index: "cuda" alone is refused
+    index = torch.cuda.current_device() if index is None else index
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), index)
     try:
         yield
     finally:
-        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        torch.cuda.set_per_process_memory_fraction(1.0, index)
 
 
 def measure_point(loaded, policy, ctx: int, batch: int, new_tokens: int, engine, device: str,
@@ -242,10 +255,10 @@ def run_context(args, loaded, ctx: int, report: Report, deadline: float) -> None
             for chunk in args.chunks:
                 policy = make_policy(name, **kw, prefill_chunk=chunk)
                 policies[config_name(method, chunk, args.engine, rows)] = stack.enter_context(policy.attach(loaded))
-        fits, lines = {}, {}
+        fits, lines, reserved_lines = {}, {}, {}
         for config, policy in policies.items():
             base = {"ctx": ctx, "config": config, "label": policy.label, "engine": args.engine, "prefill_rows": rows}
-            points, kept, allocated, per_seq_s = [], None, None, 0.0
+            points, reserved, kept, allocated, per_seq_s = [], [], None, None, 0.0
             for batch in args.fixed_batch or args.batches:
                 row = {**base, "phase": "fixed" if args.fixed_batch else "fit",
                        **measure_point(loaded, policy, ctx, batch, args.new_tokens, engine, device, rows)}
@@ -253,6 +266,8 @@ def run_context(args, loaded, ctx: int, report: Report, deadline: float) -> None
                 show(row)
                 if row["status"] == "ok":
                     points.append((batch, row["peak_mem_bytes"]))
+                    if row.get("peak_mem_reserved_bytes"):
+                        reserved.append((batch, row["peak_mem_reserved_bytes"]))
                     kept = row["cache_bytes"] / batch
                     allocated = row["cache_bytes_allocated"] / batch if row.get("cache_bytes_allocated") else None
                     per_seq_s = row["prefill_s"] / batch
@@ -266,11 +281,17 @@ def run_context(args, loaded, ctx: int, report: Report, deadline: float) -> None
             fit = {**base, "intercept_bytes": line.intercept, "slope_bytes": line.slope, "usable_bytes": usable,
                    "predicted_max_batch": predicted, "split": split.as_dict(), "prefill_s_per_sequence": per_seq_s}
             fits[config], lines[config] = fit, line
+            if len({b for b, _ in reserved}) >= 2:  # CUDA: what the allocator holds, its slack included
+                reserved_lines[config] = r_line = fit_peaks(reserved)
+                fit.update(reserved_intercept_bytes=r_line.intercept, reserved_slope_bytes=r_line.slope,
+                           predicted_max_batch_reserved=max_batch(r_line, usable))
             report.add("fits", fit)
             share = "" if split.transient_share is None else f" ({split.transient_share:+.1%})"
             print(f"  {config}: {line.slope / GB:.3f} GB/sequence (kept {kept / GB:.3f}, new-token slots "
                   f"{split.new_token_slots_bytes / GB:.3f}, transients {split.transient_bytes / GB:+.3f}{share}); "
-                  f"predicted max batch {predicted}", flush=True)
+                  f"predicted max batch {predicted}"
+                  + (f" ({fit['predicted_max_batch_reserved']} from reserved peaks)" if config in reserved_lines else ""),
+                  flush=True)
         for config in confirm_list(args.confirm, fits):
             fit = fits[config]
             n = fit["predicted_max_batch"]
@@ -279,7 +300,8 @@ def run_context(args, loaded, ctx: int, report: Report, deadline: float) -> None
             cap = None
             if args.confirm_max_batch and n > args.confirm_max_batch:  # the line checked under a memory cap
                 n = args.confirm_max_batch
-                cap = cap_for_batch(lines[config], n)
+                # the cap limits what the allocator reserves: placed on the reserved line where there is one
+                cap = cap_for_batch(reserved_lines.get(config) or lines[config], n)
             plan = [("confirm", n)]
             while plan:
                 phase, batch = plan.pop(0)
@@ -292,6 +314,8 @@ def run_context(args, loaded, ctx: int, report: Report, deadline: float) -> None
                 else:
                     with memory_cap(device, cap):
                         row = {**head, "predicted_peak_bytes": lines[config].peak(batch),
+                               "predicted_reserved_bytes": (reserved_lines[config].peak(batch)
+                                                            if config in reserved_lines else None),
                                "memory_cap_enforced": cap is not None and device.startswith("cuda"),
                                **measure_point(loaded, policies[config], ctx, batch, args.new_tokens, engine, device,
                                                rows)}
@@ -364,7 +388,7 @@ def full_baseline(config: str, names) -> str | None:
 
 def summarize(report: Report) -> None:
     print(f"\n{'ctx':>6} {'config':26s} GB/seq   kept  slots  transient (share)  max batch (predicted)  "
-          f"confirm  above")
+          f"(reserved)  confirm  above")
     rows = report.data["rows"]
     for fit in report.data["fits"]:
         s = fit["split"]
@@ -380,7 +404,8 @@ def summarize(report: Report) -> None:
         share = f"({share:+.1%})" if share is not None else ""
         print(f"{fit['ctx']:6d} {fit['config']:26s} {s['per_sequence_bytes'] / GB:6.3f} {s['kept_cache_bytes'] / GB:6.3f}"
               f" {s.get('new_token_slots_bytes', 0.0) / GB:6.3f} {s['transient_bytes'] / GB:+9.3f} {share:>8}"
-              f"  {fit['predicted_max_batch']!s:>21}  {status('confirm'):>7}  {status('above')}")
+              f"  {fit['predicted_max_batch']!s:>21}  {fit.get('predicted_max_batch_reserved', '-')!s:>10}"
+              f"  {status('confirm'):>7}  {status('above')}")
     by = {(f["ctx"], f["config"]): f["predicted_max_batch"] for f in report.data["fits"]}
     for ctx in sorted({c for c, _ in by}):
         names = {config for c, config in by if c == ctx}

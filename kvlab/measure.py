@@ -297,6 +297,10 @@ def measure_generation(
     rows = groups_of(prefill_rows, batch, "hf" if engine is None else engine.name)
 
     policy.prepare(model)
+    # The engine may replace its decoder here, freeing the one before: the peak is reset after, or
+    # it would start at the old store's size (a fast int4 run after a full one at batch 32, 16k:
+    # 85.4 GB where its own was 52.2, reports/h200-2026-12-03e). The new store counts: it is held.
+    decoder = engine.decoder(policy, batch, ctx, new_tokens) if engine is not None else None
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     rss_window = not cuda and reset_peak_rss()  # CPU: the process's peak RSS over this run
@@ -312,7 +316,6 @@ def measure_generation(
         if on_step is not None:
             on_step(i)
 
-    decoder = engine.decoder(policy, batch, ctx, new_tokens) if engine is not None else None
     cache = policy.make_cache(model) if decoder is None else None  # fast: a cache per row group, in the window
     chunk = getattr(policy, "prefill_chunk", None)
     try:
@@ -353,6 +356,8 @@ def measure_generation(
     if _token_count(tokens) != new_tokens:
         raise MeasureError(f"generated {_token_count(tokens)} tokens per sequence, expected exactly {new_tokens}")
 
+    if cuda:  # the marks' events must be complete: a NullSampler's window does not synchronize
+        torch.cuda.synchronize(device)
     itl = clock.intervals_ms(start=2)
     n_out = batch * new_tokens
     decode_s = res.t1 - t_decode

@@ -236,6 +236,49 @@ def test_a_confirm_above_the_cap_batch_runs_under_a_memory_cap_on_the_fast_engin
     assert (phases["confirm"]["prefill_groups"], phases["fit"]["prefill_groups"]) == (3, 4)
 
 
+def test_the_cap_sits_on_the_reserved_line_where_the_allocator_holds_more_than_it_hands_out(tmp_path, monkeypatch):
+    """CUDA records both peaks: allocated 1 GB + 0.1 GB per sequence, reserved 0.3 GB above it (the
+    caching allocator's slack, which the H200 showed on 2026-12-03). A cap limits reserved memory, so
+    a cap on the allocated line (1.65 GB at 6) would stop batch 6; on the reserved line (1.95 GB) 6
+    runs and 7 does not. Both predictions land in the fit."""
+    import kvlab.measure as measure
+    from kvlab.measure import Measurement
+
+    module, out, caps = bench(), tmp_path / "c.json", []
+    cap_now = [None]
+
+    @contextmanager
+    def fake_cap(device, cap_bytes):
+        caps.append(cap_bytes)
+        cap_now[0] = cap_bytes
+        yield
+        cap_now[0] = None
+
+    def fake(loaded, policy, *, ctx, batch, new_tokens, engine=None, prefill_rows=None, **kw):
+        peak, reserved = 1e9 + 1e8 * batch, 1.3e9 + 1e8 * batch
+        if cap_now[0] is not None and reserved > cap_now[0]:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 100.00 MiB")
+        record = {"peak_mem_bytes": peak, "peak_mem_reserved_bytes": reserved, "cache_bytes": 0.9e8 * batch,
+                  "cache_bytes_allocated": 1e8 * batch, "cache_physical_tokens": 9, "prefill_s": 0.01 * batch,
+                  "itl_median_ms": 1.0, "prefill_rows": prefill_rows if batch > prefill_rows else None}
+        return Measurement(record=record, window=None)
+
+    monkeypatch.setattr(module, "memory_cap", fake_cap)
+    monkeypatch.setattr(measure, "measure_generation", fake)
+    module.main(["--device", "cpu", "--model", "tiny-llama", "--ctx", "64", "--methods", "snapkv10", "--chunks", "32",
+                 "--engine", "fast", "--prefill-rows", "2", "--confirm", "snapkv10@32", "--confirm-max-batch", "6",
+                 "--memory-gb", "10", "--out", str(out)])
+    data = json.loads(out.read_text())
+    (fit,) = data["fits"]
+    assert (fit["predicted_max_batch"], fit["predicted_max_batch_reserved"]) == (90, 87)
+    assert fit["reserved_slope_bytes"] == pytest.approx(1e8)
+    assert caps == [pytest.approx(1.95e9)] * 2
+    phases = {r["phase"]: r for r in data["rows"]}
+    assert (phases["confirm"]["batch"], phases["confirm"]["status"]) == (6, "ok")
+    assert (phases["above"]["batch"], phases["above"]["status"]) == (7, "oom")
+    assert phases["confirm"]["predicted_reserved_bytes"] == pytest.approx(1.9e9)
+
+
 MEMORY = ["--memory-gb", "2"]
 BAD = [
     ([*MEMORY, "--prefill-rows", "2"], "--prefill-rows 2 needs --engine fast"),

@@ -178,6 +178,8 @@ def test_fast_anatomy_puts_the_step_into_categories(tiny):
     # GPU kernel names (graph replays have no op to classify by)
     assert classify_kernel("nvjet_tst_128x64_64x8_2x1_v_bz_TNN") == "weight GEMMs"
     assert classify_kernel("_decode_split_kernel") == "attention"
+    assert classify_kernel("_decode_fold_kernel") == "attention"  # the int and fp8 stores' kernel (was "other ops")
+    assert classify_kernel("_decode_reduce_kernel") == "attention"
     assert classify_kernel("flash_fwd_splitkv_kernel") == "attention"
     assert classify_kernel("_quantize_write_kernel") == "cache update/concat"
     assert classify_kernel("triton_red_fused_argmax_0") == "other ops"

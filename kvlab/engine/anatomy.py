@@ -17,7 +17,7 @@ from kvlab.anatomy import CATEGORIES, GAP, SCOPE_ATTENTION, Anatomy, StepProfile
 KERNEL_RULES: tuple[tuple[re.Pattern, str], ...] = (
     (re.compile(r"quantize_write|index_copy|scatter|_put_slots", re.I), "cache update/concat"),
     (re.compile(r"dequant|unpack", re.I), "dequantize"),
-    (re.compile(r"flash|fmha|attention|_decode_split|_decode_reduce|scaled_dot_product", re.I), "attention"),
+    (re.compile(r"flash|fmha|attention|_decode_(split|fold|reduce)_kernel|scaled_dot_product", re.I), "attention"),
     (re.compile(r"gemm|gemv|cutlass|xmma|nvjet|cublas|^aten::(linear|mm|addmm|bmm|matmul)$", re.I),
      "weight GEMMs"),
 )

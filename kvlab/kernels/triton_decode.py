@@ -50,9 +50,9 @@ DEFAULT_VARIANT = "split"
 class LaunchConfig:
     """Tuning knobs of the split kernel (none changes the result beyond float rounding).
 
-    Defaults are a known-good flash-decoding shape, not yet tuned on the H200:
-    ``benchmarks/quant_attention.py --tune`` times the alternatives (and prints a
-    :data:`TUNED_CONFIGS` to paste). ``variant`` picks the kernel (:data:`VARIANTS`; ``None``:
+    Defaults are a known-good flash-decoding shape; the formats tuned on the H200 override them in
+    :data:`TUNED_CONFIGS` (``benchmarks/quant_attention.py --tune`` times the alternatives and prints
+    the winners to paste). ``variant`` picks the kernel (:data:`VARIANTS`; ``None``:
     :data:`DEFAULT_VARIANT` at launch); a store the ``fold`` kernel cannot read (int2 with group
     32) runs ``split``.
     """
@@ -74,12 +74,17 @@ class LaunchConfig:
 
 # Launch configs measured best per format label ("bf16", "fp8", "int4-g64", ...): make_workspace
 # uses them when not given a config. The int formats read by the fold kernel (scales and zeros folded
-# into the operands) with the default geometry: on the H200 at the Llama-3.1-8B attention shape and
-# 16k it took 0.42-0.67x split's time for int4 (g32/64/128) and int2-g64 at batch 1, 16 and 32
-# (reports/h200-2026-12-03b/quant_attention.json); bf16 and fp8 stay on split (fold 1.00-1.03x).
-# The launch geometry itself (block_n, warps, stages) is not tuned yet (`quant_attention.py --tune`).
+# into the operands): on the H200 at the Llama-3.1-8B attention shape and 16k it took 0.42-0.67x
+# split's time for int4 (g32/64/128) and int2-g64 at batch 1, 16 and 32, with the default geometry
+# (reports/h200-2026-12-03b/quant_attention.json). fp8 and int4-g64 carry the winners of
+# `quant_attention.py --tune --tune-formats int4-g64 fp8` (reports/h200-2026-12-03e/kernels/tune.json,
+# best geometric mean over batch 1/16/32): 128 slots per block, 3 stages, 2 programs per SM; against
+# the default geometry int4-g64 0.66x/0.61x/0.81x the time at batch 1/16/32 and fp8 (now fold, was
+# split) 0.73x/0.74x/0.77x. The other int formats keep the default geometry (not tuned).
 TUNED_CONFIGS: dict[str, LaunchConfig] = {
-    **{f"int4-g{g}": LaunchConfig(variant="fold_asm") for g in (32, 64, 128)},
+    **{f"int4-g{g}": LaunchConfig(variant="fold_asm") for g in (32, 128)},
+    "int4-g64": LaunchConfig(block_n=128, num_warps=4, num_stages=3, programs_per_sm=2, variant="fold_asm"),
+    "fp8": LaunchConfig(block_n=128, num_warps=4, num_stages=3, programs_per_sm=2, variant="fold"),
     **{f"int2-g{g}": LaunchConfig(variant="fold") for g in (64, 128)},
 }
 

@@ -26,8 +26,12 @@
 #   quality-fp8       full vs fp8 on the needle task (checks the saturating fp8 cast on CUDA)
 #   anatomy           per-op anatomy of a decode step per method at 16k (torch.profiler)
 #   capacity-fast     capacity at 16k and 32k on the fast engine, prefilled in row groups (#14)
+#   expandable-b32    the full cache at batch 32, 16k, one-shot prefill on hf: with expandable
+#                     segments, then without (#14)
+#   kernels-tune      the fused kernels' launch-config grid for int4-g64 and fp8 (quant_attention.py
+#                     --tune --profile); the engines steps after it use its winners (#13)
 #   engines-b32       batch 32 at 16k on the fast engine: full, fp8, int4 (#13)
-#   engines-b16-profile  the fast step's kernels at batch 16 for full, fp8 and int4 (#13)
+#   engines-b16-profile  the fast step at batch 16 for full, fp8 and int4, 2 repeats, and its kernels (#13)
 #   engines-b1-fold   batch 1 on the fast engine with the fold kernels, and fast-vs-hf agreement (#12, #13)
 set -uo pipefail
 out=outputs/h200
@@ -159,18 +163,40 @@ step_capacity_fast() {
     --out "$out/capacity/capacity-fast-32k.json"
 }
 
+# Issue #14: "try expandable_segments for the full cache at batch 32" (2026-12-02: out of memory on hf).
+# The allocator reads PYTORCH_CUDA_ALLOC_CONF once, at CUDA init: one process per setting.
+step_expandable_b32() {
+  mkdir -p "$out/capacity"
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "$(( $(left) / 2 ))" python3 benchmarks/capacity.py \
+    --ctx 16384 --methods full --chunks none --fixed-batch 32 --out "$out/capacity/expandable-b32-hf.json"
+  timeout "$(( $(left) - 5 ))" python3 benchmarks/capacity.py \
+    --ctx 16384 --methods full --chunks none --fixed-batch 32 --out "$out/capacity/default-b32-hf.json"
+}
+
+# Issue #13: the launch geometry of the fused kernels (block, warps, stages, split density), never
+# tuned before; the engines steps below read its winners when the file exists.
+tuned=$out/kernels/tune.json
+step_kernels_tune() {
+  mkdir -p "$out/kernels"
+  timeout "$(left)" python3 benchmarks/quant_attention.py --tune --profile --tune-formats int4-g64 fp8 \
+    --skip correctness performance write --out "$tuned"
+}
+launch_configs() { [ -f "$tuned" ] && grep -q '"winners"' "$tuned" && echo --launch-configs "$tuned"; }
+
 # Issue #13: batch 32 at 16k on the fast engine (full, fp8, int4 stores; 4 sequences prefilled at a
 # time, so the batch fits), and batch 1 with the fold kernels plus the compiled step's teacher-forced
 # agreement with hf (issue #12's GPU check).
 step_engines_b32() {
   mkdir -p "$out/engines"
   timeout "$(left)" python3 benchmarks/engines.py --batch 32 --ctx 16384 --new-tokens 64 --repeats 2 --max-decoders 1 \
-    --methods full fp8 quanto4 --engines fast --compare-steps 0 --prefill-rows 4 --out "$out/engines/engines-b32-fast.json"
+    --methods full fp8 quanto4 --engines fast --compare-steps 0 --prefill-rows 4 $(launch_configs) \
+    --out "$out/engines/engines-b32-fast.json"
 }
 step_engines_b16_profile() {  # where the int4 and fp8 steps' time goes at batch 16 (#13's goal figures)
   mkdir -p "$out/engines"
-  timeout "$(left)" python3 benchmarks/engines.py --batch 16 --ctx 16384 --new-tokens 32 --repeats 1 --max-decoders 1 \
+  timeout "$(left)" python3 benchmarks/engines.py --batch 16 --ctx 16384 --new-tokens 64 --repeats 2 --max-decoders 1 \
     --methods full fp8 quanto4 --engines fast --compare-steps 0 --profile 4 --profile-methods full fp8 quanto4 \
+    $(launch_configs) \
     --out "$out/engines/engines-b16-profile.json"
 }
 step_engines_b1_fold() {
