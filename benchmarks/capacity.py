@@ -79,8 +79,9 @@ configs, since row groups make the chunk matter only for the intercept, which 16
 setup.sh ~30 s on a fresh machine; 16k: load ~25 s, fits 80 sequences (~70 s with decoder builds),
 full confirm ~40 s + its above (out of memory in the first group: a few s), SnapKV confirm ~50 s +
 above: ~190 s; 32k: load ~25 s, fits 20 sequences (~40 s), full confirm ~46 s, SnapKV ~55 s, aboves:
-~175 s; in all ~6.5 minutes. If prefill runs slower, the time budgets skip confirm runs (each says
-so) and ``timeout`` cuts the rest; the JSON holds every row measured. A whole-device SnapKV confirm
+~175 s; in all ~6.5 minutes (measured on a warm machine: 275 s, reports/h200-2026-12-03e call 5). If
+prefill runs slower, the time budgets skip confirm runs (each says so) and ``timeout`` cuts the rest;
+the JSON holds every row measured. A whole-device SnapKV confirm
 at 16k (~600 sequences) does not fit one call with its fit and above run; a call of its own with
 ``--methods snapkv10 --chunks 2048 --confirm-max-batch 400`` (~4.7 minutes of prefill) gets closer.
 
@@ -104,6 +105,7 @@ from pathlib import Path
 
 import torch
 
+from kvlab.energy import cuda_index
 from kvlab.engine.llama import STEP_COMPILE
 
 METHODS = {
@@ -166,8 +168,7 @@ def memory_cap(device: str, cap_bytes: float | None):
         yield
         return
     release(device)
-    index = torch.device(device).index  # the fraction wants an index: "cuda" alone is refused
-    index = torch.cuda.current_device() if index is None else index
+    index = cuda_index(device)  # the fraction refuses "cuda" without an index
     total = torch.cuda.get_device_properties(index).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), index)
     try:

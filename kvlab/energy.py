@@ -452,13 +452,20 @@ def norm_uuid(uuid: Any) -> str:
     return text
 
 
+def cuda_index(device) -> int:
+    """The index of a torch CUDA device (``"cuda"`` alone: the current one), for the calls that
+    refuse a device without one (``set_per_process_memory_fraction``)."""
+    import torch
+
+    dev = torch.device(device)
+    return dev.index if dev.index is not None else torch.cuda.current_device()
+
+
 def torch_device_uuid(device: str) -> str:
     """UUID of a torch CUDA device as NVML spells it (without the ``GPU-`` prefix)."""
     import torch
 
-    dev = torch.device(device)
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
-    return norm_uuid(torch.cuda.get_device_properties(index).uuid)
+    return norm_uuid(torch.cuda.get_device_properties(cuda_index(device)).uuid)
 
 
 def find_handle(nvml, uuid: str):
@@ -522,8 +529,7 @@ def torch_device_pci(device: str) -> str | None:
     """PCI bus id of a torch CUDA device in NVML's spelling (``00000000:19:00.0``), if torch has it."""
     import torch
 
-    dev = torch.device(device)
-    props = torch.cuda.get_device_properties(dev.index if dev.index is not None else torch.cuda.current_device())
+    props = torch.cuda.get_device_properties(cuda_index(device))
     try:
         return f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
     except AttributeError:

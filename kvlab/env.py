@@ -63,8 +63,9 @@ def torch_info(device: str | None = None) -> dict[str, Any]:
     info: dict[str, Any] = {"torch_cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available()}
     if torch.cuda.is_available():
         info["cudnn"] = torch.backends.cudnn.version()
-        dev = torch.device(device) if device and str(device).startswith("cuda") else torch.device("cuda")
-        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        from kvlab.energy import cuda_index
+
+        index = cuda_index(device if device and str(device).startswith("cuda") else "cuda")
         props = torch.cuda.get_device_properties(index)
         info.update(torch_device_name=props.name, torch_device_index=index,
                     torch_total_memory=int(props.total_memory))

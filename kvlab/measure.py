@@ -139,9 +139,13 @@ class StepClock:
             self.marks.append(self._now())
 
     def elapsed_ms(self, i: int, j: int) -> float:
-        """Milliseconds from mark ``i`` to mark ``j`` (CUDA marks: call after a synchronize)."""
+        """Milliseconds from mark ``i`` to mark ``j``. CUDA: waits for mark ``j`` first, which costs
+        nothing after a window's closing synchronize and is needed without one (a NullSampler)."""
         a, b = self.marks[i], self.marks[j]
-        return float(a.elapsed_time(b)) if self.cuda else (b - a) * 1000.0
+        if not self.cuda:
+            return (b - a) * 1000.0
+        b.synchronize()
+        return float(a.elapsed_time(b))
 
     def intervals_ms(self, start: int = 0) -> list[float]:
         return [self.elapsed_ms(k, k + 1) for k in range(start, len(self.marks) - 1)]
@@ -356,8 +360,6 @@ def measure_generation(
     if _token_count(tokens) != new_tokens:
         raise MeasureError(f"generated {_token_count(tokens)} tokens per sequence, expected exactly {new_tokens}")
 
-    if cuda:  # the marks' events must be complete: a NullSampler's window does not synchronize
-        torch.cuda.synchronize(device)
     itl = clock.intervals_ms(start=2)
     n_out = batch * new_tokens
     decode_s = res.t1 - t_decode

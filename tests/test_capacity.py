@@ -190,15 +190,10 @@ def test_compression_step_cost_reads_the_eviction_steps():
     assert compression_step_cost(itl[:10], 16)["extra_ms"] is None
 
 
-def test_a_confirm_above_the_cap_batch_runs_under_a_memory_cap_on_the_fast_engine(tmp_path, monkeypatch):
-    """Fast, 2 rows per group, a transient-free line (1 GB + 0.1 GB per sequence, all of it the
-    store): predicted 90 sequences in 10 GB, confirmed at 6 under a cap where the line predicts 6
-    (1.65 GB); the allocator (faked: it refuses peaks over the cap) lets 6 run and stops 7."""
-    import kvlab.measure as measure
-    from kvlab.measure import Measurement
-
-    module, out, caps = bench(), tmp_path / "c.json", []
-    cap_now = [None]
+def fake_memory_cap(monkeypatch, module):
+    """The benchmark's ``memory_cap`` replaced by one that records each cap; ``cap_now[0]`` is the cap
+    in force (None outside the block), for a fake allocator to refuse peaks above it."""
+    caps, cap_now = [], [None]
 
     @contextmanager
     def fake_cap(device, cap_bytes):
@@ -206,6 +201,28 @@ def test_a_confirm_above_the_cap_batch_runs_under_a_memory_cap_on_the_fast_engin
         cap_now[0] = cap_bytes
         yield
         cap_now[0] = None
+
+    monkeypatch.setattr(module, "memory_cap", fake_cap)
+    return caps, cap_now
+
+
+def run_capped_fast(module, out):
+    """SnapKV on the fast engine, 2 rows per group, predicted in 10 GB and confirmed at 6 under a cap."""
+    module.main(["--device", "cpu", "--model", "tiny-llama", "--ctx", "64", "--methods", "snapkv10", "--chunks", "32",
+                 "--engine", "fast", "--prefill-rows", "2", "--confirm", "snapkv10@32", "--confirm-max-batch", "6",
+                 "--memory-gb", "10", "--out", str(out)])
+    return json.loads(out.read_text())
+
+
+def test_a_confirm_above_the_cap_batch_runs_under_a_memory_cap_on_the_fast_engine(tmp_path, monkeypatch):
+    """Fast, 2 rows per group, a transient-free line (1 GB + 0.1 GB per sequence, all of it the
+    store): predicted 90 sequences in 10 GB, confirmed at 6 under a cap where the line predicts 6
+    (1.65 GB); the allocator (faked: it refuses peaks over the cap) lets 6 run and stops 7."""
+    import kvlab.measure as measure
+    from kvlab.measure import Measurement
+
+    module, out = bench(), tmp_path / "c.json"
+    caps, cap_now = fake_memory_cap(monkeypatch, module)
 
     def fake(loaded, policy, *, ctx, batch, new_tokens, engine=None, prefill_rows=None, **kw):
         assert engine is not None and engine.name == "fast" and prefill_rows == 2
@@ -217,12 +234,8 @@ def test_a_confirm_above_the_cap_batch_runs_under_a_memory_cap_on_the_fast_engin
                   "prefill_rows": prefill_rows if batch > prefill_rows else None}
         return Measurement(record=record, window=None)
 
-    monkeypatch.setattr(module, "memory_cap", fake_cap)
     monkeypatch.setattr(measure, "measure_generation", fake)
-    module.main(["--device", "cpu", "--model", "tiny-llama", "--ctx", "64", "--methods", "snapkv10", "--chunks", "32",
-                 "--engine", "fast", "--prefill-rows", "2", "--confirm", "snapkv10@32", "--confirm-max-batch", "6",
-                 "--memory-gb", "10", "--out", str(out)])
-    data = json.loads(out.read_text())
+    data = run_capped_fast(module, out)
     (fit,) = data["fits"]
     assert (fit["config"], fit["predicted_max_batch"]) == ("snapkv10@32 fast rows2", 90)
     assert fit["split"]["transient_bytes"] == pytest.approx(0.0, abs=1.0)
@@ -244,15 +257,8 @@ def test_the_cap_sits_on_the_reserved_line_where_the_allocator_holds_more_than_i
     import kvlab.measure as measure
     from kvlab.measure import Measurement
 
-    module, out, caps = bench(), tmp_path / "c.json", []
-    cap_now = [None]
-
-    @contextmanager
-    def fake_cap(device, cap_bytes):
-        caps.append(cap_bytes)
-        cap_now[0] = cap_bytes
-        yield
-        cap_now[0] = None
+    module, out = bench(), tmp_path / "c.json"
+    caps, cap_now = fake_memory_cap(monkeypatch, module)
 
     def fake(loaded, policy, *, ctx, batch, new_tokens, engine=None, prefill_rows=None, **kw):
         peak, reserved = 1e9 + 1e8 * batch, 1.3e9 + 1e8 * batch
@@ -263,12 +269,8 @@ def test_the_cap_sits_on_the_reserved_line_where_the_allocator_holds_more_than_i
                   "itl_median_ms": 1.0, "prefill_rows": prefill_rows if batch > prefill_rows else None}
         return Measurement(record=record, window=None)
 
-    monkeypatch.setattr(module, "memory_cap", fake_cap)
     monkeypatch.setattr(measure, "measure_generation", fake)
-    module.main(["--device", "cpu", "--model", "tiny-llama", "--ctx", "64", "--methods", "snapkv10", "--chunks", "32",
-                 "--engine", "fast", "--prefill-rows", "2", "--confirm", "snapkv10@32", "--confirm-max-batch", "6",
-                 "--memory-gb", "10", "--out", str(out)])
-    data = json.loads(out.read_text())
+    data = run_capped_fast(module, out)
     (fit,) = data["fits"]
     assert (fit["predicted_max_batch"], fit["predicted_max_batch_reserved"]) == (90, 87)
     assert fit["reserved_slope_bytes"] == pytest.approx(1e8)

@@ -28,6 +28,7 @@ from functools import cache
 
 import torch
 
+from kvlab.energy import cuda_index
 from kvlab.kernels.formats import BF16Format, FormatError, FP8Format, IntFormat, KVStore
 from kvlab.kernels.reference import check_decode_inputs, decode_attention_reference
 
@@ -134,8 +135,7 @@ def make_workspace(q_heads: int, k_store: KVStore, num_splits: int | None = None
     config = config or default_config(k_store)
     block = config.block_n
     if num_splits is None:
-        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
-            if device.type == "cuda" else 8
+        sms = _sm_count(cuda_index(device)) if device.type == "cuda" else 8
         num_splits, split_len = plan_splits(k_store.batch, k_store.kv_heads, k_store.capacity, sms, block,
                                             programs_per_sm=config.programs_per_sm)
     else:
