@@ -6,6 +6,8 @@ import argparse
 import importlib
 import sys
 
+from kvlab.errors import UserError
+
 # Exit statuses a script can branch on; STATUS_EXIT maps a sweep's (or quality pass's) status.
 EXIT_OK = 0
 EXIT_USAGE = 2  # argparse's own status for bad arguments
@@ -40,8 +42,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand; see the EXIT_* statuses. A user mistake is one ``kvlab CMD: error: ...``
     line with status 2 and nothing loaded; a traceback (status 1) is a bug in kvlab."""
-    from kvlab.errors import UserError
-
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
