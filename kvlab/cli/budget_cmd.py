@@ -4,6 +4,17 @@ from __future__ import annotations
 
 import json
 
+from kvlab.budget import (
+    DEFAULT_RESERVE_BYTES,
+    BudgetError,
+    budget_report,
+    check_bits,
+    check_positive,
+    context_problem,
+    get_gpu,
+)
+from kvlab.models import get_spec
+
 
 def register(sub) -> None:
     p = sub.add_parser("budget", help="KV-cache byte budget for a model, context and format")
@@ -27,16 +38,6 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from kvlab.budget import (
-        DEFAULT_RESERVE_BYTES,
-        BudgetError,
-        budget_report,
-        check_positive,
-        context_problem,
-        get_gpu,
-    )
-    from kvlab.models import get_spec
-
     if (args.ctx is None) == (args.ctx_dist is None):
         raise BudgetError("give --ctx N (one length) or --ctx-dist '{dist: lognormal, median: 4096, sigma: 0.6}'")
     check_positive("--batch", args.batch)
@@ -68,10 +69,10 @@ def run(args) -> int:
 
 
 def run_distribution(args, spec, gpu) -> int:
-    """``--ctx-dist``: the budget averaged over the distribution's lengths (kvlab.workload_budget)."""
+    """``--ctx-dist``: the budget averaged over the distribution's lengths (kvlab.workload_budget).
+    Its modules load here: kvlab.workload's pydantic would add about 0.15 s of imports to ``--ctx N``."""
     import yaml
 
-    from kvlab.budget import DEFAULT_RESERVE_BYTES, BudgetError, check_bits
     from kvlab.workload import parse_distribution
     from kvlab.workload_budget import distribution_budget, format_distribution
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 
+from kvlab.budget import kv_bytes_per_token, weight_bytes
+from kvlab.models import EMBEDDED_WEIGHTS, PRESETS, get_spec
+
 
 def register(sub) -> None:
     p = sub.add_parser("models", help="list model presets and their KV-cache bytes per token")
@@ -12,9 +15,6 @@ def register(sub) -> None:
 
 
 def rows() -> list[dict]:
-    from kvlab.budget import kv_bytes_per_token, weight_bytes
-    from kvlab.models import EMBEDDED_WEIGHTS, PRESETS, get_spec
-
     out = []
     for name in PRESETS:
         spec = get_spec(name)

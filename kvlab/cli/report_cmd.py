@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 from kvlab.errors import UserError
+from kvlab.preflight import check_out_dir
+from kvlab.records import RECORDS_FILE, read_records
+from kvlab.reporting.render import index_folder, render_report
 
 
 def register(sub) -> None:
@@ -23,10 +27,6 @@ def register(sub) -> None:
 def check_records_dir(folder: str | Path) -> Path:
     """A folder holding at least one readable record (a sweep folder or a folder of sweeps): an
     empty or unrelated folder is refused before a report of "0 runs" is written into it."""
-    import warnings
-
-    from kvlab.records import RECORDS_FILE, read_records
-
     path = Path(folder)
     if not path.is_dir():
         what = "is a file" if path.exists() else "does not exist"
@@ -43,8 +43,6 @@ def check_records_dir(folder: str | Path) -> Path:
 
 
 def check_args(args) -> None:
-    from kvlab.preflight import check_out_dir
-
     check_records_dir(args.dir)
     if args.out is not None:
         out = Path(args.out)
@@ -60,15 +58,10 @@ def check_args(args) -> None:
 
 
 def run(args) -> int:
-    from kvlab.report import ReportError, index_folder, render_report
-
     check_args(args)
     params = {k: v for k, v in (("ctx", args.ctx), ("baseline", args.baseline)) if v is not None}
-    try:
-        html = render_report(args.dir, out=args.out, notebook=args.notebook, index=not args.no_index,
-                             parameters=params, timeout=args.timeout)
-    except ReportError as err:
-        raise UserError(str(err)) from None
+    html = render_report(args.dir, out=args.out, notebook=args.notebook, index=not args.no_index,
+                         parameters=params, timeout=args.timeout)
     print(f"report: {html} ({html.stat().st_size / 1e6:.1f} MB, draws offline)")
     if not args.no_index:
         print(f"index:  {index_folder(html) / 'index.html'}")

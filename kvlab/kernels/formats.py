@@ -32,13 +32,14 @@ from typing import ClassVar
 
 import torch
 
+from kvlab.errors import UserError
 from kvlab.kernels import packing
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 GROUPS = (32, 64, 128)
 
 
-class FormatError(ValueError):
+class FormatError(UserError):
     """A KV format got shapes or parameters it cannot store; the message names the fix."""
 
 

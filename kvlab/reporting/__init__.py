@@ -5,6 +5,8 @@
 the notebooks and tests use.
 """
 
+from kvlab.errors import UserError
 
-class ReportError(ValueError):
+
+class ReportError(UserError):
     """A records folder or notebook the report cannot use; the message names the fix."""

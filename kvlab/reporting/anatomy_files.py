@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from kvlab.anatomy import category_table
+
 ANATOMY_HINT = ("no anatomy in this folder: save `kvlab anatomy --json ... > anatomy/anatomy_16k.json` "
                 "next to the sweeps")
 
@@ -57,8 +59,6 @@ def load_anatomy(folder: str | Path) -> pd.DataFrame:
 def anatomy_categories(table: pd.DataFrame) -> pd.DataFrame:
     """:func:`kvlab.anatomy.category_table` (ms per step by category, per method), or an empty
     frame when the folder has no anatomy."""
-    from kvlab.anatomy import category_table
-
     if table is None or table.empty or not {"label", "category", "ms", "wall_ms", "busy_ms"} <= set(table.columns):
         return pd.DataFrame()
     return category_table(table)

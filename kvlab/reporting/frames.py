@@ -10,6 +10,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from kvlab.params import method_axis
+
 GB = 1e9
 DEFAULT_CTX = 16384
 
@@ -121,7 +123,6 @@ def method_label(method: Any, keep: Any = None, bits: Any = None, quant: Any = N
     """The label kvlab.policies gives a method ("snapkv 10%", "quanto int4", "fp8") for a run that
     failed before its policy existed: the policy is rebuilt from the record's identity fields and
     asked, so the report never spells labels itself. An unknown method keeps its name."""
-    from kvlab.params import method_axis
     from kvlab.policies import make_policy
 
     method, keep, bits = str(method), _plain(keep), _plain(bits)
@@ -192,7 +193,8 @@ def all_perf_records(records: pd.DataFrame) -> pd.DataFrame:
     return with_derived(df)
 
 
-def _ok(df: pd.DataFrame) -> pd.Series:
+def ok_mask(df: pd.DataFrame) -> pd.Series:
+    """True for runs recorded ok (every row where the records carry no ``status``)."""
     return df["status"] == "ok" if "status" in df.columns else pd.Series(True, index=df.index)
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvlab.params import SweepParams, parse_params
 from kvlab.reporting import ReportError
 
 
@@ -108,8 +109,6 @@ def notebook_sweep_params(params_file: str | Path | None = None, namespace: dict
     sentence is printed. Validated by kvlab.params (a scalar ``ctx`` becomes a one-element list).
     """
     import yaml
-
-    from kvlab.params import SweepParams, parse_params
 
     merged = {k: v for k, v in (namespace or {}).items() if k in SweepParams.model_fields}
     merged.update(values)

@@ -24,7 +24,8 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _unique(records: pd.DataFrame, col: str) -> str | None:
+def distinct_values(records: pd.DataFrame, col: str) -> str | None:
+    """A column's distinct values in first-seen order, joined by ", "; None when it has none."""
     if col not in records.columns:
         return None
     def text(v: Any) -> str:  # 2, not 2.0: whole numbers turn float next to rows that lack them
@@ -69,14 +70,14 @@ def provenance(manifest: dict, records: pd.DataFrame, full: bool = False) -> pd.
     environment); ``full`` lists every entry.
     """
     rows: list[tuple[str, Any]] = []
-    weights = _unique(records, "weights")
+    weights = distinct_values(records, "weights")
     if weights and "synthetic" in weights:
         weights = f"{weights} ({SYNTHETIC_NOTE})"
     rows.append(("weights", weights or "unknown (no weights column in records)"))
     for col, name in (("model", "model"), ("device", "device"), ("gpu_name", "GPU"), ("dtype", "dtype"),
                       ("attn_implementation", "attention"), ("sdpa_backend", "SDPA backend"),
                       ("energy_source", "energy source"), ("sweep", "sweep")):
-        v = _unique(records, col)
+        v = distinct_values(records, col)
         if v is not None:
             rows.append((name, v))
     if "status" in records.columns:

@@ -56,10 +56,10 @@ def method_summary(records: pd.DataFrame, metrics: Sequence[str], by: Sequence[s
         rows.append(row)
     cols = by + ["n"] + (["n_contended"] if busy is not None else []) + [
         f"{m}{s}" for m in metrics for s in ("", "_lo", "_hi")]
-    return _ordered(pd.DataFrame(rows, columns=cols))
+    return reading_order(pd.DataFrame(rows, columns=cols))
 
 
-def _ordered(df: pd.DataFrame) -> pd.DataFrame:
+def reading_order(df: pd.DataFrame) -> pd.DataFrame:
     """Rows in reading order: the full cache first, then labels alphabetically, then ctx, batch."""
     keys = [c for c in ("model", "task") if c in df.columns]
     if "label" in df.columns:

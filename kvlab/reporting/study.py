@@ -11,6 +11,7 @@ from typing import Any
 
 import pandas as pd
 
+from kvlab.records import load_records
 from kvlab.reporting import ReportError
 from kvlab.reporting.anatomy_files import load_anatomy
 from kvlab.reporting.frames import (
@@ -21,7 +22,7 @@ from kvlab.reporting.frames import (
     perf_records,
     quality_records,
 )
-from kvlab.reporting.provenance import _unique, provenance, provenance_by_sweep
+from kvlab.reporting.provenance import distinct_values, provenance, provenance_by_sweep
 
 
 @dataclass
@@ -77,8 +78,6 @@ def _sweep_dir(record_folder: Any, root: Path, names: Sequence[str]) -> str | No
 def load_study(folder: str | Path) -> Study:
     """Records (via kvlab.records.load_records), manifest(s) and anatomy tables of a sweep folder or
     of a folder of sweeps (subfolders with their own manifest.json, e.g. one GPU campaign)."""
-    from kvlab.records import load_records
-
     folder = Path(folder)
     if not folder.is_dir():
         raise ReportError(f"records folder {folder} does not exist: run `kvlab sweep PARAMS.yaml -o {folder}`")
@@ -106,7 +105,7 @@ def summary_markdown(study: Study) -> str:
                      f"`kvlab.hostload.contention`); they are left out of *where compression pays*")
     for col, name in (("model", "model"), ("device", "device"), ("gpu_name", "GPU"), ("dtype", "dtype"),
                       ("threads", "torch threads"), ("energy_source", "energy source")):
-        v = _unique(rec, col)
+        v = distinct_values(rec, col)
         if v:
             lines.append(f"**{name}:** {v}")
     note = memory_note(perf)
@@ -116,7 +115,7 @@ def summary_markdown(study: Study) -> str:
         counts = rec["sweep_dir"].value_counts() if "sweep_dir" in rec.columns else pd.Series(dtype=int)
         lines.append("**sweeps:** " + ", ".join(f"`{name}` ({int(counts.get(name, 0))} records)"
                                                   for name in study.manifests))
-    weights = _unique(rec, "weights") or "unknown"
+    weights = distinct_values(rec, "weights") or "unknown"
     lines.append(f"**weights: {weights}**")
     if study.synthetic:
         lines.append(f"> weights: synthetic ({SYNTHETIC_NOTE}).")

@@ -12,14 +12,14 @@ import pandas as pd
 from kvlab.metrics import bootstrap_ci
 from kvlab.reporting.frames import (
     DEFAULT_CTX,
-    _ok,
     all_perf_records,
     contended_mask,
+    ok_mask,
     perf_records,
     pick_ctx,
     smallest_batch,
 )
-from kvlab.reporting.stats import _ordered, format_ci, method_summary, ratio_ci
+from kvlab.reporting.stats import format_ci, method_summary, ratio_ci, reading_order
 from kvlab.reporting.text import ci_text, fmt_ctx
 
 STUDY_METRICS = {
@@ -63,7 +63,7 @@ def relative_to_baseline(records: pd.DataFrame, metric: str = "j_per_token", bas
             r, lo, hi = ratio_ci(pd.to_numeric(g[metric], errors="coerce"), base, n_boot, level, seed)
             rows.append({"label": label, **dict(zip(within, keys, strict=True)), "ratio": r,
                          "ratio_lo": lo, "ratio_hi": hi, "change_pct": (r - 1) * 100})
-    return _ordered(pd.DataFrame(rows, columns=cols))
+    return reading_order(pd.DataFrame(rows, columns=cols))
 
 
 def headline(rel: pd.DataFrame, metric_title: str = "J/token", baseline: str = "full") -> list[str]:
@@ -217,7 +217,7 @@ def batch_summary(records: pd.DataFrame, ctx: int | None = None, metrics: Sequen
     at = perf[perf["ctx"] == chosen]
     scaled = at.groupby("label")["batch"].nunique()
     at = at[at["label"].isin(scaled[scaled > 1].index)]
-    ok = _ok(at)
+    ok = ok_mask(at)
     summary = method_summary(at[ok], metrics, by=["label", "batch"], **boot)
     summary["status"] = "ok"
     fails = {key: failure_text(g["error"] if "error" in g.columns else [])
@@ -237,7 +237,7 @@ def batch_summary(records: pd.DataFrame, ctx: int | None = None, metrics: Sequen
         per_batch = at.groupby("batch")["new_tokens"].agg(lambda v: "/".join(map(str, sorted(set(v.dropna())))))
         caption += ("; new tokens per sequence differ (" + ", ".join(f"batch {b}: {t}" for b, t in per_batch.items())
                     + "): J/token includes the prefill, so compare decode J/token across batches")
-    return _ordered(summary), chosen, caption
+    return reading_order(summary), chosen, caption
 
 
 def rows_or_say(table: pd.DataFrame, sentence: str) -> pd.DataFrame | None:
@@ -319,18 +319,18 @@ def compression_pays(records: pd.DataFrame, baseline: str = "full", metrics: Seq
     rows = []
     for keys, cell in perf.groupby(within, sort=True):
         where = dict(zip(within, keys if isinstance(keys, tuple) else (keys,), strict=True))
-        ok = _ok(cell)
+        ok = ok_mask(cell)
         busy = contended_mask(cell)
         is_base = cell["method"] == baseline
         base = cell[is_base & ok & ~busy]
         base_failed = cell[is_base & ~ok]
         for label, g in cell[~is_base].groupby("label", sort=False):
-            g_ok = g[_ok(g) & ~busy[g.index]]
-            n_busy = int((busy[g.index] & _ok(g)).sum() + (busy & is_base & ok).sum())
+            g_ok = g[ok_mask(g) & ~busy[g.index]]
+            n_busy = int((busy[g.index] & ok_mask(g)).sum() + (busy & is_base & ok).sum())
             row: dict[str, Any] = {"label": label, **where, "n": len(g_ok), "n_base": len(base),
                                    "n_contended": n_busy}
             row.update(dict.fromkeys(ratio_cols, math.nan))
-            if g_ok.empty and n_busy and _ok(g).any():
+            if g_ok.empty and n_busy and ok_mask(g).any():
                 row["verdict"] = "every run contended (other processes took the CPU): left out"
             elif g_ok.empty:
                 row["verdict"] = failure_text(g["error"] if "error" in g.columns else [])
@@ -349,7 +349,7 @@ def compression_pays(records: pd.DataFrame, baseline: str = "full", metrics: Seq
                                               row.get("j_per_token_ratio_lo", math.nan),
                                               row.get("j_per_token_ratio_hi", math.nan))
             rows.append(row)
-    return _ordered(pd.DataFrame(rows, columns=cols))
+    return reading_order(pd.DataFrame(rows, columns=cols))
 
 
 def pays_table(pays: pd.DataFrame, metrics: dict[str, str] | None = None) -> pd.DataFrame:

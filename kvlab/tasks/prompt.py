@@ -17,6 +17,7 @@ from functools import lru_cache
 from typing import Any
 
 from kvlab.errors import UserError
+from kvlab.metrics import score_prediction
 
 _MARK = "\u2063KVLAB_USER_CONTENT\u2063"
 
@@ -117,8 +118,6 @@ class TaskItem:
 
     def score(self, prediction: str) -> float:
         """The task's metric for one prediction, in [0, 1]."""
-        from kvlab.metrics import score_prediction
-
         if self.first_line_only:
             prediction = prediction.lstrip("\n").split("\n")[0]
         return score_prediction(self.metric, prediction, list(self.references), **self.metric_kwargs)
