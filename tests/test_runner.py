@@ -16,7 +16,7 @@ from kvlab.energy import NvmlSampler, make_sampler, visible_device_uuid
 from kvlab.params import ParamsError, check_params, parse_params
 from kvlab.records import read_jsonl, read_manifest
 from kvlab.runner import make_executor
-from kvlab.runner.drive import _InFlight, charged_runs, shape_groups
+from kvlab.runner.drive import InFlightGroup, charged_runs, shape_groups
 from kvlab.runner.process import exit_cause
 from kvlab.sweep import plan, run_sweep
 
@@ -82,7 +82,7 @@ def test_a_dead_worker_is_charged_for_what_it_was_doing():
     p = small(ctx=[32])
     runs = plan(p)
     assert [len(g) for g in shape_groups(plan(small()))] == [4, 4]
-    group = _InFlight(runs, recorded={runs[0].run_id})
+    group = InFlightGroup(runs, recorded={runs[0].run_id})
     group.stage = ("run", runs[1].run_id)
     failed, rest, doing = charged_runs(group)
     assert failed == [runs[1]] and rest == runs[2:] and "measured run" in doing

@@ -121,8 +121,8 @@ def method_label(method: Any, keep: Any = None, bits: Any = None, quant: Any = N
     """The label kvlab.policies gives a method ("snapkv 10%", "quanto int4", "fp8") for a run that
     failed before its policy existed: the policy is rebuilt from the record's identity fields and
     asked, so the report never spells labels itself. An unknown method keeps its name."""
-    from kvlab.params import method_axis
     from kvlab.policies import make_policy
+    from kvlab.sweep.params import method_axis
 
     method, keep, bits = str(method), _plain(keep), _plain(bits)
     kwargs: dict[str, Any] = {}

@@ -109,7 +109,7 @@ def notebook_sweep_params(params_file: str | Path | None = None, namespace: dict
     """
     import yaml
 
-    from kvlab.params import SweepParams, parse_params
+    from kvlab.sweep.params import SweepParams, parse_params
 
     merged = {k: v for k, v in (namespace or {}).items() if k in SweepParams.model_fields}
     merged.update(values)

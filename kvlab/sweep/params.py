@@ -10,7 +10,9 @@ scalar, so ``papermill -p ctx 16384`` and ``kvlab sweep ... --set ctx=16384`` wo
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import importlib.util
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,8 +21,14 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
+from kvlab.budget import context_problem
 from kvlab.errors import UserError
-from kvlab.workload import CtxDistribution
+from kvlab.models import ModelError, get_spec
+from kvlab.preflight import compressions, device_problem, read_text_file, shape_problems, weights_problem
+from kvlab.quality import TaskSpec
+from kvlab.records import canonical_json
+from kvlab.weights_quant import weights_quant_problems
+from kvlab.workload import CtxDistribution, WorkloadError, context_points, parse_distribution
 
 SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
 DTYPES = ("bfloat16", "float16", "float32")
@@ -107,7 +115,7 @@ class SweepParams(BaseModel):
                               "(optimum-quanto; engine hf only; kvlab.weights_quant)")
     budget_gb: float | Literal["gpu"] | None = Field(
         None, description="memory-budgeted concurrency: admit as many sequences per method as fit in "
-                          "this many GB (or the whole free GPU) from the measured peaks (kvlab.admission)")
+                          "this many GB (or the whole free GPU) from the measured peaks (kvlab.sweep.admission)")
     budget_max_batch: int | None = Field(
         None, ge=1, description="with budget_gb: admit at most this many sequences (a command's time limit)")
     quality: dict[str, Any] | None = Field(
@@ -121,8 +129,6 @@ class SweepParams(BaseModel):
     @classmethod
     def _ctx(cls, value):
         """A mapping is a distribution (its own one-line errors); anything else a list of lengths."""
-        from kvlab.workload import WorkloadError, parse_distribution
-
         if isinstance(value, dict):
             try:
                 return parse_distribution(value, key=None)
@@ -190,17 +196,13 @@ class MethodVariant:
         return quant.get("nbits") if isinstance(quant, dict) else None
 
     def key(self) -> tuple:
-        from kvlab.records import canonical_json
-
         return (self.method, canonical_json(self.kwargs))
 
 
 def method_axis(method: str) -> str | None:
     """``"keep"`` for methods with a ``keep`` parameter (eviction), ``"bits"`` for those with
     ``nbits`` (quantized), None for the rest (``full``, ``fp8``); read from the policy registry."""
-    import dataclasses
-
-    from kvlab.policies import POLICIES
+    from kvlab.policies import POLICIES  # torch: a params file is read and parsed without it
 
     cls = POLICIES.get(method)
     if cls is None:  # check_params reports the unknown method
@@ -312,8 +314,6 @@ def apply_overrides(data: dict[str, Any], sets: Iterable[str]) -> dict[str, Any]
 
 def load_params(path: str | Path, sets: Iterable[str] = ()) -> SweepParams:
     """Read a params YAML, apply ``--set`` overrides and validate types (not yet against models)."""
-    from kvlab.preflight import read_text_file
-
     path = Path(path)
     if not path.is_file():  # its own words: a missing params file is the commonest first mistake
         raise ParamsError(f"params file {path} not found: pass a YAML file such as params/smoke.yaml")
@@ -327,6 +327,23 @@ def load_params(path: str | Path, sets: Iterable[str] = ()) -> SweepParams:
     data = apply_overrides(data, sets)
     data.setdefault("name", path.stem)
     return parse_params(data)
+
+
+def budget_problems(params: SweepParams) -> list[str]:
+    """Why a sweep's ``budget_gb`` (:mod:`kvlab.sweep.admission`) cannot run (one line each)."""
+    budget = params.budget_gb
+    if budget is None:
+        return [] if params.budget_max_batch is None else [
+            "budget_max_batch: only used with budget_gb; add budget_gb: 40 (or gpu), or drop it"]
+    problems = []
+    if budget == "gpu" and not str(params.device).startswith("cuda"):
+        problems.append("budget_gb: gpu needs device: cuda; on a CPU give a number of GB")
+    if budget != "gpu" and not budget > 0:
+        problems.append(f"budget_gb: {budget} must be positive (GB), or gpu for the whole free GPU")
+    if 1 not in params.batch or len(set(params.batch)) < 2:
+        problems.append(f"batch: {params.batch} with budget_gb: list 1 (the single-stream view) and at least one "
+                        f"more batch to fit the peak per sequence, e.g. batch: [1, 2]")
+    return problems
 
 
 def prefill_rows_problems(params: SweepParams) -> list[str]:
@@ -350,10 +367,7 @@ def check_params(params: SweepParams, check_device: bool = True) -> list[tuple[i
 
     Raises one :class:`ParamsError` listing every problem.
     """
-    from kvlab.budget import context_problem
-    from kvlab.models import ModelError, get_spec
-    from kvlab.preflight import compressions, device_problem, shape_problems, weights_problem
-    from kvlab.workload import context_points
+    from kvlab.policies import make_policy  # torch: a params file is read and parsed without it
 
     problems: list[str] = []
     # device and dtype
@@ -365,8 +379,6 @@ def check_params(params: SweepParams, check_device: bool = True) -> list[tuple[i
         problems.append(f"dtype: {params.dtype!r} is not one of {', '.join(DTYPES)}")
     dev = params.device
     if params.executor == "ray":
-        import importlib.util
-
         if importlib.util.find_spec("ray") is None:
             problems.append("executor: ray needs the ray package; install it with pip install 'kvlab[ray]'")
         if dev.startswith("cuda:") and dev != "cuda:0":
@@ -378,16 +390,11 @@ def check_params(params: SweepParams, check_device: bool = True) -> list[tuple[i
         problems.append(f"sdpa_backend: {params.sdpa_backend!r} only applies with attn_implementation: sdpa")
     if not params.methods:
         problems.append("methods: empty; list at least one method, e.g. [full]")
-    from kvlab.admission import budget_problems
-    from kvlab.weights_quant import weights_quant_problems
-
     problems += weights_quant_problems(params.weights_quant, params.engine)
     problems += budget_problems(params)
     problems += prefill_rows_problems(params)
 
     # models, weights, context limits and memory (for the most compressed method that builds)
-    from kvlab.policies import make_policy
-
     built = []
     for _, v in method_variants(params):
         try:
@@ -407,7 +414,7 @@ def check_params(params: SweepParams, check_device: bool = True) -> list[tuple[i
         if problem:
             problems.append(problem)
         if "fast" in params.engine:
-            from kvlab.engine.llama import check_model_type
+            from kvlab.engine.llama import check_model_type  # torch
 
             try:
                 check_model_type(spec.model_type)
@@ -426,8 +433,6 @@ def check_params(params: SweepParams, check_device: bool = True) -> list[tuple[i
 
     # the quality pass: its own keys
     if params.quality is not None:
-        from kvlab.quality import TaskSpec
-
         try:
             task_spec = TaskSpec(**params.quality)
         except ValidationError as err:
