@@ -13,12 +13,13 @@ from sweep_workers import cpu_loader, crashing_loader, fake_gpu_sampler
 
 from kvlab.cli import main
 from kvlab.energy import NvmlSampler, make_sampler, visible_device_uuid
-from kvlab.params import ParamsError, check_params, parse_params
 from kvlab.records import read_jsonl, read_manifest
 from kvlab.runner import make_executor
 from kvlab.runner.drive import InFlightGroup, charged_runs, shape_groups
 from kvlab.runner.process import exit_cause
-from kvlab.sweep import plan, run_sweep
+from kvlab.sweep.driver import run_sweep
+from kvlab.sweep.params import ParamsError, check_params, parse_params
+from kvlab.sweep.plan import planned_runs
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -80,8 +81,8 @@ def test_cuda_visible_devices_resolves_to_the_given_gpu_never_gpu_0(monkeypatch)
 
 def test_a_dead_worker_is_charged_for_what_it_was_doing():
     p = small(ctx=[32])
-    runs = plan(p)
-    assert [len(g) for g in shape_groups(plan(small()))] == [4, 4]
+    runs = planned_runs(p)
+    assert [len(g) for g in shape_groups(planned_runs(small()))] == [4, 4]
     group = InFlightGroup(runs, recorded={runs[0].run_id})
     group.stage = ("run", runs[1].run_id)
     failed, rest, doing = charged_runs(group)
