@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvlab import models
 from kvlab.energy import make_sampler
-from kvlab.models import load_model
 from kvlab.runner.sink import ForwardingSink
 from kvlab.sweep.group import run_group
 from kvlab.sweep.params import SweepParams
@@ -78,7 +78,7 @@ def run_job(job: GroupJob, send: Callable[[tuple], None], executor: str) -> None
     sampler = factory(params.device, interval_s=params.energy_interval_ms / 1000.0)
     try:
         sink.worker(worker_info(params.device, sampler, executor))
-        run_group(params, job.runs, sink, budget, loader=job.loader or load_model, sampler=sampler,
+        run_group(params, job.runs, sink, budget, loader=job.loader or models.load_model, sampler=sampler,
                   sweep_name=job.sweep_name)
     finally:
         sampler.close()

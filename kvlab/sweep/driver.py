@@ -28,10 +28,9 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from kvlab import env
+from kvlab import env, models
 from kvlab.energy import make_sampler
 from kvlab.hostload import cpu_threads
-from kvlab.models import load_model
 from kvlab.policies import make_policy
 from kvlab.quality import TaskSpec, quality_notes, run_quality
 from kvlab.records import (
@@ -133,7 +132,7 @@ def run_sweep(
     replaces the params' grid (kvlab.sweep.admission adds at-budget runs to it). ``log`` defaults to
     ``tqdm.write``: a line printed under a live progress bar, not into it."""
     log = log or tqdm.write
-    loader = loader or load_model
+    loader = loader or models.load_model  # looked up per call: tests refuse any load
     sampler_factory = sampler_factory or make_sampler
     variants = check_params(params, check_device=check_device)  # raises before any model loads
     threads = pinned_threads(params)

@@ -24,8 +24,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from kvlab import measure
 from kvlab.columns import model_columns, policy_columns
-from kvlab.measure import measure_generation
 from kvlab.policies import make_policy
 from kvlab.records import utc_now
 from kvlab.sweep.params import MethodVariant, SweepParams
@@ -169,7 +169,7 @@ def _open_model(params, model_name, loader, sampler, model_runs, sink, sweep_nam
 
 
 def _measure(session: ModelSession, run: RunSpec, policy, probe: bool):
-    return measure_generation(
+    return measure.measure_generation(  # looked up per call: tests stand in for it
         session.loaded, policy, ctx=run.ctx, batch=run.batch, new_tokens=run.new_tokens,
         prompt_id=run.prompt_id, seed=run.seed, sampler=session.sampler, sdpa_backend=run.sdpa_backend,
         idle_w=session.idle_w, probe=probe, engine=session.engine(run.engine), prefill_rows=run.prefill_rows,
