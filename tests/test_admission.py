@@ -9,7 +9,8 @@ from kvlab.capacity import fit_peaks
 from kvlab.records import load_records
 from kvlab.reporting.admission import budget_lines, budget_summary, budget_table
 from kvlab.sweep.admission import ADMISSION_FILE, admission_plan, admit, at_budget, run_budgeted
-from kvlab.sweep.params import ParamsError, budget_problems, check_params, parse_params
+from kvlab.sweep.checks import budget_problems, check_params
+from kvlab.sweep.params import ParamsError, parse_params
 from kvlab.sweep.plan import expand
 
 GB = 1e9

@@ -192,8 +192,9 @@ def test_records_and_labels_name_the_chunk_only_when_chunked():
 
 def test_prefill_chunk_is_a_sweep_axis_recorded_per_run(tmp_path):
     from kvlab.records import load_records
+    from kvlab.sweep.checks import check_params
     from kvlab.sweep.driver import run_sweep
-    from kvlab.sweep.params import check_params, parse_params
+    from kvlab.sweep.params import parse_params
     from kvlab.sweep.plan import expand, planned_runs
 
     params = parse_params({"models": "tiny-llama", "weights": "synthetic", "device": "cpu", "threads": 1,

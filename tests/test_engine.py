@@ -188,8 +188,9 @@ def test_fast_anatomy_puts_the_step_into_categories(tiny):
 def test_a_sweep_over_both_engines_keeps_the_hf_run_ids(tmp_path):
     """``engine`` is a sweep axis; hf runs keep the ids they had before engines existed."""
     from kvlab.records import read_jsonl
+    from kvlab.sweep.checks import check_params
     from kvlab.sweep.driver import run_sweep
-    from kvlab.sweep.params import ParamsError, check_params, parse_params
+    from kvlab.sweep.params import ParamsError, parse_params
     from kvlab.sweep.plan import expand
 
     base = {"models": "tiny-llama", "weights": "synthetic", "device": "cpu", "methods": ["full", "snapkv"],

@@ -11,7 +11,8 @@ from synthetic_gpus import METHODS, UUIDS, fake_sweep, write_sweep_folder
 
 from kvlab.analysis.multigpu import main, report
 from kvlab.runner.drive import shape_groups
-from kvlab.sweep.params import check_params, load_params
+from kvlab.sweep.checks import check_params
+from kvlab.sweep.params import load_params
 from kvlab.sweep.plan import expand
 
 REPO = Path(__file__).resolve().parent.parent

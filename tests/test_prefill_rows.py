@@ -14,7 +14,8 @@ from kvlab.engine.kvstore import DenseStore, Layout, QuantizedStore
 from kvlab.kernels import make_format, quantize_write
 from kvlab.measure import measure_generation
 from kvlab.policies import POLICIES, PolicyError, make_policy
-from kvlab.sweep.params import ParamsError, check_params, parse_params
+from kvlab.sweep.checks import check_params
+from kvlab.sweep.params import ParamsError, parse_params
 from kvlab.sweep.plan import expand
 
 N = 64

@@ -17,8 +17,9 @@ from kvlab.records import read_jsonl, read_manifest
 from kvlab.runner import make_executor
 from kvlab.runner.drive import InFlightGroup, charged_runs, shape_groups
 from kvlab.runner.process import exit_cause
+from kvlab.sweep.checks import check_params
 from kvlab.sweep.driver import run_sweep
-from kvlab.sweep.params import ParamsError, check_params, parse_params
+from kvlab.sweep.params import ParamsError, parse_params
 from kvlab.sweep.plan import planned_runs
 
 REPO = Path(__file__).resolve().parent.parent

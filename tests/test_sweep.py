@@ -15,9 +15,10 @@ import yaml
 
 from kvlab.cli import main
 from kvlab.records import load_records, read_jsonl, read_manifest
+from kvlab.sweep.checks import check_params
 from kvlab.sweep.driver import run_sweep
 from kvlab.sweep.lock import SweepLock, SweepLocked
-from kvlab.sweep.params import ParamsError, check_params, load_params, method_variants, parse_params
+from kvlab.sweep.params import ParamsError, load_params, method_variants, parse_params
 from kvlab.sweep.plan import block_order, expand, planned_runs
 
 REPO = Path(__file__).resolve().parent.parent

@@ -8,8 +8,9 @@ import torch
 
 from kvlab.models import load_model
 from kvlab.records import load_records
+from kvlab.sweep.checks import check_params
 from kvlab.sweep.driver import run_sweep
-from kvlab.sweep.params import ParamsError, check_params, parse_params
+from kvlab.sweep.params import ParamsError, parse_params
 from kvlab.sweep.plan import expand
 from kvlab.weights_quant import quantize_weights, quantized_linears, weights_label
 

@@ -9,8 +9,9 @@ from kvlab.cli import main
 from kvlab.models import get_spec
 from kvlab.records import load_records
 from kvlab.reporting.workload import distribution_lines, distribution_summary, distribution_table
+from kvlab.sweep.checks import check_params
 from kvlab.sweep.driver import run_sweep
-from kvlab.sweep.params import ParamsError, check_params, parse_params
+from kvlab.sweep.params import ParamsError, parse_params
 from kvlab.sweep.plan import expand
 from kvlab.workload import WorkloadError, context_points, observed_lengths, parse_distribution
 from kvlab.workload_budget import distribution_budget

@@ -33,8 +33,9 @@ from typing import Any
 
 from kvlab.capacity import fit_peaks
 from kvlab.records import RECORDS_FILE, canonical_json, read_records
+from kvlab.sweep.checks import check_params
 from kvlab.sweep.driver import SweepSummary, run_sweep
-from kvlab.sweep.params import SweepParams, check_params
+from kvlab.sweep.params import SweepParams
 from kvlab.sweep.plan import RunSpec, expand
 
 ADMISSION_FILE = "admission.json"

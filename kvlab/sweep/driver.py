@@ -46,9 +46,10 @@ from kvlab.records import (
 )
 from kvlab.runner import make_executor
 from kvlab.runner.sink import DriverSink
+from kvlab.sweep.checks import check_params
 from kvlab.sweep.group import release_memory
 from kvlab.sweep.lock import SweepLock
-from kvlab.sweep.params import SweepParams, check_params
+from kvlab.sweep.params import SweepParams
 from kvlab.sweep.plan import (
     Budget,
     RunSpec,

@@ -18,7 +18,8 @@ from typing import Any
 
 from kvlab.engine import prefill_rows
 from kvlab.records import make_run_id, recorded_run_ids, utc_now
-from kvlab.sweep.params import MethodVariant, SweepParams, check_params
+from kvlab.sweep.checks import check_params
+from kvlab.sweep.params import MethodVariant, SweepParams
 from kvlab.workload import workload_points
 
 MAX_ERROR_CHARS = 2000  # a record's ``error`` (the traceback goes to errors.log)
