@@ -43,6 +43,8 @@ def shape_groups(runs: list[RunSpec]) -> list[list[RunSpec]]:
 
 @dataclass
 class InFlightGroup:
+    """A group on a worker: its runs, those recorded so far, and the step (``begin``) it is in."""
+
     runs: list[RunSpec]
     recorded: set[str] = field(default_factory=set)
     stage: tuple[str, str | None] | None = None
