@@ -20,7 +20,7 @@ from kvlab.runner.process import exit_cause
 from kvlab.sweep.checks import check_params
 from kvlab.sweep.driver import run_sweep
 from kvlab.sweep.params import ParamsError, parse_params
-from kvlab.sweep.plan import planned_runs
+from kvlab.sweep.plan import FAILED_ENERGY_SOURCE, MAX_ERROR_CHARS, failure_record, planned_runs
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -97,6 +97,14 @@ def test_a_dead_worker_is_charged_for_what_it_was_doing():
     assert charged_runs(group)[0] == runs[1:]
     assert "SIGKILL" in exit_cause(-signal.SIGKILL) and "out-of-memory" in exit_cause(-9)
     assert "status 3" in exit_cause(3)
+
+
+def test_a_failure_record_keeps_the_identity_and_at_most_max_error_chars_of_its_cause():
+    run = planned_runs(small(ctx=[32]))[0]
+    rec = failure_record(run, "s", "worker died during model load: " + "x" * 5000)
+    assert rec["run_id"] == run.run_id and rec["status"] == "failed" and rec["energy_source"] == FAILED_ENERGY_SOURCE
+    assert len(rec["error"]) == MAX_ERROR_CHARS and rec["error"].startswith("worker died during model load")
+    assert failure_record(run, "s", "short")["error"] == "short"
 
 
 def test_executor_keys_are_validated_and_the_ray_extra_is_named(monkeypatch, capsys, tmp_path):
