@@ -4,7 +4,7 @@ Why: a model load takes seconds to minutes, and a run that cannot fit (a context
 window, a batch whose KV cache exceeds the device's memory, a CUDA device torch cannot see) should
 fail in the first second with one line that names the key and the fix, not after the load with a
 traceback, or be recorded as a failed run. The ``*_problem`` functions return that line (or None)
-so that ``kvlab.params.check_params`` can gather all of a params file's problems at once; the CLIs
+so that ``kvlab.sweep.checks.check_params`` can gather all of a params file's problems at once; the CLIs
 raise the first with :func:`require`. The byte counts come from :mod:`kvlab.budget`.
 """
 

@@ -5,19 +5,13 @@ import json
 import pytest
 
 import kvlab.measure
-from kvlab.admission import (
-    ADMISSION_FILE,
-    admission_plan,
-    admit,
-    at_budget,
-    budget_problems,
-    run_budgeted,
-)
 from kvlab.capacity import fit_peaks
-from kvlab.params import ParamsError, check_params, parse_params
 from kvlab.records import load_records
 from kvlab.reporting.admission import budget_lines, budget_summary, budget_table
-from kvlab.sweep import expand
+from kvlab.sweep.admission import ADMISSION_FILE, admission_plan, admit, at_budget, run_budgeted
+from kvlab.sweep.checks import budget_problems, check_params
+from kvlab.sweep.params import ParamsError, parse_params
+from kvlab.sweep.plan import expand
 
 GB = 1e9
 TINY = {"models": "tiny-llama", "weights": "synthetic", "device": "cpu", "threads": 1, "ctx": [32],

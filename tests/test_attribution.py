@@ -11,8 +11,7 @@ import pytest
 from fake_nvml import FakeNvml
 from synthetic_gpus import UUIDS, fake_sweep, write_sweep_folder
 
-from kvlab.energy import NullSampler, NvmlSampler, norm_uuid
-from kvlab.runner.attribution import (
+from kvlab.analysis.attribution import (
     GAP_KINDS,
     attribute,
     counters_from_json,
@@ -20,6 +19,7 @@ from kvlab.runner.attribution import (
     read_counters,
     render,
 )
+from kvlab.energy import NullSampler, NvmlSampler, norm_uuid
 
 REPO = Path(__file__).resolve().parent.parent
 IDLE_W = 100.0

@@ -191,9 +191,11 @@ def test_records_and_labels_name_the_chunk_only_when_chunked():
 
 
 def test_prefill_chunk_is_a_sweep_axis_recorded_per_run(tmp_path):
-    from kvlab.params import check_params, parse_params
     from kvlab.records import load_records
-    from kvlab.sweep import expand, plan, run_sweep
+    from kvlab.sweep.checks import check_params
+    from kvlab.sweep.driver import run_sweep
+    from kvlab.sweep.params import parse_params
+    from kvlab.sweep.plan import expand, planned_runs
 
     params = parse_params({"models": "tiny-llama", "weights": "synthetic", "device": "cpu", "threads": 1,
                            "methods": ["full", {"method": "snapkv", "keep": 0.25, "window_size": 4}],
@@ -202,7 +204,7 @@ def test_prefill_chunk_is_a_sweep_axis_recorded_per_run(tmp_path):
     assert sorted((r.method, r.policy_kwargs.get("prefill_chunk") or 0) for r in runs) == [
         ("full", 0), ("full", 16), ("snapkv", 0), ("snapkv", 16)]
     one_shot = parse_params({**params.model_dump(), "prefill_chunk": None})
-    assert {r.run_id for r in plan(one_shot)} < {r.run_id for r in runs}  # one-shot ids unchanged
+    assert {r.run_id for r in planned_runs(one_shot)} < {r.run_id for r in runs}  # one-shot ids unchanged
     assert run_sweep(params, tmp_path, progress=False, log=lambda m: None).complete
     df = load_records(tmp_path)
     chunked = df[df.prefill_chunk.notna()]
@@ -213,7 +215,7 @@ def test_prefill_chunk_is_a_sweep_axis_recorded_per_run(tmp_path):
 
 
 def test_prefill_chunk_axis_is_validated():
-    from kvlab.params import ParamsError, parse_params
+    from kvlab.sweep.params import ParamsError, parse_params
 
     base = {"models": "tiny-llama", "weights": "synthetic", "methods": ["full"], "ctx": [32]}
     with pytest.raises(ParamsError, match="prefill_chunk"):

@@ -187,9 +187,11 @@ def test_fast_anatomy_puts_the_step_into_categories(tiny):
 
 def test_a_sweep_over_both_engines_keeps_the_hf_run_ids(tmp_path):
     """``engine`` is a sweep axis; hf runs keep the ids they had before engines existed."""
-    from kvlab.params import ParamsError, check_params, parse_params
     from kvlab.records import read_jsonl
-    from kvlab.sweep import expand, run_sweep
+    from kvlab.sweep.checks import check_params
+    from kvlab.sweep.driver import run_sweep
+    from kvlab.sweep.params import ParamsError, parse_params
+    from kvlab.sweep.plan import expand
 
     base = {"models": "tiny-llama", "weights": "synthetic", "device": "cpu", "methods": ["full", "snapkv"],
             "keep": 0.5, "ctx": [48], "new_tokens": 4, "threads": 1}
@@ -280,27 +282,27 @@ def test_triton_attention_stores_bf16_and_follows_the_flash_path(tiny):
 
 def test_a_sweep_warms_a_quantized_policy_only_for_the_engine_that_needs_it(tiny, monkeypatch):
     """On ``fast`` quanto's store is kvlab's own: its CUDA build (95 s on a fresh H200) is not needed."""
-    from kvlab.params import MethodVariant
     from kvlab.policies.quantized import QuantizedPolicy
-    from kvlab.sweep import _ModelSession, _policy_for
+    from kvlab.sweep.group import ModelSession
+    from kvlab.sweep.params import MethodVariant
 
     warmed = []
     monkeypatch.setattr(QuantizedPolicy, "warmup", lambda self, model: warmed.append(self.name))
-    session = _ModelSession(tiny, sampler=None, idle_w=None, gpu_name=None)
+    session = ModelSession(tiny, sampler=None, idle_w=None, gpu_name=None)
     variant = MethodVariant("quanto", {"nbits": 4, "q_group_size": 16})
     with session.attached:
-        policy = _policy_for(session, variant, "fast")
+        policy = session.policy(variant, "fast")
         assert warmed == []
-        assert _policy_for(session, variant, "hf") is policy and warmed == ["quanto"]
-        _policy_for(session, variant, "hf")
+        assert session.policy(variant, "hf") is policy and warmed == ["quanto"]
+        session.policy(variant, "hf")
         assert warmed == ["quanto"]  # once per engine
 
 
 def test_a_sweep_holds_one_fast_decoder_and_drops_it_for_an_hf_run(tiny):
     """A run's peak memory is its own: no other method's static buffers are held during it."""
-    from kvlab.sweep import _ModelSession
+    from kvlab.sweep.group import ModelSession
 
-    session = _ModelSession(tiny, sampler=None, idle_w=None, gpu_name=None)
+    session = ModelSession(tiny, sampler=None, idle_w=None, gpu_name=None)
     engine = session.engine("fast")
     engine.decoder(make_policy("full"), 1, 64, 8)
     engine.decoder(make_policy("snapkv", keep=0.25, window_size=8), 1, 64, 8)

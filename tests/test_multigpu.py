@@ -1,4 +1,4 @@
-"""Issue #18's report (kvlab.runner.multigpu) on a FAKE device folder: the wall-time ratio, the GPU
+"""Issue #18's report (kvlab.analysis.multigpu) on a FAKE device folder: the wall-time ratio, the GPU
 of every record, per-GPU attribution for both sweeps, and each configuration on the two GPUs; and
 the params file the device script runs validates and splits over two GPUs."""
 
@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 from synthetic_gpus import METHODS, UUIDS, fake_sweep, write_sweep_folder
 
-from kvlab.params import check_params, load_params
+from kvlab.analysis.multigpu import main, report
 from kvlab.runner.drive import shape_groups
-from kvlab.runner.multigpu import main, report
-from kvlab.sweep import expand
+from kvlab.sweep.checks import check_params
+from kvlab.sweep.params import load_params
+from kvlab.sweep.plan import expand
 
 REPO = Path(__file__).resolve().parent.parent
 CTXS = [16384, 12288, 8192, 4096]
@@ -94,9 +95,14 @@ def test_the_device_script_parses():
 def test_ray_places_every_window_on_its_gpu(tmp_path, ray_fake_gpus):
     from sweep_workers import cpu_loader, fake_gpu_sampler
 
-    from kvlab.params import parse_params
-    from kvlab.runner.attribution import CounterReading, binding_problems, sweep_records, windows_from_records
-    from kvlab.sweep import run_sweep
+    from kvlab.analysis.attribution import (
+        CounterReading,
+        binding_problems,
+        sweep_records,
+        windows_from_records,
+    )
+    from kvlab.sweep.driver import run_sweep
+    from kvlab.sweep.params import parse_params
 
     p = parse_params({"name": "two", "models": "tiny-llama", "weights": "synthetic", "device": "cuda",
                       "methods": ["full", "streamingllm"], "keep": 0.5, "ctx": [64, 32], "batch": 1,

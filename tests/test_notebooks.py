@@ -54,7 +54,7 @@ def test_sweep_notebook_declares_every_sweep_key():
     """papermill warns "Passed unknown parameter" for a -f/-p key the notebook does not declare."""
     import papermill as pm
 
-    from kvlab.params import SweepParams
+    from kvlab.sweep.params import SweepParams
 
     declared = set(pm.inspect_notebook(str(ROOT / "notebooks" / "sweep.ipynb")))
     assert set(SweepParams.model_fields) <= declared

@@ -13,9 +13,10 @@ from kvlab.engine.fast import FastEngine
 from kvlab.engine.kvstore import DenseStore, Layout, QuantizedStore
 from kvlab.kernels import make_format, quantize_write
 from kvlab.measure import measure_generation
-from kvlab.params import ParamsError, check_params, parse_params
 from kvlab.policies import POLICIES, PolicyError, make_policy
-from kvlab.sweep import expand
+from kvlab.sweep.checks import check_params
+from kvlab.sweep.params import ParamsError, parse_params
+from kvlab.sweep.plan import expand
 
 N = 64
 NEW = 6
@@ -199,7 +200,7 @@ def test_run_ids_change_only_where_the_groups_do():
 
 def test_a_fast_sweep_in_row_groups_records_them(tmp_path):
     from kvlab.records import read_records
-    from kvlab.sweep import run_sweep
+    from kvlab.sweep.driver import run_sweep
 
     params = parse_params({**GOOD, "batch": [1, 3], "prefill_rows": 2, "warmup_runs": 0, "threads": 1,
                            "methods": ["snapkv"]})

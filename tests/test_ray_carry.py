@@ -51,9 +51,9 @@ def test_a_ray_sweep_runs_without_the_pruned_packages(tmp_path):
     """))
     script = textwrap.dedent(f"""
         import importlib, sys
-        from kvlab.params import parse_params
+        from kvlab.sweep.params import parse_params
         from kvlab.records import read_manifest
-        from kvlab.sweep import run_sweep
+        from kvlab.sweep.driver import run_sweep
         try:
             importlib.import_module({blocked[0]!r})
             sys.exit("the blocker is not active")

@@ -1,4 +1,4 @@
-"""kvlab.runner.compare (issue #17's local-vs-ray table) on FAKE records: wall-time overhead split at
+"""kvlab.analysis.executors (issue #17's local-vs-ray table) on FAKE records: wall-time overhead split at
 the first and last record, per-configuration CIs and ratios, and the agreement verdict."""
 
 import json
@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 import pytest
 from synthetic_records import fake_perf_records
 
-from kvlab.runner.compare import compare, main, wall_summary
+from kvlab.analysis.executors import compare, main, wall_summary
 
 T0 = datetime(2026, 12, 3, 6, 0, 0, tzinfo=UTC).timestamp()
 
@@ -102,7 +102,7 @@ def test_the_comparison_runs_without_plotly(tmp_path):
     import sys
 
     fake_pair(tmp_path)
-    code = ("import sys; sys.modules['plotly'] = None; from kvlab.runner.compare import main; "
+    code = ("import sys; sys.modules['plotly'] = None; from kvlab.analysis.executors import main; "
             f"raise SystemExit(main([{str(tmp_path)!r}]))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

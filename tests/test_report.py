@@ -187,7 +187,7 @@ def test_project_path_resolves_from_anywhere(tmp_path, monkeypatch):
 
 
 def test_notebook_sweep_params_file_then_overrides(tmp_path):
-    pytest.importorskip("kvlab.params")
+    pytest.importorskip("kvlab.sweep.params")
     f = tmp_path / "base.yaml"
     f.write_text("models: [tiny-llama]\nweights: synthetic\nmethods: [full]\nctx: [128, 256]\nnew_tokens: 4\n")
     p = report.notebook_sweep_params(str(f), ctx=512, methods=None)
@@ -201,7 +201,8 @@ def test_sweep_defaults_on_cuda_run_the_study_at_the_asked_context():
     assert d.params_file is None and d.values["device"] == "cuda"
     assert d.values["models"] == ["llama-3.1-8b"] and d.values["weights"] == "synthetic"
     assert d.values["time_budget_s"] <= 600 and "16384" in d.note
-    from kvlab.params import check_params, parse_params
+    from kvlab.sweep.checks import check_params
+    from kvlab.sweep.params import parse_params
 
     params = parse_params({**d.values, "ctx": 16384})
     assert params.ctx == [16384]

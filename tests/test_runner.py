@@ -13,12 +13,14 @@ from sweep_workers import cpu_loader, crashing_loader, fake_gpu_sampler
 
 from kvlab.cli import main
 from kvlab.energy import NvmlSampler, make_sampler, visible_device_uuid
-from kvlab.params import ParamsError, check_params, parse_params
 from kvlab.records import read_jsonl, read_manifest
 from kvlab.runner import make_executor
-from kvlab.runner.drive import _InFlight, charged_runs, shape_groups
+from kvlab.runner.drive import InFlightGroup, charged_runs, shape_groups
 from kvlab.runner.process import exit_cause
-from kvlab.sweep import plan, run_sweep
+from kvlab.sweep.checks import check_params
+from kvlab.sweep.driver import run_sweep
+from kvlab.sweep.params import ParamsError, parse_params
+from kvlab.sweep.plan import FAILED_ENERGY_SOURCE, MAX_ERROR_CHARS, failure_record, planned_runs
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -80,9 +82,9 @@ def test_cuda_visible_devices_resolves_to_the_given_gpu_never_gpu_0(monkeypatch)
 
 def test_a_dead_worker_is_charged_for_what_it_was_doing():
     p = small(ctx=[32])
-    runs = plan(p)
-    assert [len(g) for g in shape_groups(plan(small()))] == [4, 4]
-    group = _InFlight(runs, recorded={runs[0].run_id})
+    runs = planned_runs(p)
+    assert [len(g) for g in shape_groups(planned_runs(small()))] == [4, 4]
+    group = InFlightGroup(runs, recorded={runs[0].run_id})
     group.stage = ("run", runs[1].run_id)
     failed, rest, doing = charged_runs(group)
     assert failed == [runs[1]] and rest == runs[2:] and "measured run" in doing
@@ -95,6 +97,14 @@ def test_a_dead_worker_is_charged_for_what_it_was_doing():
     assert charged_runs(group)[0] == runs[1:]
     assert "SIGKILL" in exit_cause(-signal.SIGKILL) and "out-of-memory" in exit_cause(-9)
     assert "status 3" in exit_cause(3)
+
+
+def test_a_failure_record_keeps_the_identity_and_at_most_max_error_chars_of_its_cause():
+    run = planned_runs(small(ctx=[32]))[0]
+    rec = failure_record(run, "s", "worker died during model load: " + "x" * 5000)
+    assert rec["run_id"] == run.run_id and rec["status"] == "failed" and rec["energy_source"] == FAILED_ENERGY_SOURCE
+    assert len(rec["error"]) == MAX_ERROR_CHARS and rec["error"].startswith("worker died during model load")
+    assert failure_record(run, "s", "short")["error"] == "short"
 
 
 def test_executor_keys_are_validated_and_the_ray_extra_is_named(monkeypatch, capsys, tmp_path):

@@ -14,9 +14,12 @@ import pytest
 import yaml
 
 from kvlab.cli import main
-from kvlab.params import ParamsError, check_params, load_params, method_variants, parse_params
 from kvlab.records import load_records, read_jsonl, read_manifest
-from kvlab.sweep import SweepLock, SweepLocked, block_order, expand, plan, run_sweep
+from kvlab.sweep.checks import check_params
+from kvlab.sweep.driver import run_sweep
+from kvlab.sweep.lock import SweepLock, SweepLocked
+from kvlab.sweep.params import ParamsError, load_params, method_variants, parse_params
+from kvlab.sweep.plan import block_order, expand, planned_runs
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -46,16 +49,16 @@ def ids_in(folder):
 
 
 def test_the_progress_bar_counts_warm_ups_once_per_variant_and_shape():
-    from kvlab.sweep import warmups_planned
+    from kvlab.sweep.plan import warmups_planned
 
-    runs = plan(tiny_params())  # 4 variants x 2 ctx x 2 prompts
+    runs = planned_runs(tiny_params())  # 4 variants x 2 ctx x 2 prompts
     assert warmups_planned(runs, 1) == 4 * 2 and warmups_planned(runs, 2) == 16
     assert warmups_planned(runs[:1], 1) == 1 and warmups_planned([], 1) == 0
 
 
 def test_cpu_sweeps_pin_a_stable_thread_count():
     from kvlab.hostload import cpu_threads
-    from kvlab.sweep import pinned_threads
+    from kvlab.sweep.driver import pinned_threads
 
     assert pinned_threads(tiny_params(threads=3)) == 3
     assert pinned_threads(tiny_params(threads=None)) == cpu_threads()
@@ -67,11 +70,11 @@ def test_scalars_become_lists_and_files_validate():
     assert p.ctx == [16384] and p.models == ["tiny-llama"] and p.keep == [0.5]
     smoke = load_params(REPO / "params" / "smoke.yaml")
     assert smoke.name == "smoke" and smoke.device == "cpu" and smoke.new_tokens == 8
-    assert len(plan(smoke)) == 18 and smoke.repeats == 3  # 3 methods x 2 contexts x 3 repeats (an interval)
+    assert len(planned_runs(smoke)) == 18 and smoke.repeats == 3  # 3 methods x 2 contexts x 3 repeats (an interval)
     # README block 1's report compares the full cache with eviction and with quantization
     assert {"full", "snapkv", "kvq-int4"} <= set(smoke.methods) and smoke.quality is not None
     seed = load_params(REPO / "params" / "seed-16k.yaml")
-    runs = plan(seed)  # validated without a GPU (check_device=False)
+    runs = planned_runs(seed)  # validated without a GPU (check_device=False)
     assert len(runs) == 15 * 3 * 5 * 3
     assert {(r.method, r.policy_kwargs.get("keep"), r.policy_kwargs.get("nbits")) for r in runs} >= {
         ("full", None, None), ("snapkv", 0.1, None), ("quanto", None, 2)}
@@ -150,7 +153,7 @@ def test_sweep_records_every_run_once_and_a_rerun_does_nothing(tmp_path):
     total = 4 * 2 * 2  # variants x ctx x prompts
     assert (s.total, s.ok, s.failed, s.pending) == (total, total, 0, 0) and s.complete
     ids = ids_in(tmp_path)
-    assert len(ids) == total and set(ids) == {r.run_id for r in plan(p)}
+    assert len(ids) == total and set(ids) == {r.run_id for r in planned_runs(p)}
     df = load_records(tmp_path)
     assert set(df.status) == {"ok"} and set(df.weights) == {"synthetic"} and set(df.kind) == {"perf"}
     assert df.ttft_s.notna().all() and (df.cache_logical_tokens == df.ctx).all()
@@ -159,7 +162,7 @@ def test_sweep_records_every_run_once_and_a_rerun_does_nothing(tmp_path):
     assert set(df.label) == {"full", "streamingllm 50%", "quanto int4", "quanto int2"}
     warm = read_jsonl(tmp_path / "warmup.jsonl")
     assert len(warm) == 4 * 2 and {(w["method"], w["ctx"], w["new_tokens"]) for w in warm} == {
-        (r.method, r.ctx, r.new_tokens) for r in plan(p)}
+        (r.method, r.ctx, r.new_tokens) for r in planned_runs(p)}
     manifest = read_manifest(tmp_path)
     assert manifest["status"] == "complete" and manifest["params"]["ctx"] == [32, 64]
     inv = manifest["invocations"][0]
@@ -181,7 +184,7 @@ def test_failures_are_recorded_the_status_says_so_and_a_rerun_retries_them(tmp_p
 
     import kvlab.measure as measure
     from kvlab.policies.quantized import QuantizedPolicy
-    from kvlab.sweep import FAILED_ENERGY_SOURCE
+    from kvlab.sweep.plan import FAILED_ENERGY_SOURCE
 
     real = measure.measure_generation
 
@@ -257,7 +260,7 @@ def test_a_part_of_the_plan_keeps_the_whole_plan_in_the_manifest(tmp_path):
     part = run_sweep(tiny_params(methods=["full"]), tmp_path, progress=False, log=logs.append)
     assert part.complete and part.total == 4
     manifest = read_manifest(tmp_path)
-    assert manifest["run_ids"] == [r.run_id for r in plan(whole)] and manifest["n_runs"] == 16
+    assert manifest["run_ids"] == [r.run_id for r in planned_runs(whole)] and manifest["n_runs"] == 16
     assert manifest["status"] == "incomplete" and manifest["params"]["methods"] == whole.model_dump()["methods"]
     assert manifest["invocations"][-1]["part_of_plan"]["n_runs"] == 4
     assert any("4 of the 16 runs" in m for m in logs)
@@ -289,7 +292,7 @@ def test_kill_9_midway_then_rerun_has_no_duplicate_and_no_lost_run(tmp_path):
     path = tmp_path / "params.yaml"
     path.write_text(yaml.safe_dump(params))
     out = tmp_path / "out"
-    total = len(plan(parse_params(params)))
+    total = len(planned_runs(parse_params(params)))
     proc = subprocess.Popen([sys.executable, "-m", "kvlab", "sweep", str(path), "-o", str(out), "--no-progress"],
                             cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=this_checkout())
     deadline = time.monotonic() + 120
@@ -306,7 +309,7 @@ def test_kill_9_midway_then_rerun_has_no_duplicate_and_no_lost_run(tmp_path):
     assert s.already_done == done_before and s.ok == total - done_before and s.complete
     ids = ids_in(out)
     assert len(ids) == len(set(ids)) == total
-    assert set(ids) == {r.run_id for r in plan(parse_params(params))}
+    assert set(ids) == {r.run_id for r in planned_runs(parse_params(params))}
 
 
 def test_cli_dry_run_errors_and_lock(tmp_path, capsys):
@@ -412,8 +415,8 @@ def test_failed_quality_items_make_the_sweep_say_so_and_a_rerun_retries_only_the
 KILL_QUALITY_SCRIPT = """
 import json, sys, time
 import kvlab.quality as quality
-from kvlab.params import parse_params
-from kvlab.sweep import run_sweep
+from kvlab.sweep.params import parse_params
+from kvlab.sweep.driver import run_sweep
 from test_sweep import toy_loader
 
 real_emit = quality._emit

@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from kvlab.models import load_model
-from kvlab.params import ParamsError, check_params, parse_params
 from kvlab.records import load_records
-from kvlab.sweep import expand, run_sweep
+from kvlab.sweep.checks import check_params
+from kvlab.sweep.driver import run_sweep
+from kvlab.sweep.params import ParamsError, parse_params
+from kvlab.sweep.plan import expand
 from kvlab.weights_quant import quantize_weights, quantized_linears, weights_label
 
 TINY = {"models": "tiny-llama", "weights": "synthetic", "device": "cpu", "threads": 1, "ctx": [32],

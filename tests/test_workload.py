@@ -7,10 +7,12 @@ import pytest
 
 from kvlab.cli import main
 from kvlab.models import get_spec
-from kvlab.params import ParamsError, check_params, parse_params
 from kvlab.records import load_records
 from kvlab.reporting.workload import distribution_lines, distribution_summary, distribution_table
-from kvlab.sweep import expand, run_sweep
+from kvlab.sweep.checks import check_params
+from kvlab.sweep.driver import run_sweep
+from kvlab.sweep.params import ParamsError, parse_params
+from kvlab.sweep.plan import expand
 from kvlab.workload import WorkloadError, context_points, observed_lengths, parse_distribution
 from kvlab.workload_budget import distribution_budget
 
@@ -160,22 +162,22 @@ def test_a_sweep_over_a_distribution_records_the_draws_and_the_report_aggregates
 def test_the_workload_params_files_validate_without_a_gpu(name):
     from pathlib import Path
 
-    from kvlab.params import load_params
-    from kvlab.sweep import plan
+    from kvlab.sweep.params import load_params
+    from kvlab.sweep.plan import planned_runs
 
     p = load_params(Path(__file__).resolve().parent.parent / "params" / f"{name}.yaml")
-    assert plan(p)  # check_device=False: validated against models and policies, not this machine
+    assert planned_runs(p)  # check_device=False: validated against models and policies, not this machine
 
 
 def test_the_example_lengths_file_drives_a_sweep():
     from pathlib import Path
 
-    from kvlab.params import load_params
-    from kvlab.sweep import plan
+    from kvlab.sweep.params import load_params
+    from kvlab.sweep.plan import planned_runs
 
     params = Path(__file__).resolve().parent.parent / "params"
     p = load_params(params / "cpu-ctx-dist.yaml",
                     [f"ctx={{file: {params / 'lengths' / 'example-prompts.txt'}, samples: 4, max: 1024}}"])
-    runs = plan(p)
+    runs = planned_runs(p)
     assert p.ctx.label == "file:example-prompts.txt" and len({r.ctx_sample for r in runs}) == 4
     assert {r.ctx for r in runs} <= set(observed_lengths(params / "lengths" / "example-prompts.txt")) | {1024}

@@ -27,9 +27,9 @@ def check_args(args) -> dict[str, dict]:
     """Every check that needs no weights; returns the per-method policy params."""
     from kvlab import anatomy
     from kvlab.models import get_spec
-    from kvlab.params import SDPA_BACKENDS
     from kvlab.policies import make_policy
     from kvlab.preflight import compressions, device_problem, require, shape_problems, weights_problem
+    from kvlab.sweep.params import SDPA_BACKENDS
 
     try:
         policy_params = json.loads(args.params)

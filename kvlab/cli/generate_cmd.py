@@ -113,8 +113,8 @@ def _prompt_text(args) -> str | None:
 
 def _check_args(args, spec, policy) -> None:
     """Every check that needs no weights: device, dtype, prompt source, lengths, memory."""
-    from kvlab.params import DTYPES
     from kvlab.preflight import compressions, device_problem, require, shape_problems, weights_problem
+    from kvlab.sweep.params import DTYPES
 
     require(device_problem(args.device), weights_problem(args.model, args.weights))
     if args.dtype is not None and args.dtype not in DTYPES:

@@ -60,9 +60,9 @@ def chunk_arg(text: str) -> int | None:
 def policies_from_args(args, spec=None) -> list:
     """Expand --methods x --keep/--bits the way sweeps do, then build the policies (validated, and
     checked against the model's spec when given)."""
-    from kvlab.params import SweepParams, method_variants
     from kvlab.policies import make_policy
     from kvlab.policies.base import check_prefill_chunk
+    from kvlab.sweep.params import SweepParams, method_variants
 
     for chunk in getattr(args, "prefill_chunk", None) or ():
         check_prefill_chunk(chunk)  # one clear line before SweepParams' own validation
@@ -101,9 +101,9 @@ def check_args(args):
 
     from kvlab.errors import UserError
     from kvlab.models import get_spec
-    from kvlab.params import DTYPES
     from kvlab.preflight import check_out_dir, device_problem, require, shape_problems, weights_problem
     from kvlab.records import read_manifest
+    from kvlab.sweep.params import DTYPES
     from kvlab.weights_quant import weights_quant_problems
 
     spec = task_spec_from_args(args)

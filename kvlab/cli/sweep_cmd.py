@@ -13,6 +13,12 @@ import json
 import sys
 from pathlib import Path
 
+from kvlab.cli import EXIT_USAGE, STATUS_EXIT
+from kvlab.preflight import check_out_dir
+from kvlab.sweep.lock import SweepLocked
+from kvlab.sweep.params import load_params
+from kvlab.sweep.plan import count_by, planned_runs
+
 
 def register(sub) -> None:
     p = sub.add_parser("sweep", help="run (or resume) a measurement sweep from a params YAML",
@@ -33,11 +39,6 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from kvlab.cli import EXIT_USAGE, STATUS_EXIT
-    from kvlab.params import load_params
-    from kvlab.preflight import check_out_dir
-    from kvlab.sweep import SweepLocked, count_by, plan, run_sweep
-
     sets = list(args.sets)
     if args.executor:
         sets.append(f"executor={args.executor}")
@@ -48,7 +49,7 @@ def run(args) -> int:
     flag = "-o" if args.out else "the default output folder"
     if args.dry_run:
         check_out_dir(out, flag, create=False)
-        todo = plan(params, out if out.is_dir() else None, check_device=False)
+        todo = planned_runs(params, out if out.is_dir() else None, check_device=False)
         print(f"{out}: {len(todo)} runs to do ({params.warmup_runs} warm-up(s) per method and shape; "
               f"executor {params.executor})")
         for attr in ("model", "method", "ctx", "batch") + (("weights_quant",) if len(params.weights_quant) > 1 else ()):
@@ -56,15 +57,16 @@ def run(args) -> int:
         if params.budget_gb is not None:
             print(f"  then each method at the batch budget_gb: {params.budget_gb} admits (from these runs' peaks)")
         return 0
-    plan(params, check_device=True)  # every check (device, memory, policies) before the folder is made
+    planned_runs(params, check_device=True)  # every check (device, memory, policies) before the folder is made
     check_out_dir(out, flag)
+    from kvlab.sweep.admission import run_budgeted  # torch and the measured group: only once params are valid
+    from kvlab.sweep.driver import run_sweep
+
     try:
         if params.quality is not None and set(params.weights_quant) != {"none"}:
             print("kvlab sweep: note: the quality pass runs the models' own weights; for quantized weights run "
                   "kvlab quality --weights-quant int8|int4 -o ANOTHER_FOLDER", file=sys.stderr)
         if params.budget_gb is not None:  # probes, then each method at its admitted batch
-            from kvlab.admission import run_budgeted
-
             summary = run_budgeted(params, out, progress=not args.no_progress)
         else:
             summary = run_sweep(params, out, progress=not args.no_progress)

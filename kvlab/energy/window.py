@@ -52,7 +52,7 @@ class WindowResult:
     n_samples: int = 0
     timeline: Timeline | None = None
     # where the window sits on the wall clock and on the GPU's cumulative counter, so a sweep's
-    # windows can be laid against per-GPU counter readings (kvlab.runner.attribution)
+    # windows can be laid against per-GPU counter readings (kvlab.analysis.attribution)
     start_unix: float | None = None
     counter_start_j: float | None = None
 

@@ -2,7 +2,7 @@
 
 Why: at batch 1 a smaller cache barely changes a decode step, but in a fixed memory budget it admits
 more sequences; throughput can rise while each request gets slower. The section reads the at-budget
-records (``budget_gb`` set, see :mod:`kvlab.admission`) next to the same method's batch-1 records and
+records (``budget_gb`` set, see :mod:`kvlab.sweep.admission`) next to the same method's batch-1 records and
 states both ratios with bootstrap CIs, plus what the method's freed memory became: its admitted
 batch over the baseline's and its throughput over the baseline's at the same budget.
 """

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvlab.params import SweepParams, parse_params
+from kvlab.sweep.params import SweepParams, parse_params
 from kvlab.reporting import ReportError
 
 
@@ -106,7 +106,7 @@ def notebook_sweep_params(params_file: str | Path | None = None, namespace: dict
     papermill ``-p``/``-f`` injected) and in ``values``.
 
     With no ``params_file``, the base comes from the machine (:func:`sweep_defaults`) and its
-    sentence is printed. Validated by kvlab.params (a scalar ``ctx`` becomes a one-element list).
+    sentence is printed. Validated by kvlab.sweep.params (a scalar ``ctx`` becomes a one-element list).
     """
     import yaml
 

@@ -1,6 +1,6 @@
 """Text forms of summary values (a CI, a runs count, a context length, the baseline's label).
 
-Apart from :mod:`kvlab.plots` so that the tables, and ``python -m kvlab.runner.compare`` on a GPU
+Apart from :mod:`kvlab.plots` so that the tables, and ``python -m kvlab.analysis.executors`` on a GPU
 box without the notebook stack, need pandas only, not plotly.
 """
 

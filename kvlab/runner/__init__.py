@@ -18,22 +18,20 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kvlab.runner.local import LocalExecutor
+from kvlab.runner.process import ProcessExecutor
+from kvlab.runner.ray_cluster import RayExecutor
+
 EXECUTORS = ("local", "process", "ray")
 
 
 def make_executor(name: str, *, ray_address: str | None = None, log: Callable[[str], None] = print):
-    """The executor called ``name``; ``ray`` is imported here, so a missing extra fails before any
-    model loads with the install line."""
+    """The executor called ``name``; ``ray`` is imported when one is made, so a missing extra fails
+    before any model loads with the install line."""
     if name == "local":
-        from kvlab.runner.local import LocalExecutor
-
         return LocalExecutor()
     if name == "process":
-        from kvlab.runner.process import ProcessExecutor
-
         return ProcessExecutor(log=log)
     if name == "ray":
-        from kvlab.runner.ray_cluster import RayExecutor
-
         return RayExecutor(address=ray_address, log=log)
     raise ValueError(f"executor: {name!r} is not one of {', '.join(EXECUTORS)}")

@@ -26,7 +26,7 @@ from itertools import groupby
 from kvlab.records import utc_now
 from kvlab.runner.sink import SINK_METHODS
 from kvlab.runner.worker import GroupJob
-from kvlab.sweep import RunSpec
+from kvlab.sweep.plan import RunSpec, failure_record
 
 
 class WorkerDied(RuntimeError):
@@ -42,7 +42,9 @@ def shape_groups(runs: list[RunSpec]) -> list[list[RunSpec]]:
 
 
 @dataclass
-class _InFlight:
+class InFlightGroup:
+    """A group on a worker: its runs, those recorded so far, and the step (``begin``) it is in."""
+
     runs: list[RunSpec]
     recorded: set[str] = field(default_factory=set)
     stage: tuple[str, str | None] | None = None
@@ -59,7 +61,7 @@ def _pump(gid: int, transport: Transport, job: GroupJob, out: queue.Queue) -> No
         out.put((gid, ("died", f"{type(err).__name__}: {err}\n{traceback.format_exc()}")))
 
 
-def charged_runs(group: _InFlight) -> tuple[list[RunSpec], list[RunSpec], str]:
+def charged_runs(group: InFlightGroup) -> tuple[list[RunSpec], list[RunSpec], str]:
     """(runs to record as failed, runs to hand to a fresh worker, what the worker was doing)."""
     left = [r for r in group.runs if r.run_id not in group.recorded]
     stage, run_id = group.stage or ("start", None)
@@ -81,11 +83,9 @@ def charged_runs(group: _InFlight) -> tuple[list[RunSpec], list[RunSpec], str]:
 def drive(groups: list[list[RunSpec]], transport: Transport, *, slots: int, params, sink, budget,
           sweep_name: str, loader, sampler_factory) -> None:
     """Run every group on workers, at most ``slots`` at a time, until done or the budget stops it."""
-    from kvlab.sweep import FAILED_ENERGY_SOURCE, _identity_record
-
     todo = deque(groups)
     inbox: queue.Queue = queue.Queue()
-    active: dict[int, _InFlight] = {}
+    active: dict[int, InFlightGroup] = {}
     threads: list[threading.Thread] = []
     next_id = 0
     while todo or active:
@@ -96,7 +96,7 @@ def drive(groups: list[list[RunSpec]], transport: Transport, *, slots: int, para
             job = GroupJob(params=params, runs=runs, sweep_name=sweep_name,
                            max_runs=None if budget.max_runs is None else budget.max_runs - budget.runs,
                            time_left_s=left_s, loader=loader, sampler_factory=sampler_factory)
-            active[next_id] = _InFlight(runs)
+            active[next_id] = InFlightGroup(runs)
             t = threading.Thread(target=_pump, args=(next_id, transport, job, inbox), daemon=True,
                                  name=f"kvlab-worker-{next_id}")
             t.start()
@@ -116,9 +116,7 @@ def drive(groups: list[list[RunSpec]], transport: Transport, *, slots: int, para
             sink.log(f"kvlab sweep: {cause}")
             sink.error_log(f"--- {utc_now()} worker died ({len(failed)} run(s) recorded as failed)\n{args[0]}")
             for run in failed:
-                rec = _identity_record(run, sweep_name)
-                rec.update(status="failed", error=cause[:2000], energy_source=FAILED_ENERGY_SOURCE)
-                sink.record(rec)
+                sink.record(failure_record(run, sweep_name, cause))
             if rest:
                 todo.appendleft(rest)
         elif kind == "spent":

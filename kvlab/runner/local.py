@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kvlab.runner.worker import worker_info
+from kvlab.sweep.group import run_group
 
 
 class LocalExecutor:
@@ -12,8 +13,6 @@ class LocalExecutor:
         """Nothing to check before the lock: this executor takes any callables."""
 
     def run(self, params, pending, sink, budget, *, sweep_name, loader, sampler_factory) -> None:
-        from kvlab.sweep import run_group
-
         sampler = sampler_factory(params.device, interval_s=params.energy_interval_ms / 1000.0)
         try:
             sink.worker(worker_info(params.device, sampler, executor=self.name))

@@ -49,7 +49,7 @@ class DriverSink:
         self.warmups.append(rec)
         self.bar.set_postfix_str(f"warm-up {rec.get('method')} ctx={rec.get('ctx')} b={rec.get('batch')}",
                                  refresh=False)
-        self.bar.update(1)  # the bar counts warm-ups too (kvlab.sweep.warmups_planned)
+        self.bar.update(1)  # the bar counts warm-ups too (kvlab.sweep.plan.warmups_planned)
 
     def skip_warmups(self, n: int) -> None:
         self.bar.update(n)

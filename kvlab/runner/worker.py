@@ -13,15 +13,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvlab import models
+from kvlab.energy import make_sampler
 from kvlab.runner.sink import ForwardingSink
-from kvlab.sweep import Budget, RunSpec
+from kvlab.sweep.group import run_group
+from kvlab.sweep.params import SweepParams
+from kvlab.sweep.plan import Budget, RunSpec
 
 
 @dataclass
 class GroupJob:
     """One group of pending runs (one model load) and what a worker needs to measure them."""
 
-    params: Any  # SweepParams
+    params: SweepParams
     runs: list[RunSpec]
     sweep_name: str
     max_runs: int | None = None
@@ -63,10 +67,6 @@ def worker_info(device: str, sampler, executor: str) -> dict[str, Any]:
 
 def run_job(job: GroupJob, send: Callable[[tuple], None], executor: str) -> None:
     """Measure ``job.runs`` here, sending every message through ``send``; raises what it cannot record."""
-    from kvlab.energy import make_sampler
-    from kvlab.models import load_model
-    from kvlab.sweep import run_group
-
     params = job.params
     if params.threads is not None:
         import torch
@@ -78,7 +78,7 @@ def run_job(job: GroupJob, send: Callable[[tuple], None], executor: str) -> None
     sampler = factory(params.device, interval_s=params.energy_interval_ms / 1000.0)
     try:
         sink.worker(worker_info(params.device, sampler, executor))
-        run_group(params, job.runs, sink, budget, loader=job.loader or load_model, sampler=sampler,
+        run_group(params, job.runs, sink, budget, loader=job.loader or models.load_model, sampler=sampler,
                   sweep_name=job.sweep_name)
     finally:
         sampler.close()

@@ -1,6 +1,6 @@
 """Every GPU's cumulative NVML energy counter, by UUID, as JSON (issue #18's per-GPU attribution).
 
-Read before and after a sweep; ``python -m kvlab.runner.attribution`` lays the sweep's windows
+Read before and after a sweep; ``python -m kvlab.analysis.attribution`` lays the sweep's windows
 against two such snapshots:
 
     python3 scripts/device/counters.py -o DIR/start.json             # one snapshot

@@ -2,7 +2,7 @@
 # Issue #17 on the H200: params/ray-compare.yaml through `--executor local`, then `--executor ray`
 # (a local Ray cluster started by kvlab on the one GPU), into outputs/ray-compare/{local,ray};
 # prints both wall times, ray's overhead (without and with starting Ray's cluster) and, per configuration, ms/step, J/token and TTFT with
-# their CIs side by side (python -m kvlab.runner.compare), and packs the folder into
+# their CIs side by side (python -m kvlab.analysis.executors), and packs the folder into
 # $OUT/ray-compare.tgz. One device call, about 5 minutes:
 #
 #   bash scripts/device/ray_compare.sh [--set KEY=VALUE ...]     # carry [".whl", ".whl-tf", ".whl-ray"]
@@ -29,7 +29,7 @@ fresh_dir "$out"
 python3 - <<'PY' || exit 1
 import time
 t = time.perf_counter()
-import kvlab, ray, torch, transformers, kvlab.sweep, kvlab.runner.ray_cluster  # noqa: F401,E401
+import kvlab, ray, torch, transformers, kvlab.sweep.driver, kvlab.runner.ray_cluster  # noqa: F401,E401
 from ray._private.accelerators import NvidiaGPUAcceleratorManager as gpus
 gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
 print(f"kvlab from {kvlab.__file__}, ray {ray.__version__} from {ray.__file__}, torch {torch.__version__}, transformers {transformers.__version__},"
@@ -87,5 +87,5 @@ if [ "$rc" != 0 ] && [ "$rc" != 3 ] && [ "$rc" != 4 ] && [ ! -s "$out/ray/record
 fi
 tar czhf "${OUT:-/tmp/out}/ray-logs.tgz" -C /tmp/ray session_latest/logs 2>/dev/null
 python3 -m ray.scripts.scripts stop --force >/dev/null 2>&1 || true  # nothing of Ray outlives the call
-python3 -m kvlab.runner.compare "$out" | tee "$out/compare.txt"
+python3 -m kvlab.analysis.executors "$out" | tee "$out/compare.txt"
 tar czf "${OUT:-/tmp/out}/ray-compare.tgz" "$out" && say "packed $out into ${OUT:-/tmp/out}/ray-compare.tgz"

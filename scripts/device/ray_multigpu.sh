@@ -9,7 +9,7 @@
 # compare the sweeps; the start is timed apart. Each task asks for the same CPUs in both (the
 # one-GPU cluster gets half the cores), so torch gets as many threads alone as beside the other
 # task. scripts/device/counters.py reads every GPU's NVML energy counter once with 5 s of idle
-# (before anything runs) and before and after each sweep. Then python -m kvlab.runner.multigpu
+# (before anything runs) and before and after each sweep. Then python -m kvlab.analysis.multigpu
 # prints the wall ratio (target <= 0.55), the GPU of every record, the per-GPU energy attribution
 # (counter = windows + idle x gaps, within 2%) and each configuration on the two GPUs, into
 # outputs/ray-multigpu/multigpu.txt, and the folder (both sweeps, walls.jsonl, counters/) is packed
@@ -36,7 +36,7 @@ fresh_dir "$out" && mkdir -p "$out/counters"
 python3 - <<'PY' || exit 1
 import sys, time
 t = time.perf_counter()
-import kvlab, ray, torch, transformers, pynvml, kvlab.sweep, kvlab.runner.ray_cluster, kvlab.runner.multigpu  # noqa: F401,E401
+import kvlab, ray, torch, transformers, pynvml, kvlab.sweep.driver, kvlab.runner.ray_cluster, kvlab.analysis.multigpu  # noqa: F401,E401
 n = torch.cuda.device_count()
 names = [torch.cuda.get_device_name(i) for i in range(n)]
 print(f"kvlab from {kvlab.__file__}, ray {ray.__version__}, torch {torch.__version__}, transformers "
@@ -94,5 +94,5 @@ unset CUDA_VISIBLE_DEVICES
 ray_cli stop --force >/dev/null 2>&1 || true  # nothing of Ray outlives the call
 # shellcheck disable=SC2046  # one word per session folder
 tar czhf "$OUT/ray-logs.tgz" -C /tmp/ray $(cd /tmp/ray && ls -d session_2*/logs 2>/dev/null) 2>/dev/null
-python3 -m kvlab.runner.multigpu "$out" | tee "$out/multigpu.txt"
+python3 -m kvlab.analysis.multigpu "$out" | tee "$out/multigpu.txt"
 tar czf "$OUT/ray-multigpu.tgz" "$out" && say "packed $out into $OUT/ray-multigpu.tgz"

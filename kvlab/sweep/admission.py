@@ -29,36 +29,19 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvlab.capacity import fit_peaks
 from kvlab.records import RECORDS_FILE, canonical_json, read_records
-
-if TYPE_CHECKING:
-    from kvlab.params import SweepParams
-    from kvlab.sweep import RunSpec, SweepSummary
+from kvlab.sweep.checks import check_params
+from kvlab.sweep.driver import SweepSummary, run_sweep
+from kvlab.sweep.params import SweepParams
+from kvlab.sweep.plan import RunSpec, expand
 
 ADMISSION_FILE = "admission.json"
 GPU_MARGIN = 0.05  # of the free memory, left for the allocator's fragmentation and other processes
 MAX_ROUNDS = 3  # admit, run, step down: at most this many rounds per invocation
 OOM_STEP = 0.1  # an at-budget run that ran out of memory retries with this fraction fewer sequences
-
-
-def budget_problems(params: SweepParams) -> list[str]:
-    """Why a sweep's ``budget_gb`` cannot run (one line each), before any model loads."""
-    budget = params.budget_gb
-    if budget is None:
-        return [] if params.budget_max_batch is None else [
-            "budget_max_batch: only used with budget_gb; add budget_gb: 40 (or gpu), or drop it"]
-    problems = []
-    if budget == "gpu" and not str(params.device).startswith("cuda"):
-        problems.append("budget_gb: gpu needs device: cuda; on a CPU give a number of GB")
-    if budget != "gpu" and not budget > 0:
-        problems.append(f"budget_gb: {budget} must be positive (GB), or gpu for the whole free GPU")
-    if 1 not in params.batch or len(set(params.batch)) < 2:
-        problems.append(f"batch: {params.batch} with budget_gb: list 1 (the single-stream view) and at least one "
-                        f"more batch to fit the peak per sequence, e.g. batch: [1, 2]")
-    return problems
 
 
 def resolve_budget_bytes(budget_gb: float | str, device: str) -> int:
@@ -215,9 +198,6 @@ def stored_budget_bytes(out: Path, budget_gb) -> int | None:
 def run_budgeted(params: SweepParams, out_dir: str | Path, log=print, **sweep_kw) -> SweepSummary:
     """Probes (the listed batches), then each method at its admitted batch, confirmed by its run;
     resumable like any sweep (rerun the same command)."""
-    from kvlab.params import check_params
-    from kvlab.sweep import expand, run_sweep
-
     started = time.monotonic()
     out = Path(out_dir)
     summary = run_sweep(params, out, log=log, **sweep_kw)

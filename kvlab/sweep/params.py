@@ -1,8 +1,6 @@
-"""Sweep parameters: a pydantic model that a params YAML maps onto key for key.
-
-Validation happens here, before any model loads: an unknown key, an unknown method, a context above
-the model's maximum, ``keep: 0`` or an unsupported bit width each give one line that names the key
-and the fix, all gathered into one :class:`ParamsError`.
+"""Sweep parameters: a pydantic model that a params YAML maps onto key for key, the method variants
+it expands to, and loading (YAML, ``--set`` overrides) with one readable :class:`ParamsError`.
+The checks against models, policies and this machine are :mod:`kvlab.sweep.checks`.
 
 List-valued knobs (``models``, ``ctx``, ``batch``, ``keep``, ``bits``, ``methods``) also accept a
 scalar, so ``papermill -p ctx 16384`` and ``kvlab sweep ... --set ctx=16384`` work.
@@ -10,6 +8,7 @@ scalar, so ``papermill -p ctx 16384`` and ``kvlab sweep ... --set ctx=16384`` wo
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -20,7 +19,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
 from kvlab.errors import UserError
-from kvlab.workload import CtxDistribution
+from kvlab.preflight import read_text_file
+from kvlab.records import canonical_json
+from kvlab.workload import CtxDistribution, WorkloadError, parse_distribution
 
 SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
 DTYPES = ("bfloat16", "float16", "float32")
@@ -107,7 +108,7 @@ class SweepParams(BaseModel):
                               "(optimum-quanto; engine hf only; kvlab.weights_quant)")
     budget_gb: float | Literal["gpu"] | None = Field(
         None, description="memory-budgeted concurrency: admit as many sequences per method as fit in "
-                          "this many GB (or the whole free GPU) from the measured peaks (kvlab.admission)")
+                          "this many GB (or the whole free GPU) from the measured peaks (kvlab.sweep.admission)")
     budget_max_batch: int | None = Field(
         None, ge=1, description="with budget_gb: admit at most this many sequences (a command's time limit)")
     quality: dict[str, Any] | None = Field(
@@ -121,8 +122,6 @@ class SweepParams(BaseModel):
     @classmethod
     def _ctx(cls, value):
         """A mapping is a distribution (its own one-line errors); anything else a list of lengths."""
-        from kvlab.workload import WorkloadError, parse_distribution
-
         if isinstance(value, dict):
             try:
                 return parse_distribution(value, key=None)
@@ -190,17 +189,13 @@ class MethodVariant:
         return quant.get("nbits") if isinstance(quant, dict) else None
 
     def key(self) -> tuple:
-        from kvlab.records import canonical_json
-
         return (self.method, canonical_json(self.kwargs))
 
 
 def method_axis(method: str) -> str | None:
     """``"keep"`` for methods with a ``keep`` parameter (eviction), ``"bits"`` for those with
     ``nbits`` (quantized), None for the rest (``full``, ``fp8``); read from the policy registry."""
-    import dataclasses
-
-    from kvlab.policies import POLICIES
+    from kvlab.policies import POLICIES  # torch: a params file is read and parsed without it
 
     cls = POLICIES.get(method)
     if cls is None:  # check_params reports the unknown method
@@ -247,7 +242,7 @@ def _chunk_variants(v: MethodVariant, chunks: list[int | None]) -> list[MethodVa
 # --------------------------------------------------------------------------------------------
 
 
-def _pydantic_lines(err: ValidationError, known: list[str] | None = None, prefix: str = "") -> list[str]:
+def pydantic_lines(err: ValidationError, known: list[str] | None = None, prefix: str = "") -> list[str]:
     known = known or list(SweepParams.model_fields)
     lines = []
     for e in err.errors():
@@ -279,7 +274,7 @@ def parse_params(data: dict[str, Any]) -> SweepParams:
     try:
         return SweepParams.model_validate(data)
     except ValidationError as err:
-        raise params_error(_pydantic_lines(err)) from None
+        raise params_error(pydantic_lines(err)) from None
 
 
 def _yaml_value(text: str, where: str):
@@ -312,8 +307,6 @@ def apply_overrides(data: dict[str, Any], sets: Iterable[str]) -> dict[str, Any]
 
 def load_params(path: str | Path, sets: Iterable[str] = ()) -> SweepParams:
     """Read a params YAML, apply ``--set`` overrides and validate types (not yet against models)."""
-    from kvlab.preflight import read_text_file
-
     path = Path(path)
     if not path.is_file():  # its own words: a missing params file is the commonest first mistake
         raise ParamsError(f"params file {path} not found: pass a YAML file such as params/smoke.yaml")
@@ -327,136 +320,3 @@ def load_params(path: str | Path, sets: Iterable[str] = ()) -> SweepParams:
     data = apply_overrides(data, sets)
     data.setdefault("name", path.stem)
     return parse_params(data)
-
-
-def prefill_rows_problems(params: SweepParams) -> list[str]:
-    """Why ``prefill_rows`` cannot run with the rest of the plan (one line each)."""
-    if params.prefill_rows is None:
-        return []
-    problems = []
-    if "hf" in params.engine:
-        problems.append("prefill_rows: needs engine: fast only (transformers' decode cache cannot be put together "
-                        "from row groups without holding the whole batch's cache); set engine: fast, or drop "
-                        "prefill_rows for the hf runs (another sweep)")
-    if params.budget_gb is not None:
-        problems.append("prefill_rows: not with budget_gb (admission fits peaks that grow with the batch's "
-                        "whole prefill); drop one of them")
-    return problems
-
-
-def check_params(params: SweepParams, check_device: bool = True) -> list[tuple[int, MethodVariant]]:
-    """Validate against models, policies and (with ``check_device``) this machine's device and its
-    memory, without loading weights; returns the method variants.
-
-    Raises one :class:`ParamsError` listing every problem.
-    """
-    from kvlab.budget import context_problem
-    from kvlab.models import ModelError, get_spec
-    from kvlab.preflight import compressions, device_problem, shape_problems, weights_problem
-    from kvlab.workload import context_points
-
-    problems: list[str] = []
-    # device and dtype
-    device_bad = device_problem(params.device, key="device", check_available=check_device,
-                                fix="use --set device=cpu")
-    if device_bad:
-        problems.append(device_bad)
-    if params.dtype is not None and params.dtype not in DTYPES:
-        problems.append(f"dtype: {params.dtype!r} is not one of {', '.join(DTYPES)}")
-    dev = params.device
-    if params.executor == "ray":
-        import importlib.util
-
-        if importlib.util.find_spec("ray") is None:
-            problems.append("executor: ray needs the ray package; install it with pip install 'kvlab[ray]'")
-        if dev.startswith("cuda:") and dev != "cuda:0":
-            problems.append(f"device: {dev!r} with executor: ray; use device: cuda (Ray gives each worker "
-                            f"its GPU as cuda)")
-    elif params.ray_address is not None:
-        problems.append("ray_address: only used with executor: ray; add --executor ray (or drop ray_address)")
-    if params.sdpa_backend != "auto" and params.attn_implementation != "sdpa":
-        problems.append(f"sdpa_backend: {params.sdpa_backend!r} only applies with attn_implementation: sdpa")
-    if not params.methods:
-        problems.append("methods: empty; list at least one method, e.g. [full]")
-    from kvlab.admission import budget_problems
-    from kvlab.weights_quant import weights_quant_problems
-
-    problems += weights_quant_problems(params.weights_quant, params.engine)
-    problems += budget_problems(params)
-    problems += prefill_rows_problems(params)
-
-    # models, weights, context limits and memory (for the most compressed method that builds)
-    from kvlab.policies import make_policy
-
-    built = []
-    for _, v in method_variants(params):
-        try:
-            built.append(make_policy(v.method, **v.kwargs))
-        except ValueError:
-            pass  # reported below
-    specs = []
-    for i, name in enumerate(params.models):
-        try:
-            spec = get_spec(name)
-        except ModelError as err:
-            problems.append(f"models[{i}]: {err}")
-            continue
-        specs.append(spec)
-        problem = weights_problem(name, params.weights, key=f"models[{i}]", fix="set weights: synthetic",
-                                  check_files=check_device)
-        if problem:
-            problems.append(problem)
-        if "fast" in params.engine:
-            from kvlab.engine.llama import check_model_type
-
-            try:
-                check_model_type(spec.model_type)
-            except ValueError as err:
-                problems.append(f"engine: fast with models[{i}] {name}: {err}")
-        try:
-            contexts = sorted({p.ctx for p in context_points(params.ctx, params.seed,
-                                                             spec.max_context - params.new_tokens)})
-        except UserError as err:
-            problems.append(str(err))
-            contexts = []
-        for ctx in contexts:
-            problems += shape_problems(spec, params.device, params.dtype, ctx, max(params.batch),
-                                       params.new_tokens, check_memory=check_device and not device_bad,
-                                       compressions=compressions(built))
-
-    # the quality pass: its own keys
-    if params.quality is not None:
-        from kvlab.quality import TaskSpec
-
-        try:
-            task_spec = TaskSpec(**params.quality)
-        except ValidationError as err:
-            problems += _pydantic_lines(err, list(TaskSpec.model_fields), prefix="quality.")
-        else:
-            for spec in specs:
-                for length in task_spec.lengths:
-                    problem = context_problem(spec, length, task_spec.max_new_tokens or 0, key="quality.lengths",
-                                              new_key="quality.max_new_tokens")
-                    if problem:
-                        problems.append(problem)
-
-    # methods: every variant must build
-    variants = method_variants(params)
-
-    failures: dict[tuple[str, str], list[str]] = {}
-    for where, v in variants:
-        try:
-            policy = make_policy(v.method, **v.kwargs)
-            if "fast" in params.engine:
-                policy.fast_storage()
-            for spec in specs:  # e.g. a q_group_size that does not divide the model's head dim
-                policy.check(spec)
-        except ValueError as err:
-            args = ", ".join(f"{k}={val!r}" for k, val in v.kwargs.items())
-            failures.setdefault((where, str(err)), []).append(
-                v.method + (f": {args}" if where not in ("keep", "bits") and args else ""))
-    for (where, err), methods in failures.items():
-        problems.append(f"{where} ({', '.join(dict.fromkeys(methods))}): {err}")
-    if problems:
-        raise params_error(problems)
-    return variants

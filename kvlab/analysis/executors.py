@@ -6,7 +6,7 @@ then ``--executor ray`` into ``DIR/local`` and ``DIR/ray``, and appends one line
 ``kvlab sweep`` process; a line for ``ray-cluster`` times the ``ray start --head`` that ran before
 the ``ray`` sweep joined that cluster, as a user's sweep joins a running one). Then::
 
-    python -m kvlab.runner.compare DIR [--base local --other ray] [--target 0.05]
+    python -m kvlab.analysis.executors DIR [--base local --other ray] [--target 0.05]
 
 prints what each executor cost and whether it changed the measurements:
 
@@ -31,6 +31,11 @@ import sys
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+import pandas as pd
+
+from kvlab.records import load_records, read_manifest
+from kvlab.reporting.stats import method_summary, ratio_ci
 
 METRICS = {"itl_mean_ms": "ms/step", "j_per_token": "J/token", "ttft_s": "TTFT s"}
 KEYS = ("method", "label", "ctx", "batch")
@@ -89,10 +94,6 @@ def wall_summary(walls: dict[str, dict[str, Any]], records: dict[str, Any], base
 def config_table(base_df, other_df, metrics=tuple(METRICS), n_boot: int = 2000, seed: int = 0):
     """One row per configuration present in both: n per executor, mean/lo/hi per metric and
     executor, the ratio other/base with its CI, and ``agree`` (every ratio CI contains 1)."""
-    import pandas as pd
-
-    from kvlab.reporting.stats import method_summary, ratio_ci
-
     metrics = [m for m in metrics if m in base_df.columns and m in other_df.columns]
     keys = [k for k in KEYS if k in base_df.columns and k in other_df.columns]
     sb = method_summary(base_df, metrics, by=keys, n_boot=n_boot, seed=seed)
@@ -185,8 +186,6 @@ def table_lines(table, base: str, other: str, empty: str = "no configuration has
 
 def provenance_lines(folder: Path) -> list[str]:
     """The last invocation of a sweep folder: executor, status and its workers (host, GPU UUID)."""
-    from kvlab.records import read_manifest
-
     manifest = read_manifest(folder) or {}
     inv = (manifest.get("invocations") or [{}])[-1]
     lines = [f"{folder.name}: executor {inv.get('executor')}, status {manifest.get('status')}, "
@@ -198,8 +197,6 @@ def provenance_lines(folder: Path) -> list[str]:
 
 
 def compare(folder: Path, base: str = "local", other: str = "ray", target: float = TARGET) -> str:
-    from kvlab.records import load_records
-
     frames = {}
     for ex in (base, other):
         df = load_records(folder / ex, kind="perf")
@@ -211,7 +208,7 @@ def compare(folder: Path, base: str = "local", other: str = "ray", target: float
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvlab.runner.compare", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m kvlab.analysis.executors", description=__doc__.split("\n\n")[0])
     ap.add_argument("folder", type=Path, help="holds BASE/ and OTHER/ sweep folders and walls.jsonl")
     ap.add_argument("--base", default="local")
     ap.add_argument("--other", default="ray")
@@ -219,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     missing = [str(args.folder / ex) for ex in (args.base, args.other) if not (args.folder / ex / "records.jsonl").is_file()]
     if missing:
-        print(f"kvlab.runner.compare: error: no records in {', '.join(missing)}", file=sys.stderr)
+        print(f"kvlab.analysis.executors: error: no records in {', '.join(missing)}", file=sys.stderr)
         return 2
     print(compare(args.folder, args.base, args.other, args.target))
     return 0

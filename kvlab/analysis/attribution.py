@@ -23,7 +23,7 @@ record names, the counters' idle reading (no process on it). Binding checks come
 readings: each window's counter values lie inside its GPU's counter span (a window read from
 another GPU's counter would not), and windows on one GPU never overlap (runs share no GPU).
 
-    python -m kvlab.runner.attribution SWEEP_DIR --start START.json --end END.json [--idle IDLE.json]
+    python -m kvlab.analysis.attribution SWEEP_DIR --start START.json --end END.json [--idle IDLE.json]
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.energy import norm_uuid
+from kvlab.records import read_jsonl
 
 TOLERANCE = 0.02
 COUNTER_SLACK_J = 0.001  # the counter counts whole millijoules
@@ -354,8 +355,6 @@ def render(att: Attribution) -> str:
 
 def sweep_records(folder: Path) -> list[dict[str, Any]]:
     """A sweep folder's measured runs and warm-ups (both measured energy in a window)."""
-    from kvlab.records import read_jsonl
-
     out = []
     for name in ("records.jsonl", "warmup.jsonl"):
         path = Path(folder) / name
@@ -365,7 +364,7 @@ def sweep_records(folder: Path) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvlab.runner.attribution", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m kvlab.analysis.attribution", description=__doc__.split("\n\n")[0])
     ap.add_argument("folder", type=Path, help="a sweep folder (records.jsonl, warmup.jsonl)")
     ap.add_argument("--start", type=Path, required=True, help="counters.py snapshot before the sweep")
     ap.add_argument("--end", type=Path, required=True, help="counters.py snapshot after the sweep")
@@ -374,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     missing = [str(p) for p in (args.start, args.end, args.idle) if p is not None and not p.is_file()]
     if missing or not (args.folder / "records.jsonl").is_file():
-        print(f"kvlab.runner.attribution: error: missing {', '.join(missing) or args.folder / 'records.jsonl'}",
+        print(f"kvlab.analysis.attribution: error: missing {', '.join(missing) or args.folder / 'records.jsonl'}",
               file=sys.stderr)
         return 2
     att = attribute(read_counters(args.start), read_counters(args.end), sweep_records(args.folder),

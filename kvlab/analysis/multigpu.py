@@ -6,14 +6,14 @@ sweep: ``{"sweep", "gpus", "start", "end", "rc", "cluster_start_s"}``, epoch sec
 ``kvlab sweep`` process; the Ray cluster was started before it) and ``counters/`` (counters.py
 snapshots: ``idle.json``, then ``SWEEP-start.json`` and ``SWEEP-end.json`` around each sweep).
 
-    python -m kvlab.runner.multigpu DIR [--target 0.55] [--tolerance 0.02]
+    python -m kvlab.analysis.multigpu DIR [--target 0.55] [--tolerance 0.02]
 
 prints:
 
 - the wall-time ratio, two GPUs over one (issue #18's target: at most 0.55);
 - whether every record names the GPU it ran on, and which groups ran where;
-- per sweep, per GPU, the energy attribution (:mod:`kvlab.runner.attribution`);
-- per configuration (:func:`kvlab.runner.compare.config_table`): a (model, ctx, batch) group runs
+- per sweep, per GPU, the energy attribution (:mod:`kvlab.analysis.attribution`);
+- per configuration (:func:`kvlab.analysis.executors.config_table`): a (model, ctx, batch) group runs
   on one GPU of the two-GPU sweep, so each configuration is compared across GPUs through the
   one-GPU sweep: for the configurations the two-GPU sweep ran on the *other* GPU, the two GPUs'
   numbers side by side (issue #18's agreement); for those it ran on the *same* GPU, the control
@@ -30,9 +30,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvlab.analysis.attribution import TOLERANCE, attribute, read_counters, render, sweep_records
+from kvlab.analysis.executors import config_table, provenance_lines, read_walls, table_lines
 from kvlab.energy import norm_uuid
-from kvlab.runner.attribution import TOLERANCE, attribute, read_counters, render, sweep_records
-from kvlab.runner.compare import read_walls
+from kvlab.records import load_records
 
 TARGET = 0.55
 MANY, ONE = "gpu2", "gpu1"
@@ -85,8 +86,6 @@ def gpu_lines(name: str, records: list[dict[str, Any]], index: dict[str, int]) -
 
 def gpu_tables(one_df, many_df, index: dict[str, int]) -> list[str]:
     """Per configuration, the one-GPU sweep's numbers against the two-GPU sweep's on each GPU."""
-    from kvlab.runner.compare import config_table, table_lines
-
     lines: list[str] = []
     alone = sorted({str(u) for u in one_df.get("gpu_uuid", []) if u})
     label = lambda u: f"GPU{index.get(norm_uuid(u), '?')}"  # noqa: E731
@@ -129,9 +128,6 @@ def attribution_lines(folder: Path, sweep: str, tolerance: float) -> list[str]:
 
 
 def report(folder: Path, target: float = TARGET, tolerance: float = TOLERANCE) -> str:
-    from kvlab.records import load_records
-    from kvlab.runner.compare import provenance_lines
-
     frames, records = {}, {}
     for sweep in (MANY, ONE):
         df = load_records(folder / sweep, kind="perf")
@@ -156,14 +152,14 @@ def report(folder: Path, target: float = TARGET, tolerance: float = TOLERANCE) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvlab.runner.multigpu", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m kvlab.analysis.multigpu", description=__doc__.split("\n\n")[0])
     ap.add_argument("folder", type=Path, help=f"holds {MANY}/, {ONE}/, walls.jsonl and counters/")
     ap.add_argument("--target", type=float, default=TARGET, help="wall-time ratio 2 GPUs / 1 GPU to meet")
     ap.add_argument("--tolerance", type=float, default=TOLERANCE, help="energy attribution tolerance (share)")
     args = ap.parse_args(argv)
     missing = [str(args.folder / s) for s in (MANY, ONE) if not (args.folder / s / "records.jsonl").is_file()]
     if missing:
-        print(f"kvlab.runner.multigpu: error: no records in {', '.join(missing)}", file=sys.stderr)
+        print(f"kvlab.analysis.multigpu: error: no records in {', '.join(missing)}", file=sys.stderr)
         return 2
     print(report(args.folder, args.target, args.tolerance))
     return 0

@@ -1,0 +1,164 @@
+"""Every check of a sweep's params, before any model loads: an unknown method, a context above the
+model's maximum, ``keep: 0``, an unsupported bit width or a device without the memory each give one
+line that names the key and the fix, all gathered into one :class:`~kvlab.sweep.params.ParamsError`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from pydantic import ValidationError
+
+from kvlab.budget import context_problem
+from kvlab.errors import UserError
+from kvlab.models import ModelError, get_spec
+from kvlab.preflight import compressions, device_problem, shape_problems, weights_problem
+from kvlab.quality import TaskSpec
+from kvlab.sweep.params import (
+    DTYPES,
+    MethodVariant,
+    SweepParams,
+    method_variants,
+    params_error,
+    pydantic_lines,
+)
+from kvlab.weights_quant import weights_quant_problems
+from kvlab.workload import context_points
+
+
+def budget_problems(params: SweepParams) -> list[str]:
+    """Why a sweep's ``budget_gb`` (:mod:`kvlab.sweep.admission`) cannot run (one line each)."""
+    budget = params.budget_gb
+    if budget is None:
+        return [] if params.budget_max_batch is None else [
+            "budget_max_batch: only used with budget_gb; add budget_gb: 40 (or gpu), or drop it"]
+    problems = []
+    if budget == "gpu" and not str(params.device).startswith("cuda"):
+        problems.append("budget_gb: gpu needs device: cuda; on a CPU give a number of GB")
+    if budget != "gpu" and not budget > 0:
+        problems.append(f"budget_gb: {budget} must be positive (GB), or gpu for the whole free GPU")
+    if 1 not in params.batch or len(set(params.batch)) < 2:
+        problems.append(f"batch: {params.batch} with budget_gb: list 1 (the single-stream view) and at least one "
+                        f"more batch to fit the peak per sequence, e.g. batch: [1, 2]")
+    return problems
+
+
+def prefill_rows_problems(params: SweepParams) -> list[str]:
+    """Why ``prefill_rows`` cannot run with the rest of the plan (one line each)."""
+    if params.prefill_rows is None:
+        return []
+    problems = []
+    if "hf" in params.engine:
+        problems.append("prefill_rows: needs engine: fast only (transformers' decode cache cannot be put together "
+                        "from row groups without holding the whole batch's cache); set engine: fast, or drop "
+                        "prefill_rows for the hf runs (another sweep)")
+    if params.budget_gb is not None:
+        problems.append("prefill_rows: not with budget_gb (admission fits peaks that grow with the batch's "
+                        "whole prefill); drop one of them")
+    return problems
+
+
+def check_params(params: SweepParams, check_device: bool = True) -> list[tuple[int, MethodVariant]]:
+    """Validate against models, policies and (with ``check_device``) this machine's device and its
+    memory, without loading weights; returns the method variants.
+
+    Raises one :class:`ParamsError` listing every problem.
+    """
+    from kvlab.policies import make_policy  # torch: a params file is read and parsed without it
+
+    problems: list[str] = []
+    # device and dtype
+    device_bad = device_problem(params.device, key="device", check_available=check_device,
+                                fix="use --set device=cpu")
+    if device_bad:
+        problems.append(device_bad)
+    if params.dtype is not None and params.dtype not in DTYPES:
+        problems.append(f"dtype: {params.dtype!r} is not one of {', '.join(DTYPES)}")
+    dev = params.device
+    if params.executor == "ray":
+        if importlib.util.find_spec("ray") is None:
+            problems.append("executor: ray needs the ray package; install it with pip install 'kvlab[ray]'")
+        if dev.startswith("cuda:") and dev != "cuda:0":
+            problems.append(f"device: {dev!r} with executor: ray; use device: cuda (Ray gives each worker "
+                            f"its GPU as cuda)")
+    elif params.ray_address is not None:
+        problems.append("ray_address: only used with executor: ray; add --executor ray (or drop ray_address)")
+    if params.sdpa_backend != "auto" and params.attn_implementation != "sdpa":
+        problems.append(f"sdpa_backend: {params.sdpa_backend!r} only applies with attn_implementation: sdpa")
+    if not params.methods:
+        problems.append("methods: empty; list at least one method, e.g. [full]")
+    problems += weights_quant_problems(params.weights_quant, params.engine)
+    problems += budget_problems(params)
+    problems += prefill_rows_problems(params)
+
+    # models, weights, context limits and memory (for the most compressed method that builds)
+    built = []
+    for _, v in method_variants(params):
+        try:
+            built.append(make_policy(v.method, **v.kwargs))
+        except ValueError:
+            pass  # reported below
+    specs = []
+    for i, name in enumerate(params.models):
+        try:
+            spec = get_spec(name)
+        except ModelError as err:
+            problems.append(f"models[{i}]: {err}")
+            continue
+        specs.append(spec)
+        problem = weights_problem(name, params.weights, key=f"models[{i}]", fix="set weights: synthetic",
+                                  check_files=check_device)
+        if problem:
+            problems.append(problem)
+        if "fast" in params.engine:
+            from kvlab.engine.llama import check_model_type  # torch
+
+            try:
+                check_model_type(spec.model_type)
+            except ValueError as err:
+                problems.append(f"engine: fast with models[{i}] {name}: {err}")
+        try:
+            contexts = sorted({p.ctx for p in context_points(params.ctx, params.seed,
+                                                             spec.max_context - params.new_tokens)})
+        except UserError as err:
+            problems.append(str(err))
+            contexts = []
+        for ctx in contexts:
+            problems += shape_problems(spec, params.device, params.dtype, ctx, max(params.batch),
+                                       params.new_tokens, check_memory=check_device and not device_bad,
+                                       compressions=compressions(built))
+
+    # the quality pass: its own keys
+    if params.quality is not None:
+        try:
+            task_spec = TaskSpec(**params.quality)
+        except ValidationError as err:
+            problems += pydantic_lines(err, list(TaskSpec.model_fields), prefix="quality.")
+        else:
+            for spec in specs:
+                for length in task_spec.lengths:
+                    problem = context_problem(spec, length, task_spec.max_new_tokens or 0, key="quality.lengths",
+                                              new_key="quality.max_new_tokens")
+                    if problem:
+                        problems.append(problem)
+
+    # methods: every variant must build
+    variants = method_variants(params)
+
+    failures: dict[tuple[str, str], list[str]] = {}
+    for where, v in variants:
+        try:
+            policy = make_policy(v.method, **v.kwargs)
+            if "fast" in params.engine:
+                policy.fast_storage()
+            for spec in specs:  # e.g. a q_group_size that does not divide the model's head dim
+                policy.check(spec)
+        except ValueError as err:
+            args = ", ".join(f"{k}={val!r}" for k, val in v.kwargs.items())
+            failures.setdefault((where, str(err)), []).append(
+                v.method + (f": {args}" if where not in ("keep", "bits") and args else ""))
+    for (where, err), methods in failures.items():
+        problems.append(f"{where} ({', '.join(dict.fromkeys(methods))}): {err}")
+    if problems:
+        raise params_error(problems)
+    return variants
