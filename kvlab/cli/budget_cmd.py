@@ -24,7 +24,7 @@ def register(sub) -> None:
                    help="a context-length distribution, as a sweep's ctx: e.g. '{dist: lognormal, median: 4096, "
                         "sigma: 0.6}' or '{file: lengths.txt}' (expected bytes over it)")
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--bits", type=int, default=16, choices=[16, 8, 4, 2], help="stored bits per K/V element")
+    p.add_argument("--bits", type=int, default=16, choices=[16, 8, 4, 3, 2, 1], help="stored bits per K/V element")
     p.add_argument("--group-size", type=int, default=64, help="quantization group size (scale + zero per group)")
     p.add_argument("--residual", type=int, default=128, help="recent tokens a quantized cache keeps in 16-bit")
     p.add_argument("--keep", type=float, default=1.0, help="eviction keep ratio of the prompt cache, in (0, 1]")
@@ -84,7 +84,7 @@ def run_distribution(args, spec, gpu) -> int:
         raise BudgetError(f"--ctx-dist {args.ctx_dist!r}: write a mapping, e.g. '{{dist: lognormal, median: 4096, "
                           f"sigma: 0.6}}' or '{{file: lengths.txt}}'")
     dist = parse_distribution(data, key="--ctx-dist")
-    check_bits(args.bits)
+    check_bits(args.bits, key="--bits")
     if args.memory is not None and not args.memory > 0:
         raise BudgetError(f"--memory must be positive, got {args.memory:g}")
     if args.reserve is not None and not args.reserve >= 0:
