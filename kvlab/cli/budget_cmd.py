@@ -90,7 +90,11 @@ def run_distribution(args, spec, gpu) -> int:
     if args.reserve is not None and not args.reserve >= 0:
         raise BudgetError(f"--reserve must be >= 0 GiB, got {args.reserve:g}")
     memory = args.memory * 1e9 if args.memory is not None else (gpu.memory_bytes if gpu else None)
-    lengths = dist.population(spec.max_context - max(args.new_tokens, 0))
+    window = spec.max_context - max(args.new_tokens, 0)
+    problem = dist.window_problem(window, f"{spec.name}'s window {spec.max_context} minus --new-tokens {args.new_tokens}", key="--ctx-dist")
+    if problem:
+        raise BudgetError(problem)
+    lengths = dist.population(window)
     report = distribution_budget(
         spec, lengths, dist.label, batch=args.batch, bits=args.bits, group_size=args.group_size,
         residual=args.residual, keep=args.keep, new_tokens=args.new_tokens, memory_bytes=memory,
