@@ -41,6 +41,8 @@ def run(args) -> int:
     if (args.ctx is None) == (args.ctx_dist is None):
         raise BudgetError("give --ctx N (one length) or --ctx-dist '{dist: lognormal, median: 4096, sigma: 0.6}'")
     check_positive("--batch", args.batch)
+    if args.residual < 0:
+        raise BudgetError(f"--residual must be >= 0 tokens (kept at full precision), got {args.residual}")
     spec = get_spec(args.model)
     gpu = get_gpu(args.gpu) if args.gpu else None
     if args.ctx_dist is not None:

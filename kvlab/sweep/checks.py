@@ -27,6 +27,22 @@ from kvlab.weights_quant import weights_quant_problems
 from kvlab.workload import CtxDistribution, context_points
 
 
+# transformers' attention implementations kvlab can load a model with (kvlab.policies.attention
+# wraps each); the flash ones need their package
+ATTN_IMPLEMENTATIONS = {"sdpa": None, "eager": None, "flex_attention": None,
+                        "flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
+
+
+def attn_problem(name: str) -> str | None:
+    """Why transformers cannot load a model with attention ``name`` here, or None."""
+    if name not in ATTN_IMPLEMENTATIONS:
+        return f"attn_implementation: {name!r} is not one of {', '.join(ATTN_IMPLEMENTATIONS)} (sdpa: the default)"
+    package = ATTN_IMPLEMENTATIONS[name]
+    if package and importlib.util.find_spec(package) is None:
+        return f"attn_implementation: {name} needs the {package} package, not installed here; use sdpa"
+    return None
+
+
 def budget_problems(params: SweepParams, check_device: bool = True) -> list[str]:
     """Why a sweep's ``budget_gb`` (:mod:`kvlab.sweep.admission`) cannot run (one line each); with
     ``check_device``, a budget above the memory the device has available now (admission would
@@ -43,7 +59,7 @@ def budget_problems(params: SweepParams, check_device: bool = True) -> list[str]
     elif budget != "gpu" and check_device:
         available = preflight.available_memory_bytes(params.device)
         if available is not None and budget * 1e9 > available:
-            problems.append(f"budget_gb: {budget:g} GB is above the {available / 1e9:,.1f} GB {params.device} has "
+            problems.append(f"budget_gb: {budget:,.10g} GB is above the {available / 1e9:,.1f} GB {params.device} has "
                             f"available now; give at most {int(available / 1e9)}"
                             + (" (or gpu for the whole free GPU)" if params.device.startswith("cuda") else ""))
     if 1 not in params.batch or len(set(params.batch)) < 2:
@@ -100,6 +116,7 @@ def check_params(params: SweepParams, check_device: bool = True,
                             f"its GPU as cuda)")
     elif params.ray_address is not None:
         problems.append("ray_address: only used with executor: ray; add --executor ray (or drop ray_address)")
+    problems += [p for p in (attn_problem(params.attn_implementation),) if p]
     if params.sdpa_backend != "auto" and params.attn_implementation != "sdpa":
         problems.append(f"sdpa_backend: {params.sdpa_backend!r} only applies with attn_implementation: sdpa")
     if not params.methods:
