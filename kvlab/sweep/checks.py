@@ -26,7 +26,6 @@ from kvlab.sweep.params import (
 from kvlab.weights_quant import weights_quant_problems
 from kvlab.workload import CtxDistribution, context_points
 
-
 # transformers' attention implementations kvlab can load a model with (kvlab.policies.attention
 # wraps each); the flash ones need their package
 ATTN_IMPLEMENTATIONS = {"sdpa": None, "eager": None, "flex_attention": None,
