@@ -573,3 +573,27 @@ def test_hqq_3_bits_runs_in_generate_and_passes_a_sweeps_checks(tmp_path, capsys
     assert '"nbits": 3' in capsys.readouterr().out
     params = parse_params({**GOOD, "methods": [{"method": "hqq", "bits": [3], "q_group_size": 16}]})
     assert len(planned_runs(params, check_device=True)) == 1
+
+
+def test_a_ray_address_that_does_not_answer_is_refused_within_its_timeout(monkeypatch):
+    """Nothing listening (refused at once) or nothing answering (the connect's timeout): one line, bounded."""
+    import socket
+    import time
+
+    from kvlab.runner import ray_cluster
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    started = time.monotonic()
+    assert ray_cluster.address_problem("127.0.0.1:9", timeout_s=0.5).startswith(
+        "ray_address: nothing answers at 127.0.0.1:9 (connection refused)")
+    assert time.monotonic() - started < 3
+    asked = []
+
+    def silent(address, timeout):
+        asked.append((address, timeout))
+        raise TimeoutError
+
+    monkeypatch.setattr(socket, "create_connection", silent)
+    assert "(no answer within 0.5 s)" in ray_cluster.address_problem("ray://head:10001", timeout_s=0.5)
+    assert asked == [(("head", 10001), 0.5)]
+    assert ray_cluster.address_problem("auto") is None and ray_cluster.address_problem(None) is None
