@@ -289,6 +289,11 @@ CASES = [
     ("report-baseline-unknown", "report {tmp}/s --baseline nope",
      files({"s/records.jsonl": '{"run_id": "a", "method": "full"}\n{"run_id": "b", "method": "snapkv"}\n'}),
      "--baseline 'nope' is no method in"),
+    ("set-model-weights-above-memory", SWEEP + " --set models=llama-3.1-70b", good_params,
+     "models: llama-3.1-70b's weights alone need 262.8 GiB in float32, but cpu has 64.0 GiB available; use a "
+     "smaller model or dtype: bfloat16"),
+    ("generate-model-weights-above-memory", "generate --model llama-3.1-70b --weights synthetic --prompt-tokens 8", None,
+     "--model: llama-3.1-70b's weights alone need"),
     # --- every other sweep key --------------------------------------------------------------------------
     ("set-name-list", SWEEP + " --set name=[1]", good_params, "name: Input should be a valid string"),
     ("set-attn-implementation", SWEEP + " --set attn_implementation=flash", good_params, "attn_implementation: 'flash'"),
