@@ -35,7 +35,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvlab.kernels.decode_reduce import dense_key_scores, split_bounds, split_result
+from kvlab.kernels.decode_reduce import dense_key_scores, slot_tile, split_bounds, split_result, split_state
 from kvlab.kernels.jit_constants import FMT_BF16, FMT_FP8, FMT_INT
 
 # $4: four code bytes b0..b3 (b0 lowest); $0, $1: plane 0 (low nibbles) of b0, b1 and b2, b3 as
@@ -203,20 +203,12 @@ def decode_fold_kernel(
         qs2 = (tl.sum(q4.to(tl.float32), 1) + tl.sum(q5.to(tl.float32), 1)) * qk_scale
         qs3 = (tl.sum(q6.to(tl.float32), 1) + tl.sum(q7.to(tl.float32), 1)) * qk_scale
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    m_i, l_i, acc0, acc1, acc2, acc3 = split_state(BLOCK_M, DP)
     zacc = tl.zeros([BLOCK_M], tl.float32)
-    acc0 = tl.zeros([BLOCK_M, DP], tl.float32)
-    acc1 = tl.zeros([BLOCK_M, DP], tl.float32)
-    acc2 = tl.zeros([BLOCK_M, DP], tl.float32)
-    acc3 = tl.zeros([BLOCK_M, DP], tl.float32)
     row0 = bh.to(tl.int64) * T  # first slot of this (b, h) in [B, Hkv, T, ...] buffers
 
     for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        slots = row0 + offs_n
-        tile = slots[:, None] * DP + offs_j[None, :]
+        mask_n, slots, tile = slot_tile(row0, n0, end, offs_j, DP, BLOCK_N)
         if FMT == FMT_INT:
             k_sc = _group_tile(ks_ptr, slots, mask_n, NG)
             k_zr = _group_tile(kz_ptr, slots, mask_n, NG)

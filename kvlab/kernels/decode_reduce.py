@@ -4,6 +4,7 @@ Imports triton: the launcher (:mod:`kvlab.kernels.decode`) imports this lazily.
 
 - :func:`split_bounds`: which KV head, batch row and slots ``[start, end)`` a split program reads
   (grid ``(B * Hkv, num_splits)``; a split that starts past the row's length runs zero iterations);
+- :func:`split_state`, :func:`slot_tile`: a split's empty online softmax, and the slots of one tile;
 - :func:`dense_key_scores`: the scaled scores of a bf16 or fp8 key tile (no group scales; both kernels read those alike);
 - :func:`split_result`: a split's ``1 / l`` and base-2 log-sum-exp (zero and ``-inf`` when it saw no token);
 - :func:`decode_reduce_kernel`, grid ``(B * Hq,)``: merges the splits that saw tokens
@@ -29,6 +30,31 @@ def split_bounds(len_ptr, Hkv, T, split_len):
     start = split * split_len
     end = tl.minimum(start + split_len, length)
     return bh, split, b, h, start, end
+
+
+@triton.jit
+def split_state(ROWS: tl.constexpr, DP: tl.constexpr):
+    """A split's empty online softmax: ``m_i``, ``l_i`` per row and four ``[ROWS, DP]`` accumulators
+    (one per packed plane; bf16/fp8 use the first)."""
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc0 = tl.zeros([ROWS, DP], tl.float32)
+    acc1 = tl.zeros([ROWS, DP], tl.float32)
+    acc2 = tl.zeros([ROWS, DP], tl.float32)
+    acc3 = tl.zeros([ROWS, DP], tl.float32)
+    return m_i, l_i, acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def slot_tile(row0, n0, end, offs_j, DP: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``(mask_n, slots, tile)`` of the ``BLOCK_N`` slots from ``n0``: which are before ``end``, their
+    index in the ``[B, Hkv, T, ...]`` buffers (``row0``: this KV head's first) and the element offsets
+    of their ``DP`` codes per slot."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < end
+    slots = row0 + offs_n
+    tile = slots[:, None] * DP + offs_j[None, :]
+    return mask_n, slots, tile
 
 
 @triton.jit

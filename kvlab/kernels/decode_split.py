@@ -30,7 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvlab.kernels.decode_reduce import dense_key_scores, split_bounds, split_result
+from kvlab.kernels.decode_reduce import dense_key_scores, slot_tile, split_bounds, split_result, split_state
 from kvlab.kernels.jit_constants import FMT_FP8, FMT_INT
 
 
@@ -78,19 +78,11 @@ def decode_split_kernel(
         q2 = _load_q_plane(q_rows, offs_j, mask_h, 2, PACK)
         q3 = _load_q_plane(q_rows, offs_j, mask_h, 3, PACK)
 
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc0 = tl.zeros([BLOCK_H, DP], tl.float32)
-    acc1 = tl.zeros([BLOCK_H, DP], tl.float32)
-    acc2 = tl.zeros([BLOCK_H, DP], tl.float32)
-    acc3 = tl.zeros([BLOCK_H, DP], tl.float32)
+    m_i, l_i, acc0, acc1, acc2, acc3 = split_state(BLOCK_H, DP)
     row0 = bh.to(tl.int64) * T  # first slot of this (b, h) in [B, Hkv, T, ...] buffers
 
     for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        slots = row0 + offs_n
-        tile = slots[:, None] * DP + offs_j[None, :]
+        mask_n, slots, tile = slot_tile(row0, n0, end, offs_j, DP, BLOCK_N)
         if FMT == FMT_INT:
             groups = slots[:, None] * NG + offs_j[None, :] // (QGROUP // PACK)
             k_raw = tl.load(kc_ptr + tile, mask=mask_n[:, None], other=0).to(tl.int32)

@@ -31,14 +31,18 @@ from transformers.cache_utils import Cache, DynamicLayer
 from kvlab.policies import attention
 from kvlab.policies.base import Policy, PolicyError, check_int, hf_model, model_shape
 from kvlab.policies.cache import EvictionError, LogicalLengthMixin
+from kvlab.policies.knorm import KnormPolicy
+from kvlab.policies.random import RandomPolicy
+from kvlab.policies.snapkv import SnapKVPolicy
+from kvlab.policies.streamingllm import StreamingLLMPolicy
+from kvlab.policies.tova import TOVAPolicy
 
-SCORERS = ("snapkv", "tova", "knorm", "streamingllm", "random")
+SCORERS: dict[str, type[Policy]] = {
+    cls.name: cls for cls in (SnapKVPolicy, TOVAPolicy, KnormPolicy, StreamingLLMPolicy, RandomPolicy)}
 
 
 def make_scorer(score: str, score_params: dict[str, Any] | None):
-    """The registry eviction policy whose ``select`` picks the kept rows (its ``keep`` is unused)."""
-    from kvlab.policies import make_policy
-
+    """The eviction policy whose ``select`` picks the kept rows (its ``keep`` is unused)."""
     if score not in SCORERS:
         raise PolicyError(f"score={score!r} cannot drive decode-time compression: use one of {', '.join(SCORERS)}")
     params = dict(score_params or {})
@@ -46,7 +50,7 @@ def make_scorer(score: str, score_params: dict[str, Any] | None):
         if bad in params:
             raise PolicyError(f"score_params.{bad} does not apply to decode-time compression (target sets the "
                               f"budget): drop it")
-    return make_policy(score, **params)
+    return SCORERS[score].from_params(**params)
 
 
 class DecodingLayer(LogicalLengthMixin, DynamicLayer):
