@@ -26,15 +26,14 @@ from kvlab.policies.eviction import EvictionPolicy
 from kvlab.policies.full import FullPolicy
 from kvlab.policies.knorm import KnormPolicy
 from kvlab.policies.pyramidkv import PyramidKVPolicy
-from kvlab.policies.quantized import (
+from kvlab.policies.quantized import QuantizedPolicy, QuantSpec
+from kvlab.policies.quantized.policies import (
     FP8Policy,
     HQQPolicy,
     KVQFp8Policy,
     KVQInt2Policy,
     KVQInt4Policy,
-    QuantizedPolicy,
     QuantoPolicy,
-    QuantSpec,
 )
 from kvlab.policies.random import RandomPolicy
 from kvlab.policies.snapkv import SnapKVPolicy

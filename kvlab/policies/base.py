@@ -95,6 +95,11 @@ def check_int(name: str, value: Any, minimum: int | None = None, choices: tuple 
     return value
 
 
+def int_param(default: int, help_text: str, minimum: int) -> Any:
+    """A policy's integer parameter: its default, its help, and the least value :class:`Policy` accepts."""
+    return field(default=default, metadata={"help": help_text, "minimum": minimum})
+
+
 def _json_safe(value: Any) -> Any:
     if hasattr(value, "params"):
         return value.params()
@@ -129,6 +134,9 @@ class Policy:
 
     def __post_init__(self):
         object.__setattr__(self, "prefill_chunk", check_prefill_chunk(self.prefill_chunk))
+        for f in fields(self):
+            if "minimum" in f.metadata:
+                check_int(f.name, getattr(self, f.name), minimum=f.metadata["minimum"])
 
     @property
     def keep(self) -> float:

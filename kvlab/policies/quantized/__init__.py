@@ -5,18 +5,7 @@ cache layers (:mod:`~kvlab.policies.quantized.kvq_layers`) and the whole-cache m
 :class:`QuantSpec` too (``quant=``).
 """
 
-from kvlab.policies.quantized.policies import (
-    FP8Policy,
-    HQQPolicy,
-    KVQFp8Policy,
-    KVQInt2Policy,
-    KVQInt4Policy,
-    QuantizedPolicy,
-    QuantoPolicy,
-)
+from kvlab.policies.quantized.policies import QuantizedPolicy
 from kvlab.policies.quantized.storage import BACKENDS, DEFAULT_BACKEND, FP8_MIN_TRANSFORMERS, QuantSpec
 
-__all__ = [
-    "BACKENDS", "DEFAULT_BACKEND", "FP8_MIN_TRANSFORMERS", "QuantSpec", "QuantizedPolicy", "QuantoPolicy",
-    "HQQPolicy", "FP8Policy", "KVQFp8Policy", "KVQInt4Policy", "KVQInt2Policy",
-]
+__all__ = ["BACKENDS", "DEFAULT_BACKEND", "FP8_MIN_TRANSFORMERS", "QuantSpec", "QuantizedPolicy"]

@@ -128,18 +128,19 @@ class KVQIntPolicy(KVQPolicy):
     q_group_size: int = field(default=64, metadata={
         "help": "int formats: elements of head_dim sharing a scale and zero (32, 64 or 128)"})
 
+    def __init_subclass__(cls, **kwargs):
+        """A subclass sets ``nbits``; its name and summary follow (``kvq-int4``)."""
+        super().__init_subclass__(**kwargs)
+        cls.name = f"kvq-int{cls.nbits}"
+        cls.summary = (f"kvlab int{cls.nbits}, scale+zero per q_group_size of head_dim, no residual "
+                       "(fast: fused kernel; hf: dequantize, then attend)")
+
 
 @dataclass(frozen=True)
 class KVQInt4Policy(KVQIntPolicy):
-    name = "kvq-int4"
-    summary = ("kvlab int4, scale+zero per q_group_size of head_dim, no residual (fast: fused kernel; "
-               "hf: dequantize, then attend)")
     nbits = 4
 
 
 @dataclass(frozen=True)
 class KVQInt2Policy(KVQIntPolicy):
-    name = "kvq-int2"
-    summary = ("kvlab int2, scale+zero per q_group_size of head_dim, no residual (fast: fused kernel; "
-               "hf: dequantize, then attend)")
     nbits = 2
