@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvlab.kernels.jit_constants import FMT_BF16, FMT_FP8
+from kvlab.kernels.jit_constants import FMT_BF16, FMT_FP8, FP8_MAX
 
 
 @triton.jit
@@ -78,8 +78,8 @@ def quantize_write_kernel(
         tl.store(codes_ptr + row * D + offs_d, _bf16_bits(x))
     elif FMT == FMT_FP8:
         amax = tl.max(tl.abs(x), 0)
-        scale = tl.math.div_rn(tl.maximum(amax, 1e-30), tl.full([], 448.0, tl.float32))
-        codes = tl.minimum(tl.maximum(tl.math.div_rn(x, tl.full([D], 1.0, tl.float32) * scale), -448.0), 448.0)
+        scale = tl.math.div_rn(tl.maximum(amax, 1e-30), tl.full([], FP8_MAX, tl.float32))
+        codes = tl.minimum(tl.maximum(tl.math.div_rn(x, tl.full([D], 1.0, tl.float32) * scale), -FP8_MAX), FP8_MAX)
         tl.store(codes_ptr + row * D + offs_d, _e4m3_bits(codes))
         tl.store(scale_ptr + row, scale)
     else:

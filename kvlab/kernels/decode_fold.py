@@ -35,7 +35,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvlab.kernels.decode_reduce import dense_key_scores, slot_tile, split_bounds, split_result, split_state
+from kvlab.kernels.decode_reduce import (
+    code_tile,
+    dense_key_scores,
+    slot_block,
+    split_bounds,
+    split_result,
+    split_state,
+)
 from kvlab.kernels.jit_constants import FMT_BF16, FMT_FP8, FMT_INT
 
 # $4: four code bytes b0..b3 (b0 lowest); $0, $1: plane 0 (low nibbles) of b0, b1 and b2, b3 as
@@ -203,12 +210,12 @@ def decode_fold_kernel(
         qs2 = (tl.sum(q4.to(tl.float32), 1) + tl.sum(q5.to(tl.float32), 1)) * qk_scale
         qs3 = (tl.sum(q6.to(tl.float32), 1) + tl.sum(q7.to(tl.float32), 1)) * qk_scale
 
-    m_i, l_i, acc0, acc1, acc2, acc3 = split_state(BLOCK_M, DP)
     zacc = tl.zeros([BLOCK_M], tl.float32)
+    m_i, l_i, acc0, acc1, acc2, acc3 = split_state(BLOCK_M, DP)
     row0 = bh.to(tl.int64) * T  # first slot of this (b, h) in [B, Hkv, T, ...] buffers
 
     for n0 in range(start, end, BLOCK_N):
-        mask_n, slots, tile = slot_tile(row0, n0, end, offs_j, DP, BLOCK_N)
+        mask_n, slots = slot_block(row0, n0, end, BLOCK_N)
         if FMT == FMT_INT:
             k_sc = _group_tile(ks_ptr, slots, mask_n, NG)
             k_zr = _group_tile(kz_ptr, slots, mask_n, NG)
@@ -228,8 +235,11 @@ def decode_fold_kernel(
                     s += _key_group(kc_ptr, k_sc, k_zr, slots, mask_n, q4, q5, q6, q7, qs1, qk_scale, 1, NG, DP, GW,
                                     PACK, BITS, ASM)
         else:
-            s = dense_key_scores(kc_ptr, ks_ptr, tile, slots, mask_n, q0, qk_scale, FMT)
+            s = dense_key_scores(kc_ptr + slots[:, None] * DP + offs_j[None, :], ks_ptr, slots, mask_n, q0,
+                                 qk_scale, FMT)
         s = tl.where(mask_n[None, :], s, float("-inf"))
+
+        tile = code_tile(slots, offs_j, DP)
 
         if FMT == FMT_INT:
             # Each row's group scale and zero per token, chosen among the NG loaded vectors.

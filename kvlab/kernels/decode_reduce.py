@@ -4,7 +4,8 @@ Imports triton: the launcher (:mod:`kvlab.kernels.decode`) imports this lazily.
 
 - :func:`split_bounds`: which KV head, batch row and slots ``[start, end)`` a split program reads
   (grid ``(B * Hkv, num_splits)``; a split that starts past the row's length runs zero iterations);
-- :func:`split_state`, :func:`slot_tile`: a split's empty online softmax, and the slots of one tile;
+- :func:`split_state`, :func:`slot_block`, :func:`code_tile`: a split's empty online softmax, the
+  slots of one block and their codes' offsets;
 - :func:`dense_key_scores`: the scaled scores of a bf16 or fp8 key tile (no group scales; both kernels read those alike);
 - :func:`split_result`: a split's ``1 / l`` and base-2 log-sum-exp (zero and ``-inf`` when it saw no token);
 - :func:`decode_reduce_kernel`, grid ``(B * Hq,)``: merges the splits that saw tokens
@@ -46,28 +47,32 @@ def split_state(ROWS: tl.constexpr, DP: tl.constexpr):
 
 
 @triton.jit
-def slot_tile(row0, n0, end, offs_j, DP: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``(mask_n, slots, tile)`` of the ``BLOCK_N`` slots from ``n0``: which are before ``end``, their
-    index in the ``[B, Hkv, T, ...]`` buffers (``row0``: this KV head's first) and the element offsets
-    of their ``DP`` codes per slot."""
+def slot_block(row0, n0, end, BLOCK_N: tl.constexpr):
+    """``(mask_n, slots)`` of the ``BLOCK_N`` slots from ``n0``: which are before ``end``, and their
+    index in the ``[B, Hkv, T, ...]`` buffers (``row0``: this KV head's first)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     mask_n = offs_n < end
     slots = row0 + offs_n
-    tile = slots[:, None] * DP + offs_j[None, :]
-    return mask_n, slots, tile
+    return mask_n, slots
 
 
 @triton.jit
-def dense_key_scores(kc_ptr, ks_ptr, tile, slots, mask_n, q0, qk_scale, FMT: tl.constexpr):
-    """Scores of a bf16 or fp8 key tile (``tile``: its element offsets) times ``qk_scale``; fp8 codes
-    (bytes, bitcast) are multiplied by their per-token scale after the product."""
+def code_tile(slots, offs_j, DP: tl.constexpr):
+    """Element offsets of the ``DP`` codes of each slot."""
+    return slots[:, None] * DP + offs_j[None, :]
+
+
+@triton.jit
+def dense_key_scores(k_ptrs, ks_ptr, slots, mask_n, q0, qk_scale, FMT: tl.constexpr):
+    """Scores of a bf16 or fp8 key tile (``k_ptrs``: its codes) times ``qk_scale``; fp8 codes (bytes,
+    bitcast) are multiplied by their per-token scale (``ks_ptr`` at ``slots``) after the product."""
     if FMT == FMT_FP8:
-        k_raw = tl.load(kc_ptr + tile, mask=mask_n[:, None], other=0)
+        k_raw = tl.load(k_ptrs, mask=mask_n[:, None], other=0)
         k = k_raw.to(tl.float8e4nv, bitcast=True).to(tl.float16)
         k_sc = tl.load(ks_ptr + slots, mask=mask_n, other=0.0)
         s = tl.dot(q0, tl.trans(k)) * (k_sc * qk_scale)[None, :]
     else:
-        k = tl.load(kc_ptr + tile, mask=mask_n[:, None], other=0.0).to(tl.float16)
+        k = tl.load(k_ptrs, mask=mask_n[:, None], other=0.0).to(tl.float16)
         s = tl.dot(q0, tl.trans(k)) * qk_scale
     return s
 

@@ -30,7 +30,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvlab.kernels.decode_reduce import dense_key_scores, slot_tile, split_bounds, split_result, split_state
+from kvlab.kernels.decode_reduce import (
+    code_tile,
+    dense_key_scores,
+    slot_block,
+    split_bounds,
+    split_result,
+    split_state,
+)
 from kvlab.kernels.jit_constants import FMT_FP8, FMT_INT
 
 
@@ -82,7 +89,8 @@ def decode_split_kernel(
     row0 = bh.to(tl.int64) * T  # first slot of this (b, h) in [B, Hkv, T, ...] buffers
 
     for n0 in range(start, end, BLOCK_N):
-        mask_n, slots, tile = slot_tile(row0, n0, end, offs_j, DP, BLOCK_N)
+        mask_n, slots = slot_block(row0, n0, end, BLOCK_N)
+        tile = code_tile(slots, offs_j, DP)
         if FMT == FMT_INT:
             groups = slots[:, None] * NG + offs_j[None, :] // (QGROUP // PACK)
             k_raw = tl.load(kc_ptr + tile, mask=mask_n[:, None], other=0).to(tl.int32)
@@ -95,7 +103,7 @@ def decode_split_kernel(
                 s += tl.dot(q3, tl.trans(_int_plane(k_raw, k_sc, k_zr, 3, BITS)))
             s = s * qk_scale
         else:
-            s = dense_key_scores(kc_ptr, ks_ptr, tile, slots, mask_n, q0, qk_scale, FMT)
+            s = dense_key_scores(kc_ptr + tile, ks_ptr, slots, mask_n, q0, qk_scale, FMT)
         s = tl.where(mask_n[None, :], s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
