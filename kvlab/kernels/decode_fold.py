@@ -35,14 +35,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvlab.kernels.decode_reduce import (
-    code_tile,
-    dense_key_scores,
-    slot_block,
-    split_bounds,
-    split_result,
-    split_state,
-)
+from kvlab.kernels.decode_reduce import dense_key_scores, slot_block, split_bounds, split_result, split_state
 from kvlab.kernels.jit_constants import FMT_BF16, FMT_FP8, FMT_INT
 
 # $4: four code bytes b0..b3 (b0 lowest); $0, $1: plane 0 (low nibbles) of b0, b1 and b2, b3 as
@@ -239,7 +232,7 @@ def decode_fold_kernel(
                                  qk_scale, FMT)
         s = tl.where(mask_n[None, :], s, float("-inf"))
 
-        tile = code_tile(slots, offs_j, DP)
+        tile = slots[:, None] * DP + offs_j[None, :]
 
         if FMT == FMT_INT:
             # Each row's group scale and zero per token, chosen among the NG loaded vectors.

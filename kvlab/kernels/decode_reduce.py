@@ -4,8 +4,7 @@ Imports triton: the launcher (:mod:`kvlab.kernels.decode`) imports this lazily.
 
 - :func:`split_bounds`: which KV head, batch row and slots ``[start, end)`` a split program reads
   (grid ``(B * Hkv, num_splits)``; a split that starts past the row's length runs zero iterations);
-- :func:`split_state`, :func:`slot_block`, :func:`code_tile`: a split's empty online softmax, the
-  slots of one block and their codes' offsets;
+- :func:`split_state`, :func:`slot_block`: a split's empty online softmax, and the slots of one block;
 - :func:`dense_key_scores`: the scaled scores of a bf16 or fp8 key tile (no group scales; both kernels read those alike);
 - :func:`split_result`: a split's ``1 / l`` and base-2 log-sum-exp (zero and ``-inf`` when it saw no token);
 - :func:`decode_reduce_kernel`, grid ``(B * Hq,)``: merges the splits that saw tokens
@@ -54,12 +53,6 @@ def slot_block(row0, n0, end, BLOCK_N: tl.constexpr):
     mask_n = offs_n < end
     slots = row0 + offs_n
     return mask_n, slots
-
-
-@triton.jit
-def code_tile(slots, offs_j, DP: tl.constexpr):
-    """Element offsets of the ``DP`` codes of each slot."""
-    return slots[:, None] * DP + offs_j[None, :]
 
 
 @triton.jit

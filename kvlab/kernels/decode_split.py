@@ -30,14 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvlab.kernels.decode_reduce import (
-    code_tile,
-    dense_key_scores,
-    slot_block,
-    split_bounds,
-    split_result,
-    split_state,
-)
+from kvlab.kernels.decode_reduce import dense_key_scores, slot_block, split_bounds, split_result, split_state
 from kvlab.kernels.jit_constants import FMT_FP8, FMT_INT
 
 
@@ -90,7 +83,7 @@ def decode_split_kernel(
 
     for n0 in range(start, end, BLOCK_N):
         mask_n, slots = slot_block(row0, n0, end, BLOCK_N)
-        tile = code_tile(slots, offs_j, DP)
+        tile = slots[:, None] * DP + offs_j[None, :]
         if FMT == FMT_INT:
             groups = slots[:, None] * NG + offs_j[None, :] // (QGROUP // PACK)
             k_raw = tl.load(kc_ptr + tile, mask=mask_n[:, None], other=0).to(tl.int32)
