@@ -25,6 +25,8 @@ def quantize_write(store: KVStore, x: torch.Tensor, positions: torch.Tensor, bac
         fmt.write(store, x, positions)
         return
     fmt.check_write(store, x, positions)
+    if fmt.kernel is None:
+        raise FormatError(f"no write kernel for format {fmt.name}; use backend='reference'")
     batch, kv_heads, n, dim = x.shape
     if x.stride(3) != 1 or not positions.is_contiguous() or not all(t.is_contiguous() for t in store.tensors()):
         raise FormatError("quantize_write needs x with a unit stride along D, contiguous positions and store")

@@ -102,6 +102,8 @@ def make_workspace(q_heads: int, k_store: KVStore, num_splits: int | None = None
 def kernel_supports(k_store: KVStore) -> str | None:
     """Why the Triton kernels cannot read this store, or None when they can."""
     fmt, d = k_store.format, k_store.head_dim
+    if fmt.kernel is None:
+        return f"no kernel for format {fmt.name}"
     if d & (d - 1) or d // fmt.pack < 16:
         return f"head_dim {d} must be a power of two with head_dim / {fmt.pack} >= 16 for {fmt.label}"
     return None

@@ -160,7 +160,7 @@ class KVFormat:
 
     name: ClassVar[str]
     bits: ClassVar[int]
-    kernel: ClassVar[int]  # the FMT code of the Triton kernels
+    kernel: ClassVar[int | None] = None  # the FMT code of the Triton kernels (None: torch reference only)
     read_dtype: ClassVar[torch.dtype | None] = None  # the decode kernels read the codes viewed as this
     write_dtype: ClassVar[torch.dtype | None] = None  # the append kernel writes the codes' bits as this
     asm_unpack: ClassVar[bool] = False  # the fold kernel may unpack the codes with inline PTX (fold_asm)
