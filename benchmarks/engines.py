@@ -75,17 +75,16 @@ def force_kernel_variant(variant: str) -> None:
     """Every fused store built from now on runs ``variant`` (tuned configs keep their block sizes)."""
     import dataclasses
 
-    from kvlab.kernels import triton_decode
+    from kvlab.kernels import decode, formats
 
-    triton_decode.DEFAULT_VARIANT = variant
-    triton_decode.TUNED_CONFIGS = {label: dataclasses.replace(c, variant=None)
-                                   for label, c in triton_decode.TUNED_CONFIGS.items()}
+    decode.DEFAULT_VARIANT = variant
+    formats.TUNED_CONFIGS = {label: dataclasses.replace(c, variant=None) for label, c in formats.TUNED_CONFIGS.items()}
 
 
 def load_launch_configs(path: str, variant: str | None = None) -> None:
     """Install the per-format winners of a quant_attention.py --tune run as kvlab's tuned launch configs
     (``variant``: the winners among that kernel's configs)."""
-    from kvlab.kernels import LaunchConfig, triton_decode
+    from kvlab.kernels import LaunchConfig, formats
 
     with open(path) as f:
         tuned = json.load(f)
@@ -96,8 +95,8 @@ def load_launch_configs(path: str, variant: str | None = None) -> None:
     if not winners:
         raise SystemExit(f"{path} has no winners{f' for {variant}' if variant else ''}: run "
                          "benchmarks/quant_attention.py with --tune")
-    triton_decode.TUNED_CONFIGS = {label: LaunchConfig(**w["config"]) for label, w in winners.items()}
-    print(f"launch configs from {path}: {triton_decode.TUNED_CONFIGS}", flush=True)
+    formats.TUNED_CONFIGS = {label: LaunchConfig(**w["config"]) for label, w in winners.items()}
+    print(f"launch configs from {path}: {formats.TUNED_CONFIGS}", flush=True)
 
 
 def bootstrap_ci(values: list[float], n: int = 2000, seed: int = 0) -> tuple[float, float]:
@@ -173,11 +172,11 @@ def main() -> int:
     from kvlab.policies import make_policy
 
     t_start = time.time()
-    from kvlab.kernels import triton_decode
+    from kvlab.kernels import decode, formats
 
     result: dict = {"args": vars(args), "torch": torch.__version__, "rows": [], "compare": [],
-                    "kernel_variant": triton_decode.DEFAULT_VARIANT,
-                    "tuned_configs": {k: vars(c) for k, c in triton_decode.TUNED_CONFIGS.items()}}
+                    "kernel_variant": decode.DEFAULT_VARIANT,
+                    "tuned_configs": {k: vars(c) for k, c in formats.TUNED_CONFIGS.items()}}
     cuda = args.device.startswith("cuda")
     result["gpu"] = torch.cuda.get_device_name() if cuda else None
     bw = copy_bandwidth(args.device) if cuda else None

@@ -25,6 +25,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ["TRITON_INTERPRET"] = "0"  # before triton is imported: compile, never interpret
 
+from kvlab.kernels.formats import FMT_BF16, FMT_FP8, parse_format  # noqa: E402
+
 SIGNATURE = {"q_ptr": "*bf16", "kc_ptr": "*u8", "ks_ptr": "*fp16", "kz_ptr": "*fp16", "vc_ptr": "*u8",
              "vs_ptr": "*fp16", "vz_ptr": "*fp16", "len_ptr": "*i32", "part_out_ptr": "*fp32",
              "part_lse_ptr": "*fp32", "qk_scale": "fp32", "Hq": "i32", "Hkv": "i32", "T": "i32", "split_len": "i32",
@@ -32,16 +34,13 @@ SIGNATURE = {"q_ptr": "*bf16", "kc_ptr": "*u8", "ks_ptr": "*fp16", "kz_ptr": "*f
 FP8_SCALES = {"ks_ptr": "*fp32", "kz_ptr": "*i32", "vs_ptr": "*fp32", "vz_ptr": "*i32"}
 
 
-def format_params(label: str, head_dim: int):
-    """(kind, bits, pack, group, scale signature overrides, bytes per slot of K and V) of a format label."""
-    if label == "fp8":
-        return 1, 8, 1, head_dim, FP8_SCALES, 2 * (head_dim + 4)
-    if label == "bf16":
-        return 0, 16, 1, head_dim, {"kc_ptr": "*bf16", "vc_ptr": "*bf16", **FP8_SCALES}, 4 * head_dim
-    name, group = label.split("-g")
-    bits = {"int4": 4, "int2": 2}[name]
-    group = int(group)
-    return 2, bits, 8 // bits, group, {}, 2 * (head_dim * bits // 8 + 4 * head_dim // group)
+def signature_overrides(fmt) -> dict[str, str]:
+    """The pointer types of a format's stores where they differ from :data:`SIGNATURE` (int's)."""
+    if fmt.kernel == FMT_FP8:
+        return FP8_SCALES
+    if fmt.kernel == FMT_BF16:
+        return {"kc_ptr": "*bf16", "vc_ptr": "*bf16", **FP8_SCALES}
+    return {}
 
 
 def compile_variant(variant: str, label: str, head_dim: int, gqa: int, block_n: int, num_warps: int,
@@ -50,21 +49,24 @@ def compile_variant(variant: str, label: str, head_dim: int, gqa: int, block_n: 
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kvlab.kernels import _decode_kernels, _fold_kernels
+    from kvlab.kernels.decode_fold import decode_fold_kernel
+    from kvlab.kernels.decode_split import decode_split_kernel
 
-    kind, bits, pack, group, overrides, slot_bytes = format_params(label, head_dim)
+    fmt = parse_format(label)
+    slot_bytes = 2 * fmt.bytes_per_token(1, head_dim)
     gp = 1 << max(0, gqa - 1).bit_length()
+    group = fmt.group_size(head_dim)
     if variant == "split":
-        kernel = _decode_kernels._decode_split_kernel
-        consts = {"D": head_dim, "BLOCK_H": max(16, gp), "BLOCK_N": block_n, "FMT": kind, "BITS": bits,
-                  "PACK": pack, "QGROUP": group}
+        kernel = decode_split_kernel
+        consts = {"D": head_dim, "BLOCK_H": max(16, gp), "BLOCK_N": block_n, "FMT": fmt.kernel, "BITS": fmt.bits,
+                  "PACK": fmt.pack, "QGROUP": group}
     else:
-        kernel = _fold_kernels._decode_fold_kernel
-        ng = head_dim // group if kind == 2 else 1
+        kernel = decode_fold_kernel
+        ng = head_dim // group
         consts = {"D": head_dim, "BLOCK_M": max(16, 1 << max(0, ng * gp - 1).bit_length()), "GP": gp, "NG": ng,
-                  "BLOCK_N": block_n, "FMT": kind, "BITS": bits, "PACK": pack,
-                  "ASM": variant == "fold_asm" and kind == 2 and bits == 4}
-    signature = {**SIGNATURE, **overrides, **{k: "constexpr" for k in consts}}
+                  "BLOCK_N": block_n, "FMT": fmt.kernel, "BITS": fmt.bits, "PACK": fmt.pack,
+                  "ASM": variant == "fold_asm" and fmt.asm_unpack}
+    signature = {**SIGNATURE, **signature_overrides(fmt), **{k: "constexpr" for k in consts}}
     names = list(kernel.arg_names)
     attrs = {(names.index(k),): [["tt.divisibility", 16]] for k, v in signature.items() if v.startswith("*")}
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs),

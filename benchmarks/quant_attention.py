@@ -5,7 +5,7 @@ imported from this checkout). From the repository root:
 
     python benchmarks/quant_attention.py --tune --profile --skip write --out quant_attention.json   # ~6 min
 
-The split-step kernels (``--variants``, default all of kvlab.kernels.triton_decode.VARIANTS:
+The split-step kernels (``--variants``, default all of kvlab.kernels.formats.VARIANTS:
 ``split``, ``fold``, ``fold_asm``) run side by side on the same stores in every section (a variant
 that falls back to another on a format, fold_asm off int4, is not repeated).
 
@@ -25,7 +25,7 @@ that falls back to another on a format, fold_asm off int4, is not repeated).
     density) for ``--tune-formats`` (fp8 and int4-g64) at batch 1/16/32, then per format the config
     with the best geometric mean over the batches (relative to the best at each batch; configs
     whose error exceeds 2e-2 relative are out), printed as a ``TUNED_CONFIGS`` line and a
-    ``DEFAULT_VARIANT`` line to paste into kvlab/kernels/triton_decode.py.
+    ``DEFAULT_VARIANT`` line to paste into kvlab/kernels/formats.py and kvlab/kernels/decode.py.
 (profile) With ``--profile`` (CUDA): torch.profiler's time per launched kernel (the split step and
     the reduce) for each variant's default config and the tuned winner, same formats and batches.
 (c) Quantize-on-write of the token a decode step appends (same shape, batch 1/16/32): the Triton
@@ -56,12 +56,13 @@ from kvlab.kernels import (  # noqa: E402
     LaunchConfig,
     decode_attention,
     decode_attention_reference,
+    format_label,
     kernel_variant,
     make_format,
     make_workspace,
     quantize_write,
 )
-from kvlab.kernels.triton_decode import VARIANTS  # noqa: E402
+from kvlab.kernels.formats import VARIANTS  # noqa: E402
 
 FORMATS = [("bf16", None), ("fp8", None), ("int4", 64), ("int2", 64)]
 EXTRA_GROUPS = [("int4", 32), ("int4", 128), ("int2", 128)]
@@ -427,7 +428,7 @@ TUNE_FORMATS = ("fp8", "int4-g64")
 def tune_cases(quick: bool, formats):
     """The formats to tune at the batches the issue's goals name (16k, Llama-3.1-8B attention shape)."""
     for case in performance_cases(quick):
-        label = case["format"] + (f"-g{case['group']}" if case["group"] else "")
+        label = format_label(case["format"], case["group"])
         if label in formats and case["capacity"] == case["length"]:
             yield case
 
@@ -497,7 +498,7 @@ def print_winners(winners):
     if not winners:
         return
     print("\n(winners) per format, best geometric mean over the tuned batches; paste into "
-          "kvlab/kernels/triton_decode.py:")
+          "kvlab/kernels/formats.py (TUNED_CONFIGS) and kvlab/kernels/decode.py (DEFAULT_VARIANT):")
     items = []
     for label, w in winners.items():
         c = w["config"]
@@ -659,7 +660,7 @@ def main() -> None:
     if args.profile and args.device.startswith("cuda"):
         for case in tune_cases(args.quick, args.tune_formats):
             configs = [LaunchConfig(variant=v) for v in args.variants]
-            winner = result.get("winners", {}).get(case["format"] + (f"-g{case['group']}" if case["group"] else ""))
+            winner = result.get("winners", {}).get(format_label(case["format"], case["group"]))
             if winner:
                 configs.append(LaunchConfig(**winner["config"]))
             try:

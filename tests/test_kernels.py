@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from kvlab.kernels import FORMATS, FormatError, decode_attention, decode_attention_reference, make_format
+from kvlab.kernels.decode import plan_splits
 from kvlab.kernels.packing import pack, unpack
-from kvlab.kernels.triton_decode import plan_splits
 
 INT_FORMATS = [(name, group) for name in ("int4", "int2") for group in (32, 64, 128)]
 
@@ -235,21 +235,21 @@ def test_split_plan_for_one_llama_sequence_at_16k():
 
 
 def test_variant_of_a_config_defaults_to_the_module_constant(monkeypatch):
-    from kvlab.kernels import LaunchConfig, triton_decode
+    from kvlab.kernels import LaunchConfig, decode, formats
 
     store = make_format("int4", group=64).alloc(1, 1, 4, 128)
-    monkeypatch.setattr(triton_decode, "DEFAULT_VARIANT", "fold")
-    assert triton_decode.kernel_variant(LaunchConfig(), store) == "fold"
-    assert triton_decode.kernel_variant(LaunchConfig(variant="split"), store) == "split"
+    monkeypatch.setattr(decode, "DEFAULT_VARIANT", "fold")
+    assert decode.kernel_variant(LaunchConfig(), store) == "fold"
+    assert decode.kernel_variant(LaunchConfig(variant="split"), store) == "split"
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert triton_decode.kernel_variant(LaunchConfig(variant="fold_asm"), store) == "fold_asm"
+    assert decode.kernel_variant(LaunchConfig(variant="fold_asm"), store) == "fold_asm"
     for other in (make_format("fp8"), make_format("int2", group=64)):  # PTX unpacking is int4's only
-        assert triton_decode.kernel_variant(LaunchConfig(variant="fold_asm"), other.alloc(1, 1, 4, 128)) == "fold"
+        assert decode.kernel_variant(LaunchConfig(variant="fold_asm"), other.alloc(1, 1, 4, 128)) == "fold"
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter runs no PTX
-    assert triton_decode.kernel_variant(LaunchConfig(variant="fold_asm"), store) == "fold"
-    monkeypatch.setattr(triton_decode, "TUNED_CONFIGS", {"int4-g64": LaunchConfig(block_n=256, variant="split")})
-    assert triton_decode.default_config(store).block_n == 256
-    assert triton_decode.default_config(make_format("fp8").alloc(1, 1, 4, 128)) == LaunchConfig()
+    assert decode.kernel_variant(LaunchConfig(variant="fold_asm"), store) == "fold"
+    monkeypatch.setattr(formats, "TUNED_CONFIGS", {"int4-g64": LaunchConfig(block_n=256, variant="split")})
+    assert store.format.launch_config.block_n == 256
+    assert make_format("fp8").launch_config == LaunchConfig()
 
 
 @pytest.mark.slow  # a fresh interpreter importing torch: several seconds on a loaded machine
@@ -301,7 +301,7 @@ def _run_ptx(text: str, regs: dict[str, int]) -> dict[str, int]:
 def test_int4_unpacking_ptx_makes_the_codes_the_portable_path_makes():
     """fold_asm's PTX (run on GPUs only) against fold's arithmetic: float16 1 + c/16 of each nibble, in order."""
     pytest.importorskip("triton")
-    from kvlab.kernels._fold_kernels import INT4_PLANES_PTX
+    from kvlab.kernels.decode_fold import INT4_PLANES_PTX
 
     text = INT4_PLANES_PTX.value if hasattr(INT4_PLANES_PTX, "value") else INT4_PLANES_PTX
     gen = torch.Generator().manual_seed(0)

@@ -19,11 +19,11 @@ from kvlab.kernels import (
     LaunchConfig,
     decode_attention,
     decode_attention_reference,
+    kernel_variant,
     make_format,
     make_workspace,
+    quantize_write,
 )
-from kvlab.kernels.triton_decode import kernel_variant
-from kvlab.kernels.triton_write import quantize_write
 
 pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -8,12 +8,12 @@ from packaging.version import Version
 
 from kvlab.models import get_spec
 from kvlab.policies import POLICIES, Policy, PolicyError, make_policy
-from kvlab.policies import quantized as quantized_module
 from kvlab.policies.pyramidkv import pyramid_budget
+from kvlab.policies.quantized import storage
 
 EVICTION = ["streamingllm", "snapkv", "pyramidkv", "tova", "knorm", "random"]
 QUANTIZED = ["quanto", "hqq", "fp8", "kvq-fp8", "kvq-int4", "kvq-int2"]
-HAS_FP8 = Version(quantized_module._version("transformers")) >= Version(quantized_module.FP8_MIN_TRANSFORMERS)
+HAS_FP8 = Version(storage.installed_version("transformers")) >= Version(storage.FP8_MIN_TRANSFORMERS)
 needs_fp8 = pytest.mark.skipif(not HAS_FP8, reason="transformers < 5.21 has no fp8 cache")
 
 
@@ -72,8 +72,8 @@ def test_bad_axis_and_fp8_knobs():
 
 
 def test_missing_backend_package_names_the_install(monkeypatch):
-    real = quantized_module._version
-    monkeypatch.setattr(quantized_module, "_version", lambda d: None if d in ("optimum-quanto", "hqq") else real(d))
+    real = storage.installed_version
+    monkeypatch.setattr(storage, "installed_version", lambda d: None if d in ("optimum-quanto", "hqq") else real(d))
     with pytest.raises(PolicyError, match="pip install 'optimum-quanto"):
         make_policy("quanto")
     with pytest.raises(PolicyError, match="hqq.*not installed"):
@@ -84,8 +84,8 @@ def test_missing_backend_package_names_the_install(monkeypatch):
 
 
 def test_fp8_needs_transformers_5_21(monkeypatch):
-    real = quantized_module._version
-    monkeypatch.setattr(quantized_module, "_version", lambda d: "5.17.0" if d == "transformers" else real(d))
+    real = storage.installed_version
+    monkeypatch.setattr(storage, "installed_version", lambda d: "5.17.0" if d == "transformers" else real(d))
     with pytest.raises(PolicyError, match=r"transformers >= 5\.21 \(installed: 5\.17\.0\)"):
         make_policy("fp8")
 

@@ -7,7 +7,7 @@ from packaging.version import Version
 
 from kvlab.cli import main
 from kvlab.policies import POLICIES
-from kvlab.policies.quantized import FP8_MIN_TRANSFORMERS, _version
+from kvlab.policies.quantized.storage import FP8_MIN_TRANSFORMERS, installed_version
 
 TINY = ["--model", "tiny-llama", "--weights", "synthetic", "--prompt-tokens", "80", "--max-new-tokens", "4"]
 METHOD_ARGS = {
@@ -24,7 +24,7 @@ METHOD_ARGS = {
 }
 
 
-HAS_FP8 = Version(_version("transformers")) >= Version(FP8_MIN_TRANSFORMERS)
+HAS_FP8 = Version(installed_version("transformers")) >= Version(FP8_MIN_TRANSFORMERS)
 
 
 def run_json(capsys, args):

@@ -7,12 +7,12 @@ from tiny_models import load_tiny_d32
 
 from kvlab.decode import cache_kwarg, generate_text, greedy_decode, prefill
 from kvlab.engine.fast import FastEngine
-from kvlab.engine.kvstore import parse_kv_format
+from kvlab.kernels import parse_format
 from kvlab.models import get_spec
 from kvlab.policies import EvictionError, cache_stats, kept_positions, make_policy
 from kvlab.policies.base import PolicyError
 from kvlab.policies.cache import EvictingLayer, evicting_quantized_class
-from kvlab.policies.kvq import EvictingKVQLayer, KVQLayer
+from kvlab.policies.quantized.kvq_layers import EvictingKVQLayer, KVQLayer
 
 N = 100
 FORMATS = ["fp8", "int4-g32", "int2-g32"]
@@ -36,7 +36,7 @@ def _policy(fmt: str, **kw):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_layer_returns_the_formats_dequantized_values(fmt):
-    f = parse_kv_format(fmt)
+    f = parse_format(fmt)
     layer = KVQLayer(fmt)
     g = torch.Generator().manual_seed(0)
     k0, v0 = torch.randn(2, 3, 10, 64, generator=g), torch.randn(2, 3, 10, 64, generator=g)
@@ -59,7 +59,7 @@ def test_layer_returns_the_formats_dequantized_values(fmt):
 def test_cache_stats_count_codes_and_scales(lm, fmt):
     p = _policy(fmt)
     g = generate_text(lm, prompt(batch=2), p, 6)
-    per_token = parse_kv_format(fmt).bytes_per_token(lm.spec.num_kv_heads, lm.spec.head_dim)
+    per_token = parse_format(fmt).bytes_per_token(lm.spec.num_kv_heads, lm.spec.head_dim)
     layers = lm.spec.num_layers
     for stats, tokens in ((g.cache_after_prefill, N), (g.cache_final, N + 5)):
         assert stats["logical_tokens"] == stats["physical_tokens"] == tokens
@@ -87,7 +87,7 @@ def test_evict_then_kvq_keeps_snapkvs_positions_and_stores_them_quantized(lm):
         prefill(lm.model, prompt(), ref)
     for a, b in zip(kept_positions(cache), kept_positions(ref), strict=True):
         assert torch.equal(a, b)
-    fmt = parse_kv_format("int4-g32")
+    fmt = parse_format("int4-g32")
     for layer, ref_layer in zip(cache.layers, ref.layers, strict=True):
         assert torch.equal(layer.key_store.dequantize(), fmt.dequantize(fmt.quantize(ref_layer.keys)))
         assert torch.equal(layer.value_store.dequantize(), fmt.dequantize(fmt.quantize(ref_layer.values)))

@@ -10,7 +10,7 @@ from kvlab.budget import cache_bytes
 from kvlab.decode import cache_kwarg, generate_text, prefill
 from kvlab.models import load_model
 from kvlab.policies import EvictionError, cache_stats, kept_positions, make_policy
-from kvlab.policies.quantized import FP8_MIN_TRANSFORMERS, _version
+from kvlab.policies.quantized.storage import FP8_MIN_TRANSFORMERS, installed_version
 
 N = 100
 G = 16  # tiny-llama's head_dim: the group size has to divide it
@@ -25,7 +25,7 @@ def prompt(batch=1, n=N, seed=1):
     return torch.randint(3, 512, (batch, n), generator=torch.Generator().manual_seed(seed))
 
 
-needs_fp8 = pytest.mark.skipif(Version(_version("transformers")) < Version(FP8_MIN_TRANSFORMERS),
+needs_fp8 = pytest.mark.skipif(Version(installed_version("transformers")) < Version(FP8_MIN_TRANSFORMERS),
                                reason="transformers < 5.21 has no fp8 cache")
 QUANTIZED = [("quanto", {"nbits": 4, "q_group_size": G}), ("quanto", {"nbits": 2, "q_group_size": G}),
              ("hqq", {"nbits": 4, "q_group_size": G}), pytest.param("fp8", {}, marks=needs_fp8)]
@@ -129,13 +129,13 @@ def test_inference_mode_works(lm):
         assert cache.get_seq_length() == N + 1
 
 
-HAS_FP8 = Version(_version("transformers")) >= Version(FP8_MIN_TRANSFORMERS)
+HAS_FP8 = Version(installed_version("transformers")) >= Version(FP8_MIN_TRANSFORMERS)
 
 
 @pytest.mark.skipif(not HAS_FP8, reason=f"fp8 needs transformers >= {FP8_MIN_TRANSFORMERS}")
 def test_fp8_saturates_tokens_beyond_the_prefill_scale(lm, monkeypatch):
     """The scale is frozen at prefill; a louder token later must saturate at +-448, not overflow."""
-    from kvlab.policies.quantized import saturating_fp8_layer_class
+    from kvlab.policies.quantized.storage import saturating_fp8_layer_class
 
     cache = make_policy("fp8").make_cache(lm.model)
     assert all(type(layer) is saturating_fp8_layer_class() for layer in cache.layers)
@@ -157,7 +157,7 @@ def test_quanto_cpu_build_is_pending_until_its_build_folder_has_a_version_file(m
 
     import optimum.quanto.library.extensions as quanto_ext
 
-    from kvlab.policies.quantized import quanto_cpu_build_pending
+    from kvlab.policies.quantized.storage import quanto_cpu_build_pending
 
     monkeypatch.setattr(quanto_ext, "get_extension", lambda name: SimpleNamespace(build_directory=str(tmp_path)))
     assert quanto_cpu_build_pending()  # a fresh install: quanto will compile on the first CPU run

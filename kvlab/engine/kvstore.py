@@ -13,11 +13,12 @@ that kernel (``flash``, CUDA) or SDPA with a length mask (``sdpa``, any device, 
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from kvlab.kernels import decode_attention, make_workspace, parse_format, quantize_write
 
 ATTENTION = ("auto", "flash", "sdpa")
 
@@ -99,20 +100,6 @@ def row_slice(rows: slice | None, batch: int, got: int, layer: int) -> slice:
     return slice(start, stop)
 
 
-class ProfileScope:
-    """``profile_scope``: a profiler scope name around every ``attend`` (None: none). The hook
-    :mod:`kvlab.engine.anatomy` sets on eager steps so that attention's ops are named as such."""
-
-    profile_scope: str | None = None
-
-    def _scope(self):
-        if self.profile_scope is None:
-            return nullcontext()
-        from torch.profiler import record_function
-
-        return record_function(self.profile_scope)
-
-
 class StepSlots:
     """Where each layer writes this step's token and how many slots it then attends over.
 
@@ -145,7 +132,53 @@ class StepSlots:
         return self.step, self._slots, self._used
 
 
-class DenseStore(ProfileScope):
+class SlotStore:
+    """What both stores share: each layer's slots per step (:class:`StepSlots`), the prefill load
+    loop (a store writes one layer's rows in ``_load_layer``) and ``attend`` (``_attend``) inside
+    ``profile_scope``: a profiler scope name around every ``attend`` (None: none), the hook
+    :mod:`kvlab.engine.anatomy` sets on eager steps so that attention's ops are named as such."""
+
+    profile_scope: str | None = None
+    layout: Layout
+    slots: StepSlots
+
+    @property
+    def step(self) -> torch.Tensor:
+        return self.slots.step
+
+    def load(self, layer_kv, rows: slice | None = None) -> None:
+        """Store each layer's kept prefill K/V (``[b, Hkv, n_l, D]`` pairs) in its first slots, of
+        batch rows ``rows`` (None: all, ``b = B``)."""
+        for i, (k, v) in enumerate(layer_kv):
+            n = k.shape[-2]
+            if n != self.layout.kept[i]:
+                raise ValueError(f"layer {i} kept {n} tokens, the store was sized for {self.layout.kept[i]}")
+            self._load_layer(i, row_slice(rows, self.layout.batch, k.shape[0], i), k, v)
+        self.step.zero_()
+
+    def begin(self) -> None:
+        """Once per step, before the first layer: every layer's slot and length."""
+        self.slots.begin()
+
+    def attend(self, layer: int, q, k, v) -> torch.Tensor:
+        if self.profile_scope is None:
+            return self._attend(layer, q, k, v)
+        from torch.profiler import record_function
+
+        with record_function(self.profile_scope):
+            return self._attend(layer, q, k, v)
+
+    def advance(self) -> None:
+        self.slots.advance()
+
+    def _load_layer(self, layer: int, rows: slice, k: torch.Tensor, v: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _attend(self, layer: int, q, k, v) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class DenseStore(SlotStore):
     """Per-layer K/V at the model dtype, ``[B, C_l, Hkv, D]``, attended with ``flash`` or ``sdpa``."""
 
     kv_format = "model dtype"
@@ -166,10 +199,6 @@ class DenseStore(ProfileScope):
         self.slots = StepSlots(layout.kept, layout.batch, device)
         self._offsets = [cumulative_offsets(layout.batch, c, device) for c in layout.capacity]
 
-    @property
-    def step(self) -> torch.Tensor:
-        return self.slots.step
-
     def bytes_allocated(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
@@ -181,25 +210,10 @@ class DenseStore(ProfileScope):
         """Bytes one token takes in one layer (K and V, all KV heads, one sequence)."""
         return 2 * self.layout.kv_heads * self.layout.head_dim * self.keys[0].element_size()
 
-    def load(self, layer_kv, rows: slice | None = None) -> None:
-        """Copy each layer's kept prefill K/V (``[b, Hkv, n_l, D]`` pairs) into its first slots, of
-        batch rows ``rows`` (None: all, ``b = B``)."""
-        for i, (k, v) in enumerate(layer_kv):
-            n = k.shape[-2]
-            if n != self.layout.kept[i]:
-                raise ValueError(f"layer {i} kept {n} tokens, the store was sized for {self.layout.kept[i]}")
-            r = row_slice(rows, self.layout.batch, k.shape[0], i)
-            self.keys[i][r, :n].copy_(k.transpose(1, 2))
-            self.values[i][r, :n].copy_(v.transpose(1, 2))
-        self.step.zero_()
-
-    def begin(self) -> None:
-        """Once per step, before the first layer: every layer's slot and length."""
-        self.slots.begin()
-
-    def attend(self, layer: int, q, k, v) -> torch.Tensor:
-        with self._scope():
-            return self._attend(layer, q, k, v)
+    def _load_layer(self, layer: int, rows: slice, k: torch.Tensor, v: torch.Tensor) -> None:
+        n = k.shape[-2]
+        self.keys[layer][rows, :n].copy_(k.transpose(1, 2))
+        self.values[layer][rows, :n].copy_(v.transpose(1, 2))
 
     def _attend(self, layer: int, q, k, v) -> torch.Tensor:
         slot = self.slots.slot(layer)
@@ -210,22 +224,11 @@ class DenseStore(ProfileScope):
                                 *self._offsets[layer])
         return sdpa_decode(q, self.keys[layer], self.values[layer], slot + 1, self.scale)
 
-    def advance(self) -> None:
-        self.slots.advance()
-
 
 QUANT_ATTENTION = ("auto", "fused", "dequantize")
 
 
-def parse_kv_format(kv_format: str):
-    """``fp8`` / ``int4-g64`` (a policy's ``fast_storage`` name) -> a :mod:`kvlab.kernels` format."""
-    from kvlab.kernels import make_format
-
-    name, _, group = kv_format.partition("-g")
-    return make_format(name, int(group)) if group else make_format(name)
-
-
-class QuantizedStore(ProfileScope):
+class QuantizedStore(SlotStore):
     """Per-layer K/V in a :mod:`kvlab.kernels` format (``[B, Hkv, C_l, ...]`` codes and scales).
 
     The new token is quantized on write (one Triton launch per tensor on CUDA). Attention is
@@ -236,11 +239,9 @@ class QuantizedStore(ProfileScope):
 
     def __init__(self, layout: Layout, kv_format: str, num_heads: int, dtype, device, scale: float,
                  attention: str = "auto"):
-        from kvlab.kernels import make_workspace
-
         if attention not in QUANT_ATTENTION:
             raise ValueError(f"attention={attention!r} for a quantized store: use one of {', '.join(QUANT_ATTENTION)}")
-        self.fmt = parse_kv_format(kv_format)
+        self.fmt = parse_format(kv_format)
         self.kv_format = self.fmt.label
         self.attention = "fused" if attention == "auto" else attention
         self.layout, self.scale, self.dtype = layout, scale, dtype
@@ -251,10 +252,6 @@ class QuantizedStore(ProfileScope):
         self.workspaces = [make_workspace(num_heads, k) if cuda else None for k in self.keys]
         self.slots = StepSlots(layout.kept, layout.batch, device)
 
-    @property
-    def step(self) -> torch.Tensor:
-        return self.slots.step
-
     def bytes_allocated(self) -> int:
         return sum(s.nbytes() for s in self.keys + self.values)
 
@@ -264,28 +261,12 @@ class QuantizedStore(ProfileScope):
     def bytes_per_slot(self) -> int:
         return 2 * self.fmt.bytes_per_token(self.layout.kv_heads, self.layout.head_dim)
 
-    def load(self, layer_kv, rows: slice | None = None) -> None:
-        """Quantize each layer's kept prefill K/V into its first slots, of batch rows ``rows`` (as
-        :meth:`DenseStore.load`)."""
-        from kvlab.kernels import quantize_write
-
-        for i, (k, v) in enumerate(layer_kv):
-            n = k.shape[-2]
-            if n != self.layout.kept[i]:
-                raise ValueError(f"layer {i} kept {n} tokens, the store was sized for {self.layout.kept[i]}")
-            r = row_slice(rows, self.layout.batch, k.shape[0], i)
-            slots = torch.arange(n, device=k.device)
-            quantize_write(self.keys[i].rows(r), k.contiguous(), slots)
-            quantize_write(self.values[i].rows(r), v.contiguous(), slots)
-        self.step.zero_()
-
-    def attend(self, layer: int, q, k, v) -> torch.Tensor:
-        with self._scope():
-            return self._attend(layer, q, k, v)
+    def _load_layer(self, layer: int, rows: slice, k: torch.Tensor, v: torch.Tensor) -> None:
+        slots = torch.arange(k.shape[-2], device=k.device)
+        quantize_write(self.keys[layer].rows(rows), k.contiguous(), slots)
+        quantize_write(self.values[layer].rows(rows), v.contiguous(), slots)
 
     def _attend(self, layer: int, q, k, v) -> torch.Tensor:
-        from kvlab.kernels import decode_attention, quantize_write
-
         slot = self.slots.slot(layer)
         quantize_write(self.keys[layer], k, slot)
         quantize_write(self.values[layer], v, slot)
@@ -297,9 +278,3 @@ class QuantizedStore(ProfileScope):
         keys = self.keys[layer].dequantize().to(self.dtype).transpose(1, 2)
         values = self.values[layer].dequantize().to(self.dtype).transpose(1, 2)
         return sdpa_decode(q, keys, values, slot + 1, self.scale)
-
-    def begin(self) -> None:
-        self.slots.begin()
-
-    def advance(self) -> None:
-        self.slots.advance()

@@ -7,7 +7,14 @@ Each format is an object that owns its layout and its arithmetic:
   batch rows only through ``store.rows(slice(r0, r1))``, a view of the same buffers);
 - ``quantize(x)`` -> a :class:`KVStore` holding exactly ``x``'s tokens (the pure function tests use);
 - ``dequantize(store, length)`` -> ``[B, Hkv, length, D]`` float32, the ground truth of the kernels;
-- ``bytes_per_token(kv_heads, head_dim)``: bytes one token takes in one store (codes + scales).
+- ``bytes_per_token(kv_heads, head_dim)``: bytes one token takes in one store (codes + scales);
+- what the Triton kernels need to read it: ``kernel`` (the ``FMT`` code the kernels branch on),
+  ``bits``, ``pack`` (codes per byte), ``group_size(head_dim)``, ``read_codes``/``write_codes``
+  (the codes as the kernels take them), ``fold_reads(head_dim)``, ``asm_unpack`` and
+  ``launch_config`` (the tuned launch geometry, :data:`TUNED_CONFIGS`).
+
+A format's name is ``label`` (``fp8``, ``int4-g64``: :func:`format_label`), parsed back by
+:func:`parse_format`; nothing else spells that syntax.
 
 ``write`` is made of fixed-shape torch ops only (no ``.item()``, no host sync, no allocation whose
 size depends on data), so the fast engine can capture it in a CUDA graph: ``positions`` is a device
@@ -37,10 +44,62 @@ from kvlab.kernels import packing
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 GROUPS = (32, 64, 128)
+GROUP_MARK = "-g"  # int4-g64: the name, then the group
+
+# The ``FMT`` constexpr every Triton kernel branches on: which stored layout it reads.
+FMT_BF16, FMT_FP8, FMT_INT = 0, 1, 2
+
+BLOCK_N = 64  # slots per inner iteration of the decode kernels
+PROGRAMS_PER_SM = 4  # split so that a full-length step has about this many programs per SM
+VARIANTS = ("split", "fold", "fold_asm")
 
 
 class FormatError(UserError):
     """A KV format got shapes or parameters it cannot store; the message names the fix."""
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tuning knobs of the decode split kernel (none changes the result beyond float rounding).
+
+    Defaults are a known-good flash-decoding shape; the formats tuned on the H200 override them in
+    :data:`TUNED_CONFIGS` (``benchmarks/quant_attention.py --tune`` times the alternatives and prints
+    the winners to paste). ``variant`` picks the kernel (:data:`VARIANTS`; ``None``: the launcher's
+    ``DEFAULT_VARIANT`` at launch); a store the ``fold`` kernel cannot read (int2 with group 32)
+    runs ``split``.
+    """
+
+    block_n: int = BLOCK_N
+    num_warps: int = 4
+    num_stages: int = 2
+    programs_per_sm: int = PROGRAMS_PER_SM
+    variant: str | None = None
+
+    def __post_init__(self):
+        if self.block_n not in (16, 32, 64, 128, 256):
+            raise FormatError(f"block_n must be a power of two in 16..256, not {self.block_n}")
+        if self.num_warps not in (1, 2, 4, 8, 16) or not 1 <= self.num_stages <= 6 or self.programs_per_sm < 1:
+            raise FormatError(f"bad launch config {self}: num_warps in 1..16 (power of two), num_stages in 1..6")
+        if self.variant is not None and self.variant not in VARIANTS:
+            raise FormatError(f"variant must be one of {', '.join(VARIANTS)}, not {self.variant!r}")
+
+
+# Launch configs measured best per format label ("bf16", "fp8", "int4-g64", ...): a format's
+# ``launch_config``, read when a decode workspace is made without a config. The int formats read by
+# the fold kernel (scales and zeros folded into the operands): on the H200 at the Llama-3.1-8B
+# attention shape and 16k it took 0.42-0.67x split's time for int4 (g32/64/128) and int2-g64 at batch
+# 1, 16 and 32, with the default geometry (reports/h200-2026-12-03b/quant_attention.json). fp8 and
+# int4-g64 carry the winners of `quant_attention.py --tune --tune-formats int4-g64 fp8`
+# (reports/h200-2026-12-03e/kernels/tune.json, best geometric mean over batch 1/16/32): 128 slots per
+# block, 3 stages, 2 programs per SM; against the default geometry int4-g64 0.66x/0.61x/0.81x the time
+# at batch 1/16/32 and fp8 (now fold, was split) 0.73x/0.74x/0.77x. The other int formats keep the
+# default geometry (not tuned).
+TUNED_CONFIGS: dict[str, LaunchConfig] = {
+    **{f"int4-g{g}": LaunchConfig(variant="fold_asm") for g in (32, 128)},
+    "int4-g64": LaunchConfig(block_n=128, num_warps=4, num_stages=3, programs_per_sm=2, variant="fold_asm"),
+    "fp8": LaunchConfig(block_n=128, num_warps=4, num_stages=3, programs_per_sm=2, variant="fold"),
+    **{f"int2-g{g}": LaunchConfig(variant="fold") for g in (64, 128)},
+}
 
 
 @dataclass
@@ -75,6 +134,10 @@ class KVStore:
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return tuple(t for t in (self.codes, self.scale, self.zero) if t is not None)
 
+    def codes_as(self, dtype: torch.dtype | None) -> torch.Tensor:
+        """The codes viewed as ``dtype`` (their bits unchanged; None: as stored)."""
+        return self.codes if dtype is None else self.codes.view(dtype)
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
@@ -94,10 +157,14 @@ class KVStore:
 
 
 class KVFormat:
-    """Base class: subclasses set ``name``/``bits`` and implement the four hooks below."""
+    """Base class: subclasses set ``name``/``bits``/``kernel`` and implement the four hooks below."""
 
     name: ClassVar[str]
     bits: ClassVar[int]
+    kernel: ClassVar[int | None] = None  # the FMT code of the Triton kernels (None: torch reference only)
+    read_dtype: ClassVar[torch.dtype | None] = None  # the decode kernels read the codes viewed as this
+    write_dtype: ClassVar[torch.dtype | None] = None  # the append kernel writes the codes' bits as this
+    asm_unpack: ClassVar[bool] = False  # the fold kernel may unpack the codes with inline PTX (fold_asm)
 
     # -- hooks ------------------------------------------------------------------------------------
     def check_head_dim(self, head_dim: int) -> None:
@@ -123,6 +190,35 @@ class KVFormat:
     def label(self) -> str:
         return self.name
 
+    @property
+    def pack(self) -> int:
+        """Codes per byte (1: one code per element)."""
+        return 1
+
+    @property
+    def half_scales(self) -> bool:
+        """Whether scales and zeros are float16 (the append kernel rounds them toward safety)."""
+        return False
+
+    def group_size(self, head_dim: int) -> int:
+        """Elements of the head dim sharing one scale (one per token: ``head_dim``)."""
+        return head_dim
+
+    def fold_reads(self, head_dim: int) -> bool:
+        """Whether the ``fold`` decode kernel reads this format at ``head_dim``."""
+        return True
+
+    @property
+    def launch_config(self) -> LaunchConfig:
+        """The tuned launch geometry of the decode kernels (:data:`TUNED_CONFIGS`), else the defaults."""
+        return TUNED_CONFIGS.get(self.label) or LaunchConfig()
+
+    def read_codes(self, store: KVStore) -> torch.Tensor:
+        return store.codes_as(self.read_dtype)
+
+    def write_codes(self, store: KVStore) -> torch.Tensor:
+        return store.codes_as(self.write_dtype)
+
     def alloc(self, batch: int, kv_heads: int, capacity: int, head_dim: int,
               device: torch.device | str = "cpu") -> KVStore:
         """Zeroed static buffers for ``capacity`` tokens (zero codes dequantize to zeros)."""
@@ -145,10 +241,17 @@ class KVFormat:
         return self._dequantize(store, length)
 
     def write(self, store: KVStore, x: torch.Tensor, positions: torch.Tensor) -> None:
-        """Quantize ``x [B, Hkv, n, D]`` into slots ``positions`` (``[n]`` or ``[B, n]``, on device).
+        """Quantize ``x [B, Hkv, n, D]`` into slots ``positions`` (``[n]`` or ``[B, n]``, on device)."""
+        self.check_write(store, x, positions)
+        if positions.dtype != torch.int64:
+            positions = positions.to(torch.int64)
+        new = self.quantize(x)
+        for dst, src in zip(store.tensors(), new.tensors(), strict=True):
+            _put_slots(dst, src, positions)
 
-        Shape checks only (host-side metadata); slot values are not checked, which would need a sync.
-        """
+    def check_write(self, store: KVStore, x: torch.Tensor, positions: torch.Tensor) -> None:
+        """The shapes and devices a write takes (host-side metadata only: checking the slot values
+        would need a sync)."""
         if x.dim() != 4 or x.shape[:2] != store.codes.shape[:2] or x.shape[3] != store.head_dim:
             raise FormatError(f"write expects [B={store.batch}, Hkv={store.kv_heads}, n, D={store.head_dim}], "
                               f"got {list(x.shape)}")
@@ -158,11 +261,6 @@ class KVFormat:
         if positions.device != store.device or x.device != store.device:
             raise FormatError(f"x, positions and the store must share a device ({store.device}); "
                               f"got x on {x.device}, positions on {positions.device}")
-        if positions.dtype != torch.int64:
-            positions = positions.to(torch.int64)
-        new = self.quantize(x)
-        for dst, src in zip(store.tensors(), new.tensors(), strict=True):
-            _put_slots(dst, src, positions)
 
 
 def _put_slots(dst: torch.Tensor, src: torch.Tensor, positions: torch.Tensor) -> None:
@@ -182,6 +280,8 @@ class BF16Format(KVFormat):
 
     name = "bf16"
     bits = 16
+    kernel = FMT_BF16
+    write_dtype = torch.int16
 
     def empty(self, batch, kv_heads, capacity, head_dim, device):
         codes = torch.zeros(batch, kv_heads, capacity, head_dim, dtype=torch.bfloat16, device=device)
@@ -202,6 +302,8 @@ class FP8Format(KVFormat):
 
     name = "fp8"
     bits = 8
+    kernel = FMT_FP8
+    read_dtype = write_dtype = torch.uint8  # triton reads fp8 codes as bytes and bitcasts them
 
     def empty(self, batch, kv_heads, capacity, head_dim, device):
         codes = torch.zeros(batch, kv_heads, capacity, head_dim, dtype=torch.float8_e4m3fn, device=device)
@@ -224,6 +326,8 @@ class FP8Format(KVFormat):
 class IntFormat(KVFormat):
     """Asymmetric ``bits``-bit integers, a scale and a zero per ``group`` elements of the head dim."""
 
+    kernel = FMT_INT
+
     def __init__(self, group: int = 64, scale_dtype: torch.dtype = torch.float16):
         if group not in GROUPS:
             raise FormatError(f"group must be one of {GROUPS}, not {group!r}")
@@ -234,11 +338,26 @@ class IntFormat(KVFormat):
 
     @property
     def label(self) -> str:
-        return f"{self.name}-g{self.group}"
+        return format_label(self.name, self.group)
 
     @property
     def levels(self) -> int:
         return (1 << self.bits) - 1
+
+    @property
+    def pack(self) -> int:
+        return packing.codes_per_byte(self.bits)
+
+    @property
+    def half_scales(self) -> bool:
+        return self.scale_dtype == torch.float16
+
+    def group_size(self, head_dim: int) -> int:
+        return self.group
+
+    def fold_reads(self, head_dim: int) -> bool:
+        """Per-group products at least 16 deep, at most 8 slices of q."""
+        return self.group // self.pack >= 16 and (head_dim // self.group) * self.pack <= 8
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(group={self.group}, scale_dtype={self.scale_dtype})"
@@ -282,6 +401,7 @@ class IntFormat(KVFormat):
 class Int4Format(IntFormat):
     name = "int4"
     bits = 4
+    asm_unpack = True
 
 
 class Int2Format(IntFormat):
@@ -316,3 +436,18 @@ def make_format(name: str, group: int | None = None, **kwargs) -> KVFormat:
 
 def _int_names() -> list[str]:
     return [n for n, c in FORMATS.items() if issubclass(c, IntFormat)]
+
+
+def format_label(name: str, group: int | None = None) -> str:
+    """The label of format ``name`` with quantization ``group`` (int formats): ``fp8``, ``int4-g64``."""
+    return name if group is None else f"{name}{GROUP_MARK}{group}"
+
+
+def parse_format(label: str) -> KVFormat:
+    """The format a label names (:func:`format_label`'s inverse): ``fp8``, ``int4-g64``."""
+    name, mark, group = label.partition(GROUP_MARK)
+    if not mark:
+        return make_format(name)
+    if not group.isdigit():
+        raise FormatError(f"format {label!r}: the group after {GROUP_MARK!r} must be a number such as {GROUPS[1]}")
+    return make_format(name, int(group))

@@ -8,8 +8,11 @@
     cache_stats(cache)                        # logical/physical tokens, bytes
     kept_positions(cache)                     # per layer, the prompt positions each KV head kept
 
+Adding a method: one module holding its ``Policy`` subclass, and one line in :data:`POLICIES`.
+Nothing below this module imports it (a policy that needs another one imports that class).
+
 transformers' cache internals are touched only in :mod:`kvlab.policies.cache`,
-:mod:`kvlab.policies.quantized`, :mod:`kvlab.policies.kvq` and :mod:`kvlab.policies.decoding`; kvlab supports transformers >= 5.17, < 5.25.
+:mod:`kvlab.policies.quantized` and :mod:`kvlab.policies.decoding`; kvlab supports transformers >= 5.17, < 5.25.
 """
 
 from __future__ import annotations
@@ -22,11 +25,16 @@ from kvlab.policies.decoding import DecodingPolicy
 from kvlab.policies.eviction import EvictionPolicy
 from kvlab.policies.full import FullPolicy
 from kvlab.policies.knorm import KnormPolicy
-from kvlab.policies.kvq_fp8 import KVQFp8Policy
-from kvlab.policies.kvq_int2 import KVQInt2Policy
-from kvlab.policies.kvq_int4 import KVQInt4Policy
 from kvlab.policies.pyramidkv import PyramidKVPolicy
-from kvlab.policies.quantized import FP8Policy, HQQPolicy, QuantizedPolicy, QuantoPolicy, QuantSpec
+from kvlab.policies.quantized import QuantizedPolicy, QuantSpec
+from kvlab.policies.quantized.policies import (
+    FP8Policy,
+    HQQPolicy,
+    KVQFp8Policy,
+    KVQInt2Policy,
+    KVQInt4Policy,
+    QuantoPolicy,
+)
 from kvlab.policies.random import RandomPolicy
 from kvlab.policies.snapkv import SnapKVPolicy
 from kvlab.policies.streamingllm import StreamingLLMPolicy
@@ -44,15 +52,7 @@ def make_policy(method: str, **params: Any) -> Policy:
     """A validated policy; raises :class:`PolicyError` (naming the fix) before any heavy work."""
     if method not in POLICIES:
         raise PolicyError(f"unknown method {method!r}; methods: {', '.join(POLICIES)}")
-    cls = POLICIES[method]
-    allowed = [row["name"] for row in cls.describe()]
-    unknown = sorted(set(params) - set(allowed))
-    if unknown:
-        own = [name for name in allowed if name != "prefill_chunk"]  # every policy takes prefill_chunk
-        hint = (f"; {method} takes: {', '.join(own)}" if own else f"; {method} takes no parameters") \
-            + " (and prefill_chunk, like every method)"
-        raise PolicyError(f"unknown parameter(s) {', '.join(unknown)} for {method}{hint}")
-    return cls(**params)
+    return POLICIES[method].from_params(**params)
 
 
 __all__ = [

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 from kvlab.budget import keep_problem
 from kvlab.errors import UserError
+from kvlab.models import LoadedModel, ModelSpec
 
 
 class PolicyError(UserError):
@@ -36,8 +37,6 @@ class ModelShape:
 
 def hf_model(model):
     """The transformers model inside a kvlab ``LoadedModel``, or the model itself."""
-    from kvlab.models import LoadedModel
-
     return model.model if isinstance(model, LoadedModel) else model
 
 
@@ -56,8 +55,6 @@ def _layer_types(config) -> list[str]:
 
 def model_shape(model) -> ModelShape:
     """Shape of a transformers model, a ``LoadedModel``, a ``ModelSpec`` or a transformers config."""
-    from kvlab.models import LoadedModel, ModelSpec
-
     if isinstance(model, ModelSpec):
         kind = "sliding_attention" if model.sliding_window else "full_attention"
         return ModelShape(model.name, model.head_dim, model.num_layers, (kind,) * model.num_layers)
@@ -98,6 +95,11 @@ def check_int(name: str, value: Any, minimum: int | None = None, choices: tuple 
     return value
 
 
+def int_param(default: int, help_text: str, minimum: int) -> Any:
+    """A policy's integer parameter: its default, its help, and the least value :class:`Policy` accepts."""
+    return field(default=default, metadata={"help": help_text, "minimum": minimum})
+
+
 def _json_safe(value: Any) -> Any:
     if hasattr(value, "params"):
         return value.params()
@@ -132,6 +134,9 @@ class Policy:
 
     def __post_init__(self):
         object.__setattr__(self, "prefill_chunk", check_prefill_chunk(self.prefill_chunk))
+        for f in fields(self):
+            if "minimum" in f.metadata:
+                check_int(f.name, getattr(self, f.name), minimum=f.metadata["minimum"])
 
     @property
     def keep(self) -> float:
@@ -165,6 +170,18 @@ class Policy:
         out.setdefault("keep", self.keep)
         out.setdefault("bits", self.bits)
         return out
+
+    @classmethod
+    def from_params(cls, **params: Any) -> Policy:
+        """A validated policy; raises :class:`PolicyError` (naming the fix) before any heavy work."""
+        allowed = [row["name"] for row in cls.describe()]
+        unknown = sorted(set(params) - set(allowed))
+        if unknown:
+            own = [name for name in allowed if name != "prefill_chunk"]  # every policy takes prefill_chunk
+            hint = (f"; {cls.name} takes: {', '.join(own)}" if own else f"; {cls.name} takes no parameters") \
+                + " (and prefill_chunk, like every method)"
+            raise PolicyError(f"unknown parameter(s) {', '.join(unknown)} for {cls.name}{hint}")
+        return cls(**params)
 
     @classmethod
     def describe(cls) -> list[dict[str, Any]]:

@@ -326,7 +326,7 @@ def _physical_tokens(layer) -> int:
         return layer.physical_length
     if hasattr(layer, "_quantized_keys"):  # quantized: all tokens are stored (packed or residual)
         return layer.get_seq_length()
-    if hasattr(layer, "key_store"):  # kvlab formats (kvlab.policies.kvq)
+    if hasattr(layer, "key_store"):  # kvlab formats (kvlab.policies.quantized.kvq_layers)
         return layer.stored_tokens
     keys = getattr(layer, "keys", None)
     return keys.shape[-2] if isinstance(keys, torch.Tensor) and keys.dim() == 4 else 0

@@ -29,16 +29,20 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from kvlab.policies import attention
-from kvlab.policies.base import Policy, PolicyError, check_int, hf_model, model_shape
+from kvlab.policies.base import Policy, PolicyError, hf_model, int_param, model_shape
 from kvlab.policies.cache import EvictionError, LogicalLengthMixin
+from kvlab.policies.knorm import KnormPolicy
+from kvlab.policies.random import RandomPolicy
+from kvlab.policies.snapkv import SnapKVPolicy
+from kvlab.policies.streamingllm import StreamingLLMPolicy
+from kvlab.policies.tova import TOVAPolicy
 
-SCORERS = ("snapkv", "tova", "knorm", "streamingllm", "random")
+SCORERS: dict[str, type[Policy]] = {
+    cls.name: cls for cls in (SnapKVPolicy, TOVAPolicy, KnormPolicy, StreamingLLMPolicy, RandomPolicy)}
 
 
 def make_scorer(score: str, score_params: dict[str, Any] | None):
-    """The registry eviction policy whose ``select`` picks the kept rows (its ``keep`` is unused)."""
-    from kvlab.policies import make_policy
-
+    """The eviction policy whose ``select`` picks the kept rows (its ``keep`` is unused)."""
     if score not in SCORERS:
         raise PolicyError(f"score={score!r} cannot drive decode-time compression: use one of {', '.join(SCORERS)}")
     params = dict(score_params or {})
@@ -46,7 +50,7 @@ def make_scorer(score: str, score_params: dict[str, Any] | None):
         if bad in params:
             raise PolicyError(f"score_params.{bad} does not apply to decode-time compression (target sets the "
                               f"budget): drop it")
-    return make_policy(score, **params)
+    return SCORERS[score].from_params(**params)
 
 
 class DecodingLayer(LogicalLengthMixin, DynamicLayer):
@@ -165,15 +169,13 @@ class DecodingPolicy(Policy):
     summary = "full prompt; every `interval` new tokens evict back to `target` rows with `score` (DecodingPress)"
 
     score: str = field(default="snapkv", metadata={"help": f"scoring method: {', '.join(SCORERS)}"})
-    target: int = field(default=2048, metadata={"help": "rows per layer and KV head kept at each compression"})
-    interval: int = field(default=512, metadata={"help": "tokens appended after the prompt between compressions"})
+    target: int = int_param(2048, "rows per layer and KV head kept at each compression", minimum=1)
+    interval: int = int_param(512, "tokens appended after the prompt between compressions", minimum=1)
     score_params: dict | None = field(default=None, metadata={
         "help": "the scorer's knobs, e.g. {window_size: 32} (snapkv) or {n_sink: 4} (streamingllm)"})
 
     def __post_init__(self):
         super().__post_init__()
-        check_int("target", self.target, minimum=1)
-        check_int("interval", self.interval, minimum=1)
         if self.score_params is not None and not isinstance(self.score_params, dict):
             raise PolicyError(f"score_params must be a mapping such as {{window_size: 32}}, got {self.score_params!r}")
         scorer = make_scorer(self.score, self.score_params)

@@ -15,8 +15,10 @@ from typing import ClassVar
 
 import torch
 
+from kvlab.policies import attention
 from kvlab.policies.base import Policy, PolicyError, check_keep, hf_model, model_shape
-from kvlab.policies.quantized import QuantSpec
+from kvlab.policies.cache import EvictingLayer, EvictionCache
+from kvlab.policies.quantized.storage import QuantSpec
 
 
 @dataclass(frozen=True)
@@ -82,8 +84,6 @@ class EvictionPolicy(Policy):
 
     def prepare(self, model) -> None:
         if self.needs_attention:
-            from kvlab.policies import attention
-
             attention.install(hf_model(model))
 
     def warmup(self, model) -> None:
@@ -91,8 +91,6 @@ class EvictionPolicy(Policy):
             self.quant.warmup(model)
 
     def make_cache(self, model):
-        from kvlab.policies.cache import EvictingLayer, EvictionCache
-
         self.prepare(model)
         num_layers = model_shape(model).num_layers
         if self.quant is None:

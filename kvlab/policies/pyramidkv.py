@@ -11,9 +11,9 @@ floor(n x keep) (kvpress rounds there; flooring keeps the fallback equal to Snap
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from kvlab.policies.base import check_int
+from kvlab.policies.base import int_param
 from kvlab.policies.snapkv import SnapKVPolicy
 
 
@@ -35,11 +35,7 @@ class PyramidKVPolicy(SnapKVPolicy):
     name = "pyramidkv"
     summary = "SnapKV scores, per-layer budgets shrinking linearly with depth (mean = keep)"
 
-    beta: int = field(default=20, metadata={"help": "pyramid steepness: last layer keeps mean/beta"})
-
-    def __post_init__(self):
-        super().__post_init__()
-        check_int("beta", self.beta, minimum=1)
+    beta: int = int_param(20, "pyramid steepness: last layer keeps mean/beta", minimum=1)
 
     def budget(self, n, layer_idx, num_layers):
         return pyramid_budget(n, self.keep, self.window_size, self.beta, layer_idx, num_layers)

@@ -3,11 +3,11 @@ KV head from the seed, the same in every sequence of a batch)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from kvlab.policies.base import check_int
+from kvlab.policies.base import int_param
 from kvlab.policies.eviction import EvictionPolicy
 
 
@@ -16,11 +16,7 @@ class RandomPolicy(EvictionPolicy):
     name = "random"
     summary = "uniformly random prompt positions per KV head (seeded; the same in every sequence)"
 
-    seed: int = field(default=0, metadata={"help": "seed; each layer draws from seed and its index"})
-
-    def __post_init__(self):
-        super().__post_init__()
-        check_int("seed", self.seed, minimum=0)
+    seed: int = int_param(0, "seed; each layer draws from seed and its index", minimum=0)
 
     def score(self, keys, values, attn, layer_idx):
         """One draw per KV head and position, the same for every sequence of the batch: a sequence's

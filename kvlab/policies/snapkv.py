@@ -8,12 +8,12 @@ window, its most recent tokens win).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from kvlab.policies.base import PolicyError, check_int
+from kvlab.policies.base import PolicyError, int_param
 from kvlab.policies.eviction import EvictionPolicy
 
 
@@ -43,13 +43,11 @@ class SnapKVPolicy(EvictionPolicy):
     summary = "attention of the last prompt window, pooled, per KV head; window always kept"
     needs_attention = True
 
-    window_size: int = field(default=64, metadata={"help": "last prompt queries whose attention scores the rest"})
-    kernel_size: int = field(default=5, metadata={"help": "odd average-pooling kernel over positions"})
+    window_size: int = int_param(64, "last prompt queries whose attention scores the rest", minimum=1)
+    kernel_size: int = int_param(5, "odd average-pooling kernel over positions", minimum=1)
 
     def __post_init__(self):
         super().__post_init__()
-        check_int("window_size", self.window_size, minimum=1)
-        check_int("kernel_size", self.kernel_size, minimum=1)
         if self.kernel_size % 2 == 0:
             raise PolicyError(f"kernel_size={self.kernel_size} must be odd so pooling keeps every position (e.g. 5)")
 

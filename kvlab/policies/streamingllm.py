@@ -6,11 +6,11 @@ original positions (kvpress's StreamingLLMPress; the paper's rolling, re-rotated
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from kvlab.policies.base import check_int
+from kvlab.policies.base import int_param
 from kvlab.policies.eviction import EvictionPolicy
 
 
@@ -25,11 +25,7 @@ class StreamingLLMPolicy(EvictionPolicy):
     name = "streamingllm"
     summary = "attention sinks + most recent prompt tokens (same positions in every head)"
 
-    n_sink: int = field(default=4, metadata={"help": "first prompt positions always kept"})
-
-    def __post_init__(self):
-        super().__post_init__()
-        check_int("n_sink", self.n_sink, minimum=0)
+    n_sink: int = int_param(4, "first prompt positions always kept", minimum=0)
 
     def select(self, keys, values, attn, n_kept, layer_idx, num_layers):
         bsz, heads, n, _ = keys.shape

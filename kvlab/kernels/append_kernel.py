@@ -1,4 +1,4 @@
-"""Triton quantize-on-write (imports triton; import this lazily through kvlab.kernels.triton_write).
+"""Triton quantize-on-write (imports triton; import this lazily through kvlab.kernels.append).
 
 One launch per store instead of the dozen small torch ops of ``KVFormat.write``: program ``i`` of
 the grid ``(B * Hkv * n,)`` quantizes one token of one KV head and writes its codes, scale and zero
@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from kvlab.kernels.jit_constants import FMT_BF16, FMT_FP8, FP8_MAX
 
 
 @triton.jit
@@ -56,7 +58,7 @@ def _e4m3_bits(c):
 
 
 @triton.jit(do_not_specialize=["Hkv", "n", "T", "x_sb", "x_sh", "x_st", "pos_sb"])
-def _quantize_write_kernel(
+def quantize_write_kernel(
     x_ptr, pos_ptr, codes_ptr, scale_ptr, zero_ptr,
     Hkv, n, T, x_sb, x_sh, x_st, pos_sb,
     D: tl.constexpr, FMT: tl.constexpr, BITS: tl.constexpr, PACK: tl.constexpr, QGROUP: tl.constexpr,
@@ -72,12 +74,12 @@ def _quantize_write_kernel(
     offs_d = tl.arange(0, D)
     x = tl.load(x_ptr + b.to(tl.int64) * x_sb + h * x_sh + t * x_st + offs_d).to(tl.float32)
 
-    if FMT == 0:
+    if FMT == FMT_BF16:
         tl.store(codes_ptr + row * D + offs_d, _bf16_bits(x))
-    elif FMT == 1:
+    elif FMT == FMT_FP8:
         amax = tl.max(tl.abs(x), 0)
-        scale = tl.math.div_rn(tl.maximum(amax, 1e-30), tl.full([], 448.0, tl.float32))
-        codes = tl.minimum(tl.maximum(tl.math.div_rn(x, tl.full([D], 1.0, tl.float32) * scale), -448.0), 448.0)
+        scale = tl.math.div_rn(tl.maximum(amax, 1e-30), tl.full([], FP8_MAX, tl.float32))
+        codes = tl.minimum(tl.maximum(tl.math.div_rn(x, tl.full([D], 1.0, tl.float32) * scale), -FP8_MAX), FP8_MAX)
         tl.store(codes_ptr + row * D + offs_d, _e4m3_bits(codes))
         tl.store(scale_ptr + row, scale)
     else:

@@ -1,6 +1,6 @@
-"""The ``fold`` split kernel of :mod:`kvlab.kernels.triton_decode` (imports triton; import lazily).
+"""The ``fold`` decode kernel of :mod:`kvlab.kernels.decode` (imports triton; import lazily).
 
-Same contract as ``_decode_split_kernel`` in :mod:`kvlab.kernels._decode_kernels` (grid
+Same contract as ``decode_split_kernel`` in :mod:`kvlab.kernels.decode_split` (grid
 ``(B * Hkv, num_splits)``, normalized partial outputs and base-2 log-sum-exps merged by its reduce
 kernel), but nothing is dequantized: the group scales and zeros are folded into the small operands.
 
@@ -34,6 +34,9 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from kvlab.kernels.decode_reduce import dense_key_scores, slot_block, split_bounds, split_result, split_state
+from kvlab.kernels.jit_constants import FMT_BF16, FMT_FP8, FMT_INT
 
 # $4: four code bytes b0..b3 (b0 lowest); $0, $1: plane 0 (low nibbles) of b0, b1 and b2, b3 as
 # float16 pairs (first element in the low half); $2, $3: plane 1 (high nibbles).
@@ -147,19 +150,13 @@ def _store_rows(rows, offs_j, keep, acc, zacc, inv_l, P: tl.constexpr, PACK: tl.
 
 
 @triton.jit(do_not_specialize=["Hq", "Hkv", "T", "split_len", "num_splits", "G"])
-def _decode_fold_kernel(
+def decode_fold_kernel(
     q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, len_ptr, part_out_ptr, part_lse_ptr,
     qk_scale, Hq, Hkv, T, split_len, num_splits, G,
     D: tl.constexpr, BLOCK_M: tl.constexpr, GP: tl.constexpr, NG: tl.constexpr, BLOCK_N: tl.constexpr,
     FMT: tl.constexpr, BITS: tl.constexpr, PACK: tl.constexpr, ASM: tl.constexpr,
 ):
-    bh = tl.program_id(0)
-    split = tl.program_id(1)
-    b = bh // Hkv
-    h = bh % Hkv
-    length = tl.minimum(tl.maximum(tl.load(len_ptr + b).to(tl.int32), 0), T)
-    start = split * split_len
-    end = tl.minimum(start + split_len, length)
+    bh, split, b, h, start, end = split_bounds(len_ptr, Hkv, T, split_len)
 
     DP: tl.constexpr = D // PACK  # bytes (int) or elements (bf16/fp8) of one row
     # NG: quantization groups of a row (int formats; 1 otherwise), each owning GP rows
@@ -206,20 +203,13 @@ def _decode_fold_kernel(
         qs2 = (tl.sum(q4.to(tl.float32), 1) + tl.sum(q5.to(tl.float32), 1)) * qk_scale
         qs3 = (tl.sum(q6.to(tl.float32), 1) + tl.sum(q7.to(tl.float32), 1)) * qk_scale
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
     zacc = tl.zeros([BLOCK_M], tl.float32)
-    acc0 = tl.zeros([BLOCK_M, DP], tl.float32)
-    acc1 = tl.zeros([BLOCK_M, DP], tl.float32)
-    acc2 = tl.zeros([BLOCK_M, DP], tl.float32)
-    acc3 = tl.zeros([BLOCK_M, DP], tl.float32)
+    m_i, l_i, acc0, acc1, acc2, acc3 = split_state(BLOCK_M, DP)
     row0 = bh.to(tl.int64) * T  # first slot of this (b, h) in [B, Hkv, T, ...] buffers
 
     for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        slots = row0 + offs_n
-        if FMT == 2:
+        mask_n, slots = slot_block(row0, n0, end, BLOCK_N)
+        if FMT == FMT_INT:
             k_sc = _group_tile(ks_ptr, slots, mask_n, NG)
             k_zr = _group_tile(kz_ptr, slots, mask_n, NG)
             if PACK == 2:
@@ -237,18 +227,14 @@ def _decode_fold_kernel(
                 if NG == 2:
                     s += _key_group(kc_ptr, k_sc, k_zr, slots, mask_n, q4, q5, q6, q7, qs1, qk_scale, 1, NG, DP, GW,
                                     PACK, BITS, ASM)
-        elif FMT == 1:
-            k_raw = tl.load(kc_ptr + slots[:, None] * DP + offs_j[None, :], mask=mask_n[:, None], other=0)
-            k = k_raw.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-            k_sc = tl.load(ks_ptr + slots, mask=mask_n, other=0.0)
-            s = tl.dot(q0, tl.trans(k)) * (k_sc * qk_scale)[None, :]
         else:
-            k = tl.load(kc_ptr + slots[:, None] * DP + offs_j[None, :], mask=mask_n[:, None], other=0.0)
-            s = tl.dot(q0, tl.trans(k.to(tl.float16))) * qk_scale
+            s = dense_key_scores(kc_ptr + slots[:, None] * DP + offs_j[None, :], ks_ptr, slots, mask_n, q0,
+                                 qk_scale, FMT)
         s = tl.where(mask_n[None, :], s, float("-inf"))
 
         tile = slots[:, None] * DP + offs_j[None, :]
-        if FMT == 2:
+
+        if FMT == FMT_INT:
             # Each row's group scale and zero per token, chosen among the NG loaded vectors.
             vs_t = _group_tile(vs_ptr, slots, mask_n, NG)
             vz_t = _group_tile(vz_ptr, slots, mask_n, NG)
@@ -258,9 +244,9 @@ def _decode_fold_kernel(
                 pick = (row_g == gi)[:, None]
                 v_sc = tl.where(pick, _column(vs_t, gi, NG)[None, :], v_sc)
                 v_zr = tl.where(pick, _column(vz_t, gi, NG)[None, :], v_zr)
-        elif FMT == 1:
+        elif FMT == FMT_FP8:
             v_sc = tl.broadcast_to(tl.load(vs_ptr + slots, mask=mask_n, other=0.0)[None, :], [BLOCK_M, BLOCK_N])
-        if FMT == 0:
+        if FMT == FMT_BF16:
             s_max = tl.max(s, 1)
         else:
             s_max, top = tl.reduce((s, v_sc), 1, _max_pair)  # one pass over the rows for both maxima
@@ -271,7 +257,7 @@ def _decode_fold_kernel(
         p = tl.exp2(s - m_new[:, None])
         m_i = m_new
 
-        if FMT == 2:
+        if FMT == FMT_INT:
             pv = (p * (v_sc * (1.0 / top)[:, None])).to(tl.float16)
             # The products see u = 1 + c / L (L = 2**BITS): sum p s c = L top (pv . u - sum pv), with the
             # float16 pv the products see; the zero term and that offset go to zacc.
@@ -291,7 +277,7 @@ def _decode_fold_kernel(
             if PACK == 4:
                 acc2 = acc2 * alpha[:, None] + tl.dot(pv, _codes_unit(v_raw, 2, BITS)) * unit[:, None]
                 acc3 = acc3 * alpha[:, None] + tl.dot(pv, _codes_unit(v_raw, 3, BITS)) * unit[:, None]
-        elif FMT == 1:
+        elif FMT == FMT_FP8:
             l_i = l_i * alpha + tl.sum(p, 1)
             pv = (p * (v_sc * (1.0 / top)[:, None])).to(tl.float16)
             v_raw = tl.load(vc_ptr + tile, mask=mask_n[:, None], other=0)
@@ -302,9 +288,7 @@ def _decode_fold_kernel(
             v = tl.load(vc_ptr + tile, mask=mask_n[:, None], other=0.0).to(tl.float16)
             acc0 = acc0 * alpha[:, None] + tl.dot(p.to(tl.float16), v)
 
-    has = l_i > 0
-    inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
-    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    inv_l, lse = split_result(m_i, l_i)
     part = (b * Hq + heads) * num_splits + split
     tl.store(part_lse_ptr + part, lse, mask=mask_r & (row_g == 0))
     out_rows = part_out_ptr + part.to(tl.int64) * D

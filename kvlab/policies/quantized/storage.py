@@ -1,8 +1,8 @@
-"""Quantized KV caches: transformers' ``QuantizedCache`` (quanto, HQQ, FP8) and kvlab's own formats (kvq).
+"""How a quantized cache stores K/V: :class:`QuantSpec` (the knobs) and the backends it names.
 
 The cache is built by kvlab for every generation (never through ``generate(cache_config=...)``:
 transformers 5.17 pops ``backend`` out of a shared dict and silently falls back to quanto on the
-next call). Backend, bit width and package presence are checked when the policy is made.
+next call). Backend, bit width and package presence are checked when the spec is made.
 
 Each backend is an object in :data:`BACKENDS` (:class:`QuantBackend`: its checks, label, record
 params, layer class and cache); :class:`QuantSpec` holds the knobs and asks its backend. A new
@@ -12,18 +12,22 @@ backend is one class and one registry entry; the CLI reads the names from the re
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import metadata
 from typing import Any, ClassVar
 
 from packaging.version import Version
 
-from kvlab.policies.base import ModelShape, Policy, PolicyError, check_int, hf_model, model_shape
+from kvlab.kernels.formats import GROUPS, FormatError, format_label, parse_format
+from kvlab.policies.base import ModelShape, PolicyError, check_int, hf_model, model_shape
+from kvlab.policies.cache import evicting_quantized_class
+from kvlab.policies.quantized.kvq_layers import EvictingKVQLayer, KVQLayer
 
 FP8_MIN_TRANSFORMERS = "5.21"
 
 
-def _version(dist: str) -> str | None:
+def installed_version(dist: str) -> str | None:
+    """The installed version of distribution ``dist``, or None."""
     try:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
@@ -74,8 +78,6 @@ class QuantBackend:
 
     def evicting_layer_class(self, spec: QuantSpec) -> type:
         """The layer class of evict-then-quantize: ``(policy, layer_idx, num_layers, **layer_kwargs)``."""
-        from kvlab.policies.cache import evicting_quantized_class
-
         return evicting_quantized_class(self.layer_class())
 
     def fast_format(self, spec: QuantSpec) -> str:
@@ -90,7 +92,7 @@ class GroupwiseBackend(QuantBackend):
     min_version: ClassVar[str]
 
     def check_installed(self) -> None:
-        have = _version(self.package)
+        have = installed_version(self.package)
         if have is None or Version(have) < Version(self.min_version):
             found = f"version {have} is installed" if have else "it is not installed"
             raise PolicyError(f"the {self.name} backend needs {self.package} >= {self.min_version}, "
@@ -124,7 +126,7 @@ class GroupwiseBackend(QuantBackend):
         if (spec.axis_key, spec.axis_value) != (0, 0):
             raise PolicyError("the fast engine stores per-token groups along head_dim (axis 0): use "
                               "axis_key=0 and axis_value=0, or engine hf")
-        return f"int{spec.nbits}-g{spec.q_group_size}"
+        return format_label(f"int{spec.nbits}", spec.q_group_size)
 
 
 class QuantoBackend(GroupwiseBackend):
@@ -170,7 +172,7 @@ class FP8Backend(QuantBackend):
     install = f"pip install 'transformers>={FP8_MIN_TRANSFORMERS},<5.25'"
 
     def check_installed(self) -> None:
-        have = _version("transformers") or "0"
+        have = installed_version("transformers") or "0"
         if Version(have) < Version(FP8_MIN_TRANSFORMERS):
             raise PolicyError(
                 f"the fp8 KV cache needs transformers >= {FP8_MIN_TRANSFORMERS} (installed: {have}): "
@@ -208,7 +210,7 @@ class KVQBackend(QuantBackend):
     """kvlab's own formats (:mod:`kvlab.kernels`): ``nbits`` 8 = float8_e4m3 with a scale per token
     and KV head; 4 / 2 = asymmetric integers with a scale and zero per ``q_group_size`` elements of
     the head dim (32, 64, 128). Every token is stored quantized (no residual window). On ``hf`` the
-    layers dequantize the whole store before attention (:mod:`kvlab.policies.kvq`); on ``fast`` the
+    layers dequantize the whole store before attention (:mod:`kvlab.policies.quantized.kvq_layers`); on ``fast`` the
     same codes are read by the fused kernels."""
 
     name = "kvq"
@@ -220,8 +222,6 @@ class KVQBackend(QuantBackend):
         pass
 
     def check_knobs(self, spec: QuantSpec) -> None:
-        from kvlab.kernels.formats import GROUPS
-
         if (spec.residual_length, spec.axis_key, spec.axis_value) != (128, 0, 0):
             raise PolicyError("the kvq backend stores every token quantized, grouped along head_dim: "
                               "residual_length and axis_key/axis_value do not apply (leave them at their defaults)")
@@ -232,34 +232,28 @@ class KVQBackend(QuantBackend):
             return
         check_int("q_group_size", spec.q_group_size, choices=GROUPS)
 
-    def _format(self, spec: QuantSpec) -> str:
-        from kvlab.policies.kvq import kvq_format_name
-
-        return kvq_format_name(spec.nbits, spec.q_group_size)
+    def format_label(self, spec: QuantSpec) -> str:
+        """The :mod:`kvlab.kernels` format of ``spec``: ``fp8`` or ``int{nbits}-g{q_group_size}``."""
+        return format_label("fp8") if spec.nbits == 8 else format_label(f"int{spec.nbits}", spec.q_group_size)
 
     def label(self, spec: QuantSpec) -> str:
-        return f"kvq {self._format(spec)}"
+        return f"kvq {self.format_label(spec)}"
 
     def params(self, spec: QuantSpec) -> dict[str, Any]:
         return {"backend": self.name, "nbits": spec.nbits,
                 "q_group_size": None if spec.nbits == 8 else spec.q_group_size}
 
     def check(self, spec: QuantSpec, shape: ModelShape) -> None:
-        from kvlab.engine.kvstore import parse_kv_format
-        from kvlab.kernels import FormatError
-
         try:
-            parse_kv_format(self._format(spec)).check_head_dim(shape.head_dim)
+            parse_format(self.format_label(spec)).check_head_dim(shape.head_dim)
         except FormatError as err:
-            raise PolicyError(f"kvq {self._format(spec)} cannot store {shape.name}: {err}") from None
+            raise PolicyError(f"kvq {self.format_label(spec)} cannot store {shape.name}: {err}") from None
 
     def layer_class(self) -> type:
-        from kvlab.policies.kvq import KVQLayer
-
         return KVQLayer
 
     def layer_kwargs(self, spec: QuantSpec) -> dict[str, Any]:
-        return {"kv_format": self._format(spec)}
+        return {"kv_format": self.format_label(spec)}
 
     def make_cache(self, spec: QuantSpec, model):
         from transformers.cache_utils import Cache
@@ -268,13 +262,11 @@ class KVQBackend(QuantBackend):
         return Cache(layers=[layer(**self.layer_kwargs(spec)) for _ in range(model_shape(model).num_layers)])
 
     def evicting_layer_class(self, spec: QuantSpec) -> type:
-        from kvlab.policies.kvq import EvictingKVQLayer
-
         return EvictingKVQLayer
 
     def fast_format(self, spec: QuantSpec) -> str:
         """The same format: both engines hold the same codes."""
-        return self._format(spec)
+        return self.format_label(spec)
 
 
 BACKENDS: dict[str, QuantBackend] = {b.name: b for b in (QuantoBackend(), HQQBackend(), FP8Backend(), KVQBackend())}
@@ -423,82 +415,3 @@ def saturating_fp8_layer_class() -> type | None:
 
     return type("SaturatingFp8QuantizedLayer", (base,), {
         "_quantize": _quantize, "__doc__": saturating_fp8_layer_class.__doc__})
-
-
-def _quant_field(default, help_text):
-    return field(default=default, metadata={"help": help_text})
-
-
-@dataclass(frozen=True)
-class QuantizedPolicy(Policy):
-    """A whole-cache quantized policy (no eviction); subclasses say how to build the :class:`QuantSpec`."""
-
-    def __post_init__(self):
-        super().__post_init__()
-        object.__setattr__(self, "_spec", self._make_spec())
-
-    def _make_spec(self) -> QuantSpec:
-        raise NotImplementedError
-
-    @property
-    def spec(self) -> QuantSpec:
-        return self._spec
-
-    @property
-    def bits(self) -> int:
-        return self.spec.nbits
-
-    @property
-    def label(self) -> str:
-        return self.chunk_label(self.spec.label)
-
-    def params(self) -> dict[str, Any]:
-        return {"method": self.name, **self.spec.params(), "keep": 1.0, "bits": self.bits, **self.chunk_params()}
-
-    def check(self, model) -> None:
-        self.spec.check(model_shape(model))
-
-    def warmup(self, model) -> None:
-        self.spec.warmup(model)
-
-    def make_cache(self, model):
-        return self.spec.make_cache(model)
-
-    def fast_storage(self):
-        from kvlab.policies.full import FullPolicy
-
-        return FullPolicy(), self.spec.fast_format()
-
-
-@dataclass(frozen=True)
-class _GroupwisePolicy(QuantizedPolicy):
-    nbits: int = _quant_field(4, "bits per stored element")
-    q_group_size: int = _quant_field(64, "elements sharing one scale/zero point")
-    residual_length: int = _quant_field(128, "recent tokens kept at full precision between flushes")
-    axis_key: int = _quant_field(0, "grouping axis for keys (0: along head_dim)")
-    axis_value: int = _quant_field(0, "grouping axis for values (0: along head_dim)")
-
-    def _make_spec(self) -> QuantSpec:
-        return QuantSpec(self.name, self.nbits, self.q_group_size, self.residual_length,
-                         self.axis_key, self.axis_value)
-
-
-@dataclass(frozen=True)
-class QuantoPolicy(_GroupwisePolicy):
-    name = "quanto"
-    summary = "optimum-quanto int4/int2 cache (transformers QuantizedCache, KIVI-style residual)"
-
-
-@dataclass(frozen=True)
-class HQQPolicy(_GroupwisePolicy):
-    name = "hqq"
-    summary = "HQQ int1-8 cache (transformers QuantizedCache; its optimizer runs at every flush)"
-
-
-@dataclass(frozen=True)
-class FP8Policy(QuantizedPolicy):
-    name = "fp8"
-    summary = f"per-tensor float8_e4m3 cache (transformers >= {FP8_MIN_TRANSFORMERS}), no residual buffer"
-
-    def _make_spec(self) -> QuantSpec:
-        return QuantSpec("fp8")

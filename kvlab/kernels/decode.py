@@ -11,10 +11,12 @@ once before capturing. The cost of fixing the grid: while a row is much shorter 
 only ``cdiv(length, split_len)`` splits work; an engine that decodes long runs at short lengths can
 capture one graph per capacity bucket.
 
-Two kernels do the split step (the reduce is shared): ``split`` (``_decode_kernels``) and ``fold``
-(``_fold_kernels``, which never dequantizes: group scales and zeros fold into the operands;
-``fold_asm`` is fold with int4 codes unpacked by inline PTX). ``LaunchConfig.variant`` picks one,
-:data:`DEFAULT_VARIANT` when it says nothing.
+Two kernels do the split step (the reduce, :mod:`~kvlab.kernels.decode_reduce`, is shared):
+``split`` (:mod:`~kvlab.kernels.decode_split`) and ``fold`` (:mod:`~kvlab.kernels.decode_fold`, which
+never dequantizes: group scales and zeros fold into the operands; ``fold_asm`` is fold with int4
+codes unpacked by inline PTX). ``LaunchConfig.variant`` picks one, :data:`DEFAULT_VARIANT` when it
+says nothing. Everything format-specific (kernel code, packing, groups, tuned geometry) is read from
+the stores' format object (:mod:`kvlab.kernels.formats`).
 
 triton is imported only when a kernel runs, so kvlab imports without it.
 """
@@ -29,70 +31,18 @@ from functools import cache
 import torch
 
 from kvlab.energy import cuda_index
-from kvlab.kernels.formats import BF16Format, FormatError, FP8Format, IntFormat, KVStore
+from kvlab.kernels.formats import BLOCK_N, PROGRAMS_PER_SM, FormatError, KVStore, LaunchConfig
 from kvlab.kernels.reference import check_decode_inputs, decode_attention_reference
 
-BLOCK_N = 64  # slots per inner iteration
 MAX_SPLITS = 128
-PROGRAMS_PER_SM = 4  # split so that a full-length step has about this many programs per SM
 BACKENDS = ("auto", "triton", "reference")
 
-
-VARIANTS = ("split", "fold", "fold_asm")
 # The split kernel that runs when a LaunchConfig does not name one (read at launch time):
-# "split" dequantizes code tiles to float16 before its products (_decode_kernels), "fold" folds
-# the scales and zeros into the operands instead (_fold_kernels), "fold_asm" is fold with int4
-# codes unpacked by inline PTX, four bytes at a time (int4 on CUDA only; fold elsewhere). Flip
-# after benchmarks/quant_attention.py --tune has measured them on the GPU.
+# "split" dequantizes code tiles to float16 before its products (decode_split), "fold" folds the
+# scales and zeros into the operands instead (decode_fold), "fold_asm" is fold with int4 codes
+# unpacked by inline PTX, four bytes at a time (formats with ``asm_unpack`` on CUDA only; fold
+# elsewhere). Flip after benchmarks/quant_attention.py --tune has measured them on the GPU.
 DEFAULT_VARIANT = "split"
-
-
-@dataclass(frozen=True)
-class LaunchConfig:
-    """Tuning knobs of the split kernel (none changes the result beyond float rounding).
-
-    Defaults are a known-good flash-decoding shape; the formats tuned on the H200 override them in
-    :data:`TUNED_CONFIGS` (``benchmarks/quant_attention.py --tune`` times the alternatives and prints
-    the winners to paste). ``variant`` picks the kernel (:data:`VARIANTS`; ``None``:
-    :data:`DEFAULT_VARIANT` at launch); a store the ``fold`` kernel cannot read (int2 with group
-    32) runs ``split``.
-    """
-
-    block_n: int = BLOCK_N
-    num_warps: int = 4
-    num_stages: int = 2
-    programs_per_sm: int = PROGRAMS_PER_SM
-    variant: str | None = None
-
-    def __post_init__(self):
-        if self.block_n not in (16, 32, 64, 128, 256):
-            raise FormatError(f"block_n must be a power of two in 16..256, not {self.block_n}")
-        if self.num_warps not in (1, 2, 4, 8, 16) or not 1 <= self.num_stages <= 6 or self.programs_per_sm < 1:
-            raise FormatError(f"bad launch config {self}: num_warps in 1..16 (power of two), num_stages in 1..6")
-        if self.variant is not None and self.variant not in VARIANTS:
-            raise FormatError(f"variant must be one of {', '.join(VARIANTS)}, not {self.variant!r}")
-
-
-# Launch configs measured best per format label ("bf16", "fp8", "int4-g64", ...): make_workspace
-# uses them when not given a config. The int formats read by the fold kernel (scales and zeros folded
-# into the operands): on the H200 at the Llama-3.1-8B attention shape and 16k it took 0.42-0.67x
-# split's time for int4 (g32/64/128) and int2-g64 at batch 1, 16 and 32, with the default geometry
-# (reports/h200-2026-12-03b/quant_attention.json). fp8 and int4-g64 carry the winners of
-# `quant_attention.py --tune --tune-formats int4-g64 fp8` (reports/h200-2026-12-03e/kernels/tune.json,
-# best geometric mean over batch 1/16/32): 128 slots per block, 3 stages, 2 programs per SM; against
-# the default geometry int4-g64 0.66x/0.61x/0.81x the time at batch 1/16/32 and fp8 (now fold, was
-# split) 0.73x/0.74x/0.77x. The other int formats keep the default geometry (not tuned).
-TUNED_CONFIGS: dict[str, LaunchConfig] = {
-    **{f"int4-g{g}": LaunchConfig(variant="fold_asm") for g in (32, 128)},
-    "int4-g64": LaunchConfig(block_n=128, num_warps=4, num_stages=3, programs_per_sm=2, variant="fold_asm"),
-    "fp8": LaunchConfig(block_n=128, num_warps=4, num_stages=3, programs_per_sm=2, variant="fold"),
-    **{f"int2-g{g}": LaunchConfig(variant="fold") for g in (64, 128)},
-}
-
-
-def default_config(k_store: KVStore) -> LaunchConfig:
-    """The tuned config for the store's format, else the defaults (with :data:`DEFAULT_VARIANT`)."""
-    return TUNED_CONFIGS.get(k_store.format.label) or LaunchConfig()
 
 
 def plan_splits(batch: int, kv_heads: int, capacity: int, sm_count: int, block_n: int = BLOCK_N,
@@ -132,7 +82,7 @@ def make_workspace(q_heads: int, k_store: KVStore, num_splits: int | None = None
                    config: LaunchConfig | None = None) -> DecodeWorkspace:
     """Buffers for :func:`decode_attention` on ``k_store``'s device; ``num_splits`` overrides the plan."""
     device = k_store.device
-    config = config or default_config(k_store)
+    config = config or k_store.format.launch_config
     block = config.block_n
     if num_splits is None:
         sms = _sm_count(cuda_index(device)) if device.type == "cuda" else 8
@@ -150,33 +100,23 @@ def make_workspace(q_heads: int, k_store: KVStore, num_splits: int | None = None
 
 
 def kernel_supports(k_store: KVStore) -> str | None:
-    """Why the Triton kernel cannot read this store, or None when it can."""
+    """Why the Triton kernels cannot read this store, or None when they can."""
     fmt, d = k_store.format, k_store.head_dim
-    if not isinstance(fmt, BF16Format | FP8Format | IntFormat):
+    if fmt.kernel is None:
         return f"no kernel for format {fmt.name}"
-    pack = 8 // fmt.bits if isinstance(fmt, IntFormat) else 1
-    if d & (d - 1) or d // pack < 16:
-        return f"head_dim {d} must be a power of two with head_dim / {pack} >= 16 for {fmt.label}"
+    if d & (d - 1) or d // fmt.pack < 16:
+        return f"head_dim {d} must be a power of two with head_dim / {fmt.pack} >= 16 for {fmt.label}"
     return None
-
-
-def fold_supports(k_store: KVStore) -> bool:
-    """Whether the ``fold`` kernel reads this store: per-group products at least 16 deep, 8 slices of q."""
-    fmt = k_store.format
-    if not isinstance(fmt, IntFormat):
-        return True
-    pack = 8 // fmt.bits
-    return fmt.group // pack >= 16 and (k_store.head_dim // fmt.group) * pack <= 8
 
 
 def kernel_variant(config: LaunchConfig, k_store: KVStore) -> str:
     """The kernel that runs for ``config`` on ``k_store``: its variant, or ``split`` where fold cannot,
-    and ``fold`` for ``fold_asm`` where the store is not int4 or triton interprets (no PTX there)."""
+    and ``fold`` for ``fold_asm`` where the format has no PTX unpacking or triton interprets."""
+    fmt = k_store.format
     variant = config.variant or DEFAULT_VARIANT
-    if variant == "split" or not fold_supports(k_store):
+    if variant == "split" or not fmt.fold_reads(k_store.head_dim):
         return "split"
-    asm_ok = isinstance(k_store.format, IntFormat) and k_store.format.bits == 4 and not _interpreted()
-    return "fold_asm" if variant == "fold_asm" and asm_ok else "fold"
+    return "fold_asm" if variant == "fold_asm" and fmt.asm_unpack and not _interpreted() else "fold"
 
 
 def _interpreted() -> bool:
@@ -210,8 +150,10 @@ def decode_attention(q: torch.Tensor, k_store: KVStore, v_store: KVStore, length
 
 
 def _launch(q, k_store, v_store, lengths, scale, group, out, workspace):
-    try:
-        from kvlab.kernels import _decode_kernels as kern  # imports triton
+    try:  # each imports triton
+        from kvlab.kernels.decode_fold import decode_fold_kernel
+        from kvlab.kernels.decode_reduce import decode_reduce_kernel
+        from kvlab.kernels.decode_split import decode_split_kernel
     except ImportError as err:
         raise RuntimeError(f"the decode kernels need triton ({err}); install it (CUDA builds of torch ship it) "
                            "or pass backend='reference'") from err
@@ -230,44 +172,32 @@ def _launch(q, k_store, v_store, lengths, scale, group, out, workspace):
         if not t.is_contiguous():
             raise FormatError("decode_attention needs contiguous q, out, lengths and stores; call .contiguous()")
 
-    if isinstance(fmt, IntFormat):
-        kind, bits, pack, qgroup = kern.FMT_INT, fmt.bits, 8 // fmt.bits, fmt.group
-    elif isinstance(fmt, FP8Format):
-        kind, bits, pack, qgroup = kern.FMT_FP8, 8, 1, head_dim
-    else:
-        kind, bits, pack, qgroup = kern.FMT_BF16, 16, 1, head_dim
-
-    def codes(store: KVStore) -> torch.Tensor:
-        return store.codes.view(torch.uint8) if store.codes.dtype == torch.float8_e4m3fn else store.codes
-
     def extra(t: torch.Tensor | None) -> torch.Tensor:
         return t if t is not None else lengths  # an unused pointer for formats without scales/zeros
 
     splits, config = workspace.num_splits, workspace.config
-    args = (q, codes(k_store), extra(k_store.scale), extra(k_store.zero),
-            codes(v_store), extra(v_store.scale), extra(v_store.zero), lengths,
+    args = (q, fmt.read_codes(k_store), extra(k_store.scale), extra(k_store.zero),
+            fmt.read_codes(v_store), extra(v_store.scale), extra(v_store.zero), lengths,
             workspace.part_out, workspace.part_lse,
             float(scale) * math.log2(math.e), q_heads, k_store.kv_heads, k_store.capacity, workspace.split_len,
             splits, group)
     grid = (batch * k_store.kv_heads, splits)
     variant = kernel_variant(config, k_store)
     if variant != "split":
-        from kvlab.kernels import _fold_kernels as fold
-
         gp = triton_next_pow2(group)
-        row_groups = head_dim // qgroup if kind == kern.FMT_INT else 1
-        fold._decode_fold_kernel[grid](
+        row_groups = head_dim // fmt.group_size(head_dim)
+        decode_fold_kernel[grid](
             *args, D=head_dim, BLOCK_M=max(16, triton_next_pow2(row_groups * gp)), GP=gp, NG=row_groups,
-            BLOCK_N=config.block_n, FMT=kind, BITS=bits, PACK=pack, ASM=variant == "fold_asm",
+            BLOCK_N=config.block_n, FMT=fmt.kernel, BITS=fmt.bits, PACK=fmt.pack, ASM=variant == "fold_asm",
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
     else:
-        kern._decode_split_kernel[grid](
+        decode_split_kernel[grid](
             *args, D=head_dim, BLOCK_H=max(16, triton_next_pow2(group)), BLOCK_N=config.block_n,
-            FMT=kind, BITS=bits, PACK=pack, QGROUP=qgroup,
+            FMT=fmt.kernel, BITS=fmt.bits, PACK=fmt.pack, QGROUP=fmt.group_size(head_dim),
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
-    kern._decode_reduce_kernel[(batch * q_heads,)](
+    decode_reduce_kernel[(batch * q_heads,)](
         workspace.part_out, workspace.part_lse, lengths, out, q_heads, k_store.capacity, workspace.split_len,
         splits, D=head_dim, SPLITS_P2=max(2, triton_next_pow2(splits)),
         num_warps=4 if splits * head_dim <= 4096 else 8,

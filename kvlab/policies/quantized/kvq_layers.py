@@ -11,25 +11,16 @@ On the ``fast`` engine the same formats are stored in static buffers and read by
 (:mod:`kvlab.engine.kvstore`); both engines dequantize the same codes.
 
 :class:`EvictingKVQLayer` evicts at prefill (:class:`kvlab.policies.cache.EvictionMixin`) and
-quantizes the kept K/V. :class:`KVQPolicy` is the base of ``kvq-fp8`` / ``kvq-int4`` / ``kvq-int2``.
+quantizes the kept K/V.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import ClassVar
-
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from kvlab.kernels import KVStore
+from kvlab.kernels import KVStore, parse_format
 from kvlab.policies.cache import EvictionError, EvictionMixin
-from kvlab.policies.quantized import QuantizedPolicy, QuantSpec
-
-
-def kvq_format_name(nbits: int, group: int) -> str:
-    """The fast engine's format name (``kvlab.engine.kvstore.parse_kv_format``): ``fp8``, ``int4-g64``."""
-    return "fp8" if nbits == 8 else f"int{nbits}-g{group}"
 
 
 def _cat(a: KVStore | None, b: KVStore) -> KVStore:
@@ -55,11 +46,9 @@ class KVQLayer(DynamicLayer):
     is_croppable = True
 
     def __init__(self, kv_format: str = "int4-g64", **kwargs):
-        from kvlab.engine.kvstore import parse_kv_format
-
         super().__init__()
         self.kv_format = kv_format
-        self.fmt = parse_kv_format(kv_format)
+        self.fmt = parse_format(kv_format)
         self.key_store: KVStore | None = None
         self.value_store: KVStore | None = None
         self.dtype: torch.dtype | None = None
@@ -161,18 +150,3 @@ class EvictingKVQLayer(EvictionMixin, KVQLayer):
         KVQLayer.crop(self, tokens_to_remove)
         self.logical_length += tokens_to_remove
         self.physical_length += tokens_to_remove
-
-
-def _group_field():
-    return field(default=64, metadata={"help": "int formats: elements of head_dim sharing a scale and zero "
-                                                "(32, 64 or 128)"})
-
-
-@dataclass(frozen=True)
-class KVQPolicy(QuantizedPolicy):
-    """A whole cache in one kvlab format (subclasses fix ``nbits``); on ``hf``: dequantize, then attend."""
-
-    nbits: ClassVar[int] = 4  # fixed per subclass, not a parameter
-
-    def _make_spec(self) -> QuantSpec:
-        return QuantSpec("kvq", type(self).nbits, getattr(self, "q_group_size", 64))

@@ -1,0 +1,102 @@
+"""The jit steps both decode split kernels share, and the reduce kernel that merges their parts.
+
+Imports triton: the launcher (:mod:`kvlab.kernels.decode`) imports this lazily.
+
+- :func:`split_bounds`: which KV head, batch row and slots ``[start, end)`` a split program reads
+  (grid ``(B * Hkv, num_splits)``; a split that starts past the row's length runs zero iterations);
+- :func:`split_state`, :func:`slot_block`: a split's empty online softmax, and the slots of one block;
+- :func:`dense_key_scores`: the scaled scores of a bf16 or fp8 key tile (no group scales; both kernels read those alike);
+- :func:`split_result`: a split's ``1 / l`` and base-2 log-sum-exp (zero and ``-inf`` when it saw no token);
+- :func:`decode_reduce_kernel`, grid ``(B * Hq,)``: merges the splits that saw tokens
+  (``cdiv(length, split_len)`` of them) with their log-sum-exps.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kvlab.kernels.jit_constants import FMT_FP8
+
+
+@triton.jit
+def split_bounds(len_ptr, Hkv, T, split_len):
+    """``(bh, split, b, h, start, end)`` of this program: KV head ``h`` of row ``b`` reads ``[start, end)``."""
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = bh // Hkv
+    h = bh % Hkv
+    length = tl.minimum(tl.maximum(tl.load(len_ptr + b).to(tl.int32), 0), T)
+    start = split * split_len
+    end = tl.minimum(start + split_len, length)
+    return bh, split, b, h, start, end
+
+
+@triton.jit
+def split_state(ROWS: tl.constexpr, DP: tl.constexpr):
+    """A split's empty online softmax: ``m_i``, ``l_i`` per row and four ``[ROWS, DP]`` accumulators
+    (one per packed plane; bf16/fp8 use the first)."""
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc0 = tl.zeros([ROWS, DP], tl.float32)
+    acc1 = tl.zeros([ROWS, DP], tl.float32)
+    acc2 = tl.zeros([ROWS, DP], tl.float32)
+    acc3 = tl.zeros([ROWS, DP], tl.float32)
+    return m_i, l_i, acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def slot_block(row0, n0, end, BLOCK_N: tl.constexpr):
+    """``(mask_n, slots)`` of the ``BLOCK_N`` slots from ``n0``: which are before ``end``, and their
+    index in the ``[B, Hkv, T, ...]`` buffers (``row0``: this KV head's first)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < end
+    slots = row0 + offs_n
+    return mask_n, slots
+
+
+@triton.jit
+def dense_key_scores(k_ptrs, ks_ptr, slots, mask_n, q0, qk_scale, FMT: tl.constexpr):
+    """Scores of a bf16 or fp8 key tile (``k_ptrs``: its codes) times ``qk_scale``; fp8 codes (bytes,
+    bitcast) are multiplied by their per-token scale (``ks_ptr`` at ``slots``) after the product."""
+    if FMT == FMT_FP8:
+        k_raw = tl.load(k_ptrs, mask=mask_n[:, None], other=0)
+        k = k_raw.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        k_sc = tl.load(ks_ptr + slots, mask=mask_n, other=0.0)
+        s = tl.dot(q0, tl.trans(k)) * (k_sc * qk_scale)[None, :]
+    else:
+        k = tl.load(k_ptrs, mask=mask_n[:, None], other=0.0).to(tl.float16)
+        s = tl.dot(q0, tl.trans(k)) * qk_scale
+    return s
+
+
+@triton.jit
+def split_result(m_i, l_i):
+    """``(inv_l, lse)`` of a split's online softmax: ``1 / l`` and base-2 log-sum-exp per row."""
+    has = l_i > 0
+    inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    return inv_l, lse
+
+
+@triton.jit(do_not_specialize=["Hq", "T", "split_len", "num_splits"])
+def decode_reduce_kernel(
+    part_out_ptr, part_lse_ptr, len_ptr, out_ptr, Hq, T, split_len, num_splits,
+    D: tl.constexpr, SPLITS_P2: tl.constexpr,
+):
+    bq = tl.program_id(0)
+    b = bq // Hq
+    length = tl.minimum(tl.maximum(tl.load(len_ptr + b).to(tl.int32), 0), T)
+    n_valid = tl.cdiv(length, split_len)  # splits that saw at least one token
+    offs_s = tl.arange(0, SPLITS_P2)
+    offs_d = tl.arange(0, D)
+    mask_s = offs_s < n_valid
+    base = bq.to(tl.int64) * num_splits
+    lse = tl.load(part_lse_ptr + base + offs_s, mask=mask_s, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # length 0: no split saw a token; keep exp2 finite
+    w = tl.where(mask_s, tl.exp2(lse - m), 0.0)
+    parts = tl.load(part_out_ptr + (base + offs_s)[:, None] * D + offs_d[None, :], mask=mask_s[:, None], other=0.0)
+    total = tl.sum(w, 0)
+    out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + bq.to(tl.int64) * D + offs_d, out.to(out_ptr.dtype.element_ty))

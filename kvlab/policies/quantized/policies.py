@@ -1,0 +1,146 @@
+"""The whole-cache quantized methods: transformers' ``QuantizedCache`` (quanto, hqq, fp8) and
+kvlab's own formats (kvq-fp8, kvq-int4, kvq-int2). Each builds a :class:`QuantSpec`
+(:mod:`kvlab.policies.quantized.storage`), which does the work."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from kvlab.policies.base import Policy, model_shape
+from kvlab.policies.full import FullPolicy
+from kvlab.policies.quantized.storage import FP8_MIN_TRANSFORMERS, QuantSpec
+
+
+def quant_field(default, help_text):
+    return field(default=default, metadata={"help": help_text})
+
+
+@dataclass(frozen=True)
+class QuantizedPolicy(Policy):
+    """A whole-cache quantized policy (no eviction); subclasses say how to build the :class:`QuantSpec`."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        object.__setattr__(self, "_spec", self._make_spec())
+
+    def _make_spec(self) -> QuantSpec:
+        raise NotImplementedError
+
+    @property
+    def spec(self) -> QuantSpec:
+        return self._spec
+
+    @property
+    def bits(self) -> int:
+        return self.spec.nbits
+
+    @property
+    def label(self) -> str:
+        return self.chunk_label(self.spec.label)
+
+    def params(self) -> dict[str, Any]:
+        return {"method": self.name, **self.spec.params(), "keep": 1.0, "bits": self.bits, **self.chunk_params()}
+
+    def check(self, model) -> None:
+        self.spec.check(model_shape(model))
+
+    def warmup(self, model) -> None:
+        self.spec.warmup(model)
+
+    def make_cache(self, model):
+        return self.spec.make_cache(model)
+
+    def fast_storage(self):
+        return FullPolicy(), self.spec.fast_format()
+
+
+@dataclass(frozen=True)
+class GroupwisePolicy(QuantizedPolicy):
+    nbits: int = quant_field(4, "bits per stored element")
+    q_group_size: int = quant_field(64, "elements sharing one scale/zero point")
+    residual_length: int = quant_field(128, "recent tokens kept at full precision between flushes")
+    axis_key: int = quant_field(0, "grouping axis for keys (0: along head_dim)")
+    axis_value: int = quant_field(0, "grouping axis for values (0: along head_dim)")
+
+    def _make_spec(self) -> QuantSpec:
+        return QuantSpec(self.name, self.nbits, self.q_group_size, self.residual_length,
+                         self.axis_key, self.axis_value)
+
+
+@dataclass(frozen=True)
+class QuantoPolicy(GroupwisePolicy):
+    name = "quanto"
+    summary = "optimum-quanto int4/int2 cache (transformers QuantizedCache, KIVI-style residual)"
+
+
+@dataclass(frozen=True)
+class HQQPolicy(GroupwisePolicy):
+    name = "hqq"
+    summary = "HQQ int1-8 cache (transformers QuantizedCache; its optimizer runs at every flush)"
+
+
+@dataclass(frozen=True)
+class FP8Policy(QuantizedPolicy):
+    name = "fp8"
+    summary = f"per-tensor float8_e4m3 cache (transformers >= {FP8_MIN_TRANSFORMERS}), no residual buffer"
+
+    def _make_spec(self) -> QuantSpec:
+        return QuantSpec("fp8")
+
+
+@dataclass(frozen=True)
+class KVQPolicy(QuantizedPolicy):
+    """A whole cache in one kvlab format (subclasses fix ``nbits``); on ``hf``: dequantize, then attend
+    (:mod:`kvlab.policies.quantized.kvq_layers`); on ``fast``: the fused kernels read the same codes."""
+
+    nbits: ClassVar[int] = 4  # fixed per subclass, not a parameter
+
+    def _make_spec(self) -> QuantSpec:
+        return QuantSpec("kvq", type(self).nbits, getattr(self, "q_group_size", 64))
+
+
+@dataclass(frozen=True)
+class KVQFp8Policy(KVQPolicy):
+    """float8_e4m3fn codes, ``scale = amax / 448`` per token and KV head, saturating.
+
+    Unlike transformers' ``fp8`` (one scale per tensor, frozen at prefill) a loud later token gets
+    its own scale.
+    """
+
+    name = "kvq-fp8"
+    summary = ("kvlab fp8 e4m3, scale per token and KV head (fast: fused kernel; "
+               "hf: dequantize, then attend)")
+    nbits = 8
+
+
+@dataclass(frozen=True)
+class KVQIntPolicy(KVQPolicy):
+    """Asymmetric ``nbits`` integers packed along the head dim; float16 scale and zero per
+    ``q_group_size`` elements of each token's head dim, round to nearest. No residual window: every
+    token is stored quantized from its first step.
+
+    Per-token groups cannot isolate a key channel that is an outlier in every token (KIVI quantizes
+    keys per channel for that reason), so models with outlier key channels lose more here than the
+    bit count suggests.
+    """
+
+    q_group_size: int = field(default=64, metadata={
+        "help": "int formats: elements of head_dim sharing a scale and zero (32, 64 or 128)"})
+
+    def __init_subclass__(cls, **kwargs):
+        """A subclass sets ``nbits``; its name and summary follow (``kvq-int4``)."""
+        super().__init_subclass__(**kwargs)
+        cls.name = f"kvq-int{cls.nbits}"
+        cls.summary = (f"kvlab int{cls.nbits}, scale+zero per q_group_size of head_dim, no residual "
+                       "(fast: fused kernel; hf: dequantize, then attend)")
+
+
+@dataclass(frozen=True)
+class KVQInt4Policy(KVQIntPolicy):
+    nbits = 4
+
+
+@dataclass(frozen=True)
+class KVQInt2Policy(KVQIntPolicy):
+    nbits = 2
