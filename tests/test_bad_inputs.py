@@ -339,6 +339,12 @@ CASES = [
     ("params-fp8-bits-4", SWEEP, params_file({"methods": [{"method": "fp8", "bits": [4]}]}), "nbits=4"),
     ("params-kvq-int2-group-size", SWEEP, params_file({"methods": [{"method": "kvq-int2", "q_group_size": 48}]}),
      "q_group_size=48"),
+    ("params-kvq-group-above-head-dim", SWEEP, params_file({"methods": ["kvq-int4"]}),
+     "head_dim 16 is not a multiple of group 64; no group this format has (32, 64, 128) divides it; store it with "
+     "a format without groups (kvq-fp8) or quanto/hqq with q_group_size 16"),
+    ("params-kvq-group-not-dividing", SWEEP, params_file({"models": "smollm2-135m",
+                                                          "methods": [{"method": "kvq-int4", "q_group_size": 128}]}),
+     "head_dim 64 is not a multiple of group 128; pick a group (q_group_size) from 32, 64"),
     # --- every other flag ---------------------------------------------------------------------------------
     ("generate-seed-text", "generate --model smollm2-135m --prompt hi --seed abc", None, "argument --seed"),
     ("generate-window-size-zero", "generate --model smollm2-135m --prompt hi --method snapkv --window-size 0", None,
