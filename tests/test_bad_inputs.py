@@ -587,7 +587,9 @@ def test_hqq_3_bits_runs_in_generate_and_passes_a_sweeps_checks(tmp_path, capsys
 
 
 def test_a_ray_address_that_does_not_answer_is_refused_within_its_timeout(monkeypatch):
-    """Nothing listening (refused at once) or nothing answering (the connect's timeout): one line, bounded."""
+    """Nothing listening (refused at once), nothing answering (the connect's timeout) or a port that is
+    no Ray head (no gRPC reply within the timeout): one line each, bounded. A live head answers (checked
+    by hand against ray.init's GCS: its SETTINGS frame)."""
     import socket
     import time
 
@@ -603,6 +605,13 @@ def test_a_ray_address_that_does_not_answer_is_refused_within_its_timeout(monkey
     def silent(address, timeout):
         asked.append((address, timeout))
         raise TimeoutError
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:  # takes the connection, never speaks gRPC
+        port = listener.getsockname()[1]
+        started = time.monotonic()
+        problem = ray_cluster.address_problem(f"127.0.0.1:{port}", timeout_s=0.5)
+        assert time.monotonic() - started < 3
+    assert problem.startswith(f"ray_address: 127.0.0.1:{port} takes a connection but does not answer as a Ray head")
 
     monkeypatch.setattr(socket, "create_connection", silent)
     assert "(no answer within 0.5 s)" in ray_cluster.address_problem("ray://head:10001", timeout_s=0.5)
