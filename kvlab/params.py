@@ -407,7 +407,7 @@ def check_params(params: SweepParams, check_device: bool = True) -> list[tuple[i
         if problem:
             problems.append(problem)
         if "fast" in params.engine:
-            from kvlab.engine.llama import check_model_type
+            from kvlab.engine import check_model_type
 
             try:
                 check_model_type(spec.model_type)

@@ -44,7 +44,7 @@ def test_step_profiler_needs_warmup():
 
 def _decode_loop(loaded, cache, ctx=64):
     """A plain transformers decode loop (independent of kvlab.decode) for the profiler tests."""
-    from kvlab.decode import cache_kwarg
+    from kvlab.engine.generation import cache_kwarg
 
     model = loaded.model
     kw = cache_kwarg(model)

@@ -3,10 +3,11 @@
 import pytest
 import torch
 
-from kvlab.decode import generate_text, greedy_decode, prefill
 from kvlab.engine import EngineError
 from kvlab.engine.compare import compare_engines
+from kvlab.engine.engines import generate_text
 from kvlab.engine.fast import FastEngine
+from kvlab.engine.generation import greedy_decode, prefill
 from kvlab.engine.llama import check_model_type
 from kvlab.policies import POLICIES, EvictionPolicy, make_policy
 from kvlab.policies.base import PolicyError
