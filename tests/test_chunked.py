@@ -246,7 +246,6 @@ def test_lower_right_chunk_attention_equals_the_masked_stock_path(lm, method, mo
 
 def test_chunk_attention_with_repeated_heads_is_the_same_attention(monkeypatch):
     """The CUDA fallback (flash cannot take the grouped heads): repeated K/V, the same output."""
-    import kvlab.engine.generation as generation
     import kvlab.policies.attention as attention
 
     g = torch.Generator().manual_seed(0)
