@@ -12,7 +12,7 @@ from transformers import DynamicCache
 from kvlab.engine.generation import prefill
 from kvlab.kernels import make_format
 from kvlab.models import load_model
-from kvlab.quality import stdlib_text
+from kvlab.quality.continuation import stdlib_text
 
 torch.set_num_threads(1)
 loaded = load_model("smollm2-135m", device="cpu")
