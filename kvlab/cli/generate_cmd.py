@@ -3,13 +3,6 @@ cache held (logical and physical tokens, bytes) after the prefill and at the end
 
 from __future__ import annotations
 
-import json
-
-EVICTION_FLAGS = {"keep": "keep", "window_size": "window_size", "kernel_size": "kernel_size",
-                  "n_sink": "n_sink", "beta": "beta", "policy_seed": "seed"}
-QUANT_FLAGS = {"bits": "nbits", "group_size": "q_group_size", "residual": "residual_length",
-               "axis_key": "axis_key", "axis_value": "axis_value"}
-
 
 def register(sub) -> None:
     p = sub.add_parser("generate", help="greedy generation under a cache policy, with the cache's size")
@@ -53,21 +46,3 @@ def run(args) -> int:
     from kvlab.cli.generate_run import generate  # loads torch: after argparse, before any check
 
     return generate(args)
-
-
-def _size(stats: dict) -> str:
-    return (f"logical {stats['logical_tokens']} tokens, physical {stats['physical_tokens']} tokens, "
-            f"{stats['bytes'] / 1024**2:,.3f} MiB ({stats['bytes']:,} B)")
-
-
-def format_text(out: dict) -> str:
-    answer = out["answer"] if out["answer"] is not None else f"(token ids) {out['token_ids']}"
-    return "\n".join([
-        f"model   {out['model']} ({out['weights']} weights, {out['device']}, {out['dtype']}), "
-        f"attention {out['attn_implementation']}",
-        f"policy  {out['label']}   {json.dumps(out['policy_params'])}   engine {out['engine']}",
-        f"prompt  {out['prompt_tokens']} tokens -> {out['new_tokens']} new tokens",
-        f"answer  {answer}",
-        f"cache after prefill  {_size(out['cache_after_prefill'])}",
-        f"cache at the end     {_size(out['cache_final'])}",
-    ])

@@ -8,7 +8,6 @@ from pathlib import Path
 import torch
 
 from kvlab.budget import context_problem
-from kvlab.cli.generate_cmd import EVICTION_FLAGS, QUANT_FLAGS, format_text
 from kvlab.columns import model_columns, policy_columns
 from kvlab.engine import check_model_type
 from kvlab.engine.engines import generate_text, make_engine
@@ -26,6 +25,12 @@ from kvlab.preflight import (
     shape_problems,
     weights_problem,
 )
+
+EVICTION_FLAGS = {"keep": "keep", "window_size": "window_size", "kernel_size": "kernel_size",
+                  "n_sink": "n_sink", "beta": "beta", "policy_seed": "seed"}
+QUANT_FLAGS = {"bits": "nbits", "group_size": "q_group_size", "residual": "residual_length",
+               "axis_key": "axis_key", "axis_value": "axis_value"}
+
 
 
 def _given(args, flags: dict[str, str]) -> dict:
@@ -134,3 +139,21 @@ def generate(args) -> int:
     }
     print(json.dumps(out) if args.json else format_text(out))
     return 0
+
+
+def _size(stats: dict) -> str:
+    return (f"logical {stats['logical_tokens']} tokens, physical {stats['physical_tokens']} tokens, "
+            f"{stats['bytes'] / 1024**2:,.3f} MiB ({stats['bytes']:,} B)")
+
+
+def format_text(out: dict) -> str:
+    answer = out["answer"] if out["answer"] is not None else f"(token ids) {out['token_ids']}"
+    return "\n".join([
+        f"model   {out['model']} ({out['weights']} weights, {out['device']}, {out['dtype']}), "
+        f"attention {out['attn_implementation']}",
+        f"policy  {out['label']}   {json.dumps(out['policy_params'])}   engine {out['engine']}",
+        f"prompt  {out['prompt_tokens']} tokens -> {out['new_tokens']} new tokens",
+        f"answer  {answer}",
+        f"cache after prefill  {_size(out['cache_after_prefill'])}",
+        f"cache at the end     {_size(out['cache_final'])}",
+    ])

@@ -79,6 +79,7 @@ def task_spec_from_args(args) -> TaskSpec:
 
 
 def run(args) -> int:
-    from kvlab.cli.quality_run import quality  # loads torch: after argparse, before any check
+    spec = task_spec_from_args(args)  # before torch loads
+    from kvlab.cli.quality_run import quality  # loads torch
 
-    return quality(args)
+    return quality(args, spec)

@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 from kvlab.cli import EXIT_FAILED_RUNS, EXIT_OK
-from kvlab.cli.quality_cmd import task_spec_from_args
 from kvlab.engine import check_model_type
 from kvlab.engine.engines import make_engine
 from kvlab.errors import UserError
@@ -41,9 +40,8 @@ def policies_from_args(args, spec=None) -> list:
     return policies
 
 
-def check_args(args):
+def check_args(args, spec):
     """Every check that needs no weights: tasks, policies, device, lengths, memory, output folder."""
-    spec = task_spec_from_args(args)
     if args.weights == "synthetic":
         raise UserError("--weights synthetic comes without a tokenizer, and the quality pass reads and scores "
                         "text: use a model with real weights (smollm2-135m, or a local folder with a tokenizer)")
@@ -66,9 +64,9 @@ def check_args(args):
     return spec, policies, check_out_dir(args.out)
 
 
-def quality(args) -> int:
+def quality(args, spec) -> int:
     """``kvlab quality``: checks before the load, then the pass, its summary and notes."""
-    spec, policies, out = check_args(args)  # before the model loads
+    spec, policies, out = check_args(args, spec)  # before the model loads
     loaded = load_model(args.model, weights=args.weights, device=args.device, dtype=args.dtype, seed=args.seed)
     quantize_weights(loaded.model, args.weights_quant)
     manifest = {"kind": "quality", "model": loaded.provenance(), "weights_quant": args.weights_quant,
