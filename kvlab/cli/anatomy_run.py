@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 
+from kvlab import models
 from kvlab.anatomy import AnatomyError, category_table
 from kvlab.engine import check_model_type
 from kvlab.engine.anatomy import compare_methods
 from kvlab.engine.engines import EngineSet
 from kvlab.measure import sdpa_context
-from kvlab.models import get_spec, load_model
 from kvlab.params import SDPA_BACKENDS
 from kvlab.policies import make_policy
 from kvlab.preflight import compressions, device_problem, require, shape_problems, weights_problem
@@ -31,7 +31,7 @@ def check_args(args) -> dict[str, dict]:
     if args.steps < 1 or args.warmup < 1:
         raise AnatomyError(f"--steps and --warmup must be >= 1 (got {args.steps} and {args.warmup})")
     require(device_problem(args.device))
-    spec = get_spec(args.model)
+    spec = models.get_spec(args.model)
     require(weights_problem(args.model, args.weights))
     policies = [make_policy(method, **policy_params.get(method, {})) for method in args.methods]
     for policy in policies:
@@ -49,7 +49,7 @@ def check_args(args) -> dict[str, dict]:
 def anatomy(args) -> int:
     """``kvlab anatomy``: checks before the load, then each method's profiled decode steps."""
     policy_params = check_args(args)  # before the model loads
-    loaded = load_model(args.model, weights=args.weights, device=args.device)
+    loaded = models.load_model(args.model, weights=args.weights, device=args.device)
     engine = EngineSet(loaded).get(args.engine)  # fast: one decoder at a time
     with sdpa_context(args.sdpa_backend):
         table, _ = compare_methods(engine, args.methods, args.ctx, policy_params, steps=args.steps,

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import torch
 
+from kvlab import models
 from kvlab.budget import context_problem
 from kvlab.columns import model_columns, policy_columns
 from kvlab.engine import check_model_type
 from kvlab.engine.engines import generate_text, make_engine
 from kvlab.errors import UserError
-from kvlab.models import get_spec, load_model
 from kvlab.params import DTYPES
 from kvlab.policies import POLICIES, PolicyError, QuantizedPolicy, make_policy
 from kvlab.policies.eviction import EvictionPolicy
@@ -107,14 +107,14 @@ def _check_args(args, spec, policy) -> None:
 def generate(args) -> int:
     """``kvlab generate``: checks before the load, then one generation on the engine asked for."""
     policy = policy_from_args(args)
-    spec = get_spec(args.model)
+    spec = models.get_spec(args.model)
     policy.check(spec)
     _check_args(args, spec, policy)
     text = _prompt_text(args)
     if args.engine == "fast":
         check_model_type(spec.model_type)
         policy.fast_storage()  # formats the fast engine cannot store fail here, before the load
-    loaded = load_model(args.model, weights=args.weights, device=args.device, dtype=args.dtype, seed=args.seed)
+    loaded = models.load_model(args.model, weights=args.weights, device=args.device, dtype=args.dtype, seed=args.seed)
     if loaded.tokenizer is None and args.prompt_tokens is None:
         raise UserError(f"{args.model} has no tokenizer here: pass --prompt-tokens N")
     ids = _prompt_ids(args, loaded.tokenizer, loaded.spec.vocab_size, text)

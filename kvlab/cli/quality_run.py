@@ -5,11 +5,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from kvlab import models
 from kvlab.cli import EXIT_FAILED_RUNS, EXIT_OK
 from kvlab.engine import check_model_type
 from kvlab.engine.engines import make_engine
 from kvlab.errors import UserError
-from kvlab.models import get_spec, load_model
 from kvlab.params import DTYPES, SweepParams, method_variants
 from kvlab.policies import make_policy
 from kvlab.policies.base import check_prefill_chunk
@@ -45,7 +45,7 @@ def check_args(args, spec):
     if args.weights == "synthetic":
         raise UserError("--weights synthetic comes without a tokenizer, and the quality pass reads and scores "
                         "text: use a model with real weights (smollm2-135m, or a local folder with a tokenizer)")
-    model_spec = get_spec(args.model)
+    model_spec = models.get_spec(args.model)
     policies = policies_from_args(args, model_spec)
     if args.engine == "fast":
         check_model_type(model_spec.model_type)
@@ -67,7 +67,7 @@ def check_args(args, spec):
 def quality(args, spec) -> int:
     """``kvlab quality``: checks before the load, then the pass, its summary and notes."""
     spec, policies, out = check_args(args, spec)  # before the model loads
-    loaded = load_model(args.model, weights=args.weights, device=args.device, dtype=args.dtype, seed=args.seed)
+    loaded = models.load_model(args.model, weights=args.weights, device=args.device, dtype=args.dtype, seed=args.seed)
     quantize_weights(loaded.model, args.weights_quant)
     manifest = {"kind": "quality", "model": loaded.provenance(), "weights_quant": args.weights_quant,
                 "task_spec": spec.model_dump(),
