@@ -154,8 +154,7 @@ def drop_decoders(engine, device: str) -> None:
     """Drop what the fast engine keeps for reuse (its one decoder: static store and captured graph)
     and give the memory back, so the next point's peak is its own: a point's peak counter starts
     from what is allocated when it starts, so a store kept from the point before would count in it."""
-    if engine is not None:
-        engine.clear()
+    engine.release()
     release(device)
 
 
@@ -234,15 +233,12 @@ class Report:
 
 def run_context(args, loaded, ctx: int, report: Report, deadline: float) -> None:
     from kvlab.capacity import above, cap_for_batch, fit_peaks, max_batch, split_sequence
+    from kvlab.engine.engines import EngineSet
     from kvlab.policies import make_policy
 
     device = args.device
-    engine = None
-    if args.engine == "fast":
-        from kvlab.engine.fast import FastEngine
-
-        # one decoder at a time, dropped after every point (drop_decoders): each peak is its own
-        engine = FastEngine(loaded, max_decoders=1, compile=args.fast_compile)
+    # fast: one decoder at a time, dropped after every point (drop_decoders): each peak is its own
+    engine = EngineSet(loaded, fast={"max_decoders": 1, "compile": args.fast_compile}).get(args.engine)
     rows = args.prefill_rows
     weights = weights_bytes(loaded, device)
     usable = usable_bytes(device, args.memory_gb)

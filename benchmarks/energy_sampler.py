@@ -84,6 +84,7 @@ def cadence(device: str, load: MatmulLoad, seconds: float) -> dict:
 def decode_overhead(device: str, model_name: str, ctx: int, new_tokens: int, pairs: int,
                     intervals_ms: list[float]) -> dict:
     from kvlab.energy import cuda_sync
+    from kvlab.engine.engines import make_engine
     from kvlab.measure import measure_generation
     from kvlab.models import load_model
     from kvlab.policies import make_policy
@@ -95,7 +96,7 @@ def decode_overhead(device: str, model_name: str, ctx: int, new_tokens: int, pai
     null = NullSampler("none: baseline without the polling thread", sync=cuda_sync(device))
 
     def run(sampler):
-        m = measure_generation(loaded, policy, ctx=ctx, batch=1, new_tokens=new_tokens, sampler=sampler)
+        m = measure_generation(loaded, policy, ctx=ctx, batch=1, new_tokens=new_tokens, sampler=sampler, engine=make_engine("hf", loaded))
         r = m.record
         return {"decode_ms_per_token": r["decode_s"] * 1000 / (new_tokens - 1), "gpu_busy_ms": r["gpu_busy_ms"],
                 "itl_median_ms": r["itl_median_ms"], "energy_j": r["energy_j"], "prefill_j": r["prefill_j"],

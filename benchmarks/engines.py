@@ -166,7 +166,7 @@ def main() -> int:
 
     from kvlab.energy import make_sampler
     from kvlab.engine.compare import compare_engines
-    from kvlab.engine.fast import FastEngine
+    from kvlab.engine.engines import make_engine
     from kvlab.measure import make_prompt, measure_generation
     from kvlab.models import load_model
     from kvlab.policies import make_policy
@@ -187,10 +187,10 @@ def main() -> int:
     for batch in args.batch:
         loaded = load_model(args.model, weights=args.weights, device=args.device)
         weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
-        engines = {"hf": None}
+        engines = {"hf": make_engine("hf", loaded)}
         for name in args.engines:
             if name in FAST_VARIANTS:
-                engines[name] = FastEngine(loaded, **{"attention": args.attention, "max_decoders": args.max_decoders,
+                engines[name] = make_engine("fast", loaded, **{"attention": args.attention, "max_decoders": args.max_decoders,
                                                       **FAST_VARIANTS[name]})
         policies = {}
         for name in args.methods:
@@ -279,12 +279,10 @@ def main() -> int:
 def profile_variants(result: dict, loaded, policies: dict, engines: dict, args, batch: int) -> None:
     """Where each fast variant's step goes, per ``--profile-methods`` method: kernels by category,
     then the largest kernels."""
-    from kvlab.engine.anatomy import fast_anatomy
-
     for engine, method in [(e, m) for e in args.engines if e in FAST_VARIANTS and e != "fast-deq"
                            for m in args.profile_methods if m in policies]:  # a failed setup is recorded
         try:
-            a = fast_anatomy(loaded, policies[method], args.ctx, batch, steps=args.profile, engine=engines[engine])
+            a = engines[engine].anatomy(policies[method], args.ctx, batch, steps=args.profile)
         except Exception as err:
             result.setdefault("profiles", []).append({"engine": engine, "method": method, "batch": batch,
                                                       "error": repr(err)})

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvlab.long_continuation import continuation_fidelity
     from kvlab.models import load_model
     from kvlab.policies import make_policy
-    from kvlab.quality import continuation_items
+    from kvlab.quality.continuation import continuation_items
     from kvlab.tasks import Encoder
 
     started = time.time()

@@ -19,7 +19,7 @@ import traceback
 import torch
 
 from kvlab.budget import cache_bytes
-from kvlab.decode import greedy_decode, prefill
+from kvlab.engine.generation import greedy_decode, prefill
 from kvlab.measure import sdpa_context
 from kvlab.models import load_model
 from kvlab.policies import cache_stats, make_policy

@@ -6,7 +6,7 @@ cache update/concat, quantize, dequantize, other ops. What the device did not sp
 CPU/launch gap (wall time minus busy time): Python, dispatch and kernel-launch overhead, which is
 what many small quantize/dequantize kernels add at batch 1.
 
-How ops are classified: while profiling, :func:`instrument` opens ``kvlab::`` profiler scopes
+How ops are classified: while profiling, :func:`kvlab.engine.anatomy.instrument` opens ``kvlab::`` profiler scopes
 around each attention module's forward, the cache's ``update`` and the cache layers'
 ``_quantize``/``_dequantize`` (instance attributes only, removed afterwards). An op belongs to the
 first match walking from the op out through its parent scopes, so ``aten::cat`` inside
@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,47 +59,6 @@ def classify(chain: list[str]) -> str:
             if pattern.search(name):
                 return category
     return "other ops"
-
-
-# ---------------------------------------------------------------------------------------------
-# instrumentation: profiler scopes on the model and cache we were given, removed afterwards
-
-
-def attention_modules(model) -> list:
-    """The self-attention modules of a transformers decoder (by class name: *Attention)."""
-    return [m for m in model.modules() if type(m).__name__.endswith("Attention")]
-
-
-@contextmanager
-def instrument(model, cache) -> Iterator[None]:
-    """Profiler scopes around attention forwards (module hooks), ``cache.update`` and layer
-    (de)quantization (the cache hook :func:`kvlab.policies.cache.profiler_scopes`)."""
-    from torch.profiler import record_function
-
-    from kvlab.policies.cache import profiler_scopes
-
-    handles, open_scopes = [], []
-
-    def pre(module, args, kwargs=None):
-        rf = record_function(SCOPE_ATTENTION)
-        rf.__enter__()
-        open_scopes.append(rf)
-
-    def post(module, args, output):
-        if open_scopes:
-            open_scopes.pop().__exit__(None, None, None)
-
-    for m in attention_modules(model):
-        handles.append(m.register_forward_pre_hook(pre))
-        handles.append(m.register_forward_hook(post))
-    try:
-        with profiler_scopes(cache, SCOPE_CACHE, SCOPE_QUANTIZE, SCOPE_DEQUANTIZE):
-            yield
-    finally:
-        for h in handles:
-            h.remove()
-        while open_scopes:
-            open_scopes.pop().__exit__(None, None, None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -248,7 +206,7 @@ def profile_loop(step: Callable[[], Any], label: str, device: str = "cpu", steps
 
 
 # ---------------------------------------------------------------------------------------------
-# one cache method on a loaded model (kvlab.policies + kvlab.decode)
+# prompts and tables (the engines profile their own steps: :mod:`kvlab.engine.anatomy`)
 
 
 def synthetic_prompt(vocab_size: int, ctx: int, batch: int = 1, seed: int = 0, device: str = "cpu"):
@@ -257,39 +215,6 @@ def synthetic_prompt(vocab_size: int, ctx: int, batch: int = 1, seed: int = 0, d
 
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, (batch, ctx), generator=g).to(device)
-
-
-def method_anatomy(loaded, method: str, ctx: int, steps: int = 8, warmup: int = 2, batch: int = 1,
-                   seed: int = 0, **policy_params) -> Anatomy:
-    """Prefill ``ctx`` tokens with a fresh cache of ``method`` and profile decode steps."""
-    import torch
-
-    from kvlab.decode import greedy_decode, prefill
-    from kvlab.policies import make_policy
-
-    policy = make_policy(method, **policy_params)
-    model = loaded.model
-    ids = synthetic_prompt(loaded.spec.vocab_size, ctx, batch, seed, loaded.device)
-    sp = StepProfiler(loaded.device, steps, warmup)
-    try:
-        with policy.attach(model), torch.inference_mode():
-            cache = policy.make_cache(model)
-            first = prefill(model, ids, cache)[:, -1].argmax(dim=-1, keepdim=True)
-            with instrument(model, cache):
-                # n_new counts the first token too: total_steps decode steps follow it
-                greedy_decode(model, cache, first, sp.total_steps + 1, start_position=ctx, on_step=sp.on_step)
-    finally:
-        sp.close()
-    return sp.result(policy.label, method)
-
-
-def compare_methods(loaded, methods: list[str], ctx: int, policy_params: dict[str, dict] | None = None,
-                    steps: int = 8, warmup: int = 2, batch: int = 1) -> tuple[pd.DataFrame, list[Anatomy]]:
-    """Anatomy of each method at one context: the long table the stacked-bar plot reads."""
-    policy_params = policy_params or {}
-    results = [method_anatomy(loaded, m, ctx, steps, warmup, batch, **policy_params.get(m, {}))
-               for m in methods]
-    return anatomy_table(results), results
 
 
 def anatomy_table(results: list[Anatomy]) -> pd.DataFrame:

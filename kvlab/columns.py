@@ -28,15 +28,7 @@ def policy_columns(policy) -> dict[str, Any]:
             "keep": policy.keep, "bits": policy.bits, "prefill_chunk": getattr(policy, "prefill_chunk", None)}
 
 
-def engine_columns(engine, fast_stats: dict[str, Any] | None = None,
-                   prefill_rows: int | None = None) -> dict[str, Any]:
-    """``engine`` (``hf`` or ``fast``), ``prefill_rows`` (sequences prefilled at a time; None: the
-    whole batch at once) and, for ``fast``, how its decoder stored and attended the KV (``fast_stats``:
-    :meth:`kvlab.engine.fast.FastDecoder.stats`)."""
-    name = engine if isinstance(engine, str) else ("hf" if engine is None else engine.name)
-    cols: dict[str, Any] = {"engine": name, "prefill_rows": prefill_rows}
-    if fast_stats is not None:
-        cols.update(kv_format=fast_stats["kv_format"], fast_attention=fast_stats["attention"],
-                    cuda_graph=fast_stats["graph"], fast_compile=fast_stats.get("step_compile"),
-                    cache_bytes_allocated=fast_stats["bytes_allocated"])
-    return cols
+def engine_columns(engine: str, prefill_rows: int | None = None) -> dict[str, Any]:
+    """``engine`` (``hf`` or ``fast``) and ``prefill_rows`` (sequences prefilled at a time; None: the
+    whole batch at once). A decoder's own columns add what it stores (``Decoder.columns``)."""
+    return {"engine": engine, "prefill_rows": prefill_rows}

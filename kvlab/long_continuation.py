@@ -16,39 +16,35 @@ from typing import Any
 
 import torch
 
+from kvlab.engine.generation import compressions, forward_at, prefill_ids
+from kvlab.metrics import kl_per_position, mean_token_nll
+from kvlab.policies import cache_stats, make_policy
+
 
 @torch.inference_mode()
 def stepwise_logits(loaded, policy, context_ids: Sequence[int], continuation_ids: Sequence[int],
                     step: int = 1) -> tuple[torch.Tensor, dict[str, Any]]:
     """Logits ``[C-1, V]`` (float32, CPU) for continuation tokens 1..C-1, fed ``step`` at a time after
     the context's prefill (chunked as the policy says); and the cache's stats at the end."""
-    from kvlab.chunked import prefill
-    from kvlab.policies import cache_stats
-    from kvlab.quality import forward_at
-
     if step < 1:
         raise ValueError(f"step must be >= 1 token, got {step}")
     model = loaded.model
-    device = next(model.parameters()).device
     cont = list(continuation_ids)
     with policy.attach(loaded, warm=False):
         cache = policy.make_cache(model)
-        ids = torch.tensor([list(context_ids)], dtype=torch.long, device=device)
-        prefill(model, ids, cache, policy.prefill_chunk)
+        prefill_ids(model, context_ids, cache, policy.prefill_chunk)
         pieces, position = [], len(context_ids)
         for start in range(0, len(cont) - 1, step):
             piece = cont[start:min(start + step, len(cont) - 1)]
             pieces.append(forward_at(model, piece, cache, position))
             position += len(piece)
         stats = cache_stats(cache)
-    stats["compressions"] = max((getattr(layer, "compressions", 0) for layer in cache.layers), default=0)
+    stats["compressions"] = compressions(cache)
     return torch.cat(pieces, dim=0), stats
 
 
 def fidelity(logits: torch.Tensor, ref: torch.Tensor, targets: Sequence[int], stretches: int = 4) -> dict[str, Any]:
     """KL(ref || logits) in nats per token, top-1 agreement and gold NLL: overall and per stretch."""
-    from kvlab.metrics import kl_per_position, mean_token_nll
-
     logq, logp = torch.log_softmax(logits.float(), -1), torch.log_softmax(ref.float(), -1)
     kl = kl_per_position(logp, logq)
     agree = (logq.argmax(-1) == logp.argmax(-1)).float()
@@ -64,8 +60,6 @@ def fidelity(logits: torch.Tensor, ref: torch.Tensor, targets: Sequence[int], st
 def continuation_fidelity(loaded, policies: Sequence, context_ids: Sequence[int], continuation_ids: Sequence[int],
                           step: int = 1, reference=None) -> list[dict[str, Any]]:
     """One row per policy: its fidelity to ``reference`` (default: the full cache) on the continuation."""
-    from kvlab.policies import make_policy
-
     reference = reference or make_policy("full")
     ref, _ = stepwise_logits(loaded, reference, context_ids, continuation_ids, step)
     targets = list(continuation_ids)[1:]

@@ -4,7 +4,7 @@ What a run measures, and how:
 
 - **TTFT**: window start to the first token on the host (after a synchronize).
 - **Exactly N new tokens** (EOS ignored): the first is picked from the prefill logits, the other
-  N-1 come from the decode steps of :func:`kvlab.decode.greedy_decode`.
+  N-1 come from the engine's decode steps (:mod:`kvlab.engine.engines`).
 - **Per-token timestamps**: CUDA events recorded after every decode step on GPU (read after the
   final synchronize, so they add no syncs), ``perf_counter`` on CPU. ITL statistics come from them;
   ``gpu_busy_ms`` is the GPU-side span of decode (it equals wall time when the host, not the GPU,
@@ -30,8 +30,9 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvlab.columns import engine_columns
+from kvlab.anatomy import op_times
 from kvlab.energy import NullSampler, Sampler, WindowResult
+from kvlab.engine import prefill_rows as groups_of
 from kvlab.hostload import contention, host_delta, peak_rss_bytes, read_counters, reset_peak_rss
 
 SDPA_BACKENDS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION",
@@ -223,8 +224,6 @@ def kernel_ms(events) -> float:
     own row and once under the op that launched it: the H200 records of 2026-12-02 made that way say
     16.4 ms for a 16k decode step whose kernels the anatomy timed at 8.2 ms.
     """
-    from kvlab.anatomy import op_times
-
     return sum(op.us for op in op_times(events, on_device=True)) / 1000.0
 
 
@@ -268,26 +267,21 @@ def measure_generation(
     input_ids=None,
     probe: bool = False,
     on_step: Callable[[int], None] | None = None,
-    engine=None,
+    engine,
     prefill_rows: int | None = None,
 ) -> Measurement:
     """Generate exactly ``new_tokens`` per sequence from an exact-length prompt and measure it.
 
     ``policy`` must already be checked and prepared (:func:`kvlab.sweep` does that once per model);
-    ``policy.prepare`` is idempotent and called again here for direct callers. ``engine``: None for
-    transformers' decode loop (``hf``), or a :class:`kvlab.engine.fast.FastEngine`, whose decoder for
-    this shape is built (and its CUDA graph captured) before the energy window opens; copying the
-    kept K/V into its static buffers counts as prefill. ``prefill_rows`` (fast engine only): prefill
-    that many sequences at a time into the static buffers (:meth:`FastDecoder.prefill`), so a large
-    batch's peak holds one group's prefill cache; ignored (and recorded as None) when it is at least
-    ``batch``. The prefill window covers every group.
+    ``policy.prepare`` is idempotent and called again here for direct callers. ``engine``
+    (:func:`kvlab.engine.engines.make_engine`) builds this shape's decoder before the energy window
+    opens (the fast engine: its static buffers and CUDA graph; copying the kept K/V into them counts
+    as prefill). ``prefill_rows`` (fast engine only): prefill that many sequences at a time into the
+    static buffers (:meth:`FastDecoder.prefill`), so a large batch's peak holds one group's prefill
+    cache; ignored (and recorded as None) when it is at least ``batch``. The prefill window covers
+    every group.
     """
     import torch
-
-    from kvlab.chunked import prefill
-    from kvlab.decode import greedy_decode
-    from kvlab.engine import prefill_rows as groups_of
-    from kvlab.policies import cache_stats
 
     if new_tokens < 1:
         raise ValueError(f"new_tokens={new_tokens}: generate at least 1 token")
@@ -298,13 +292,13 @@ def measure_generation(
     ids = input_ids if input_ids is not None else make_prompt(loaded, ctx, batch, prompt_id, seed)
     if tuple(ids.shape) != (batch, ctx):
         raise MeasureError(f"prompt has shape {tuple(ids.shape)}, expected ({batch}, {ctx})")
-    rows = groups_of(prefill_rows, batch, "hf" if engine is None else engine.name)
+    rows = groups_of(prefill_rows, batch, engine.name)
 
     policy.prepare(model)
     # The engine may replace its decoder here, freeing the one before: the peak is reset after, or
     # it would start at the old store's size (a fast int4 run after a full one at batch 32, 16k:
     # 85.4 GB where its own was 52.2, reports/h200-2026-12-03e). The new store counts: it is held.
-    decoder = engine.decoder(policy, batch, ctx, new_tokens) if engine is not None else None
+    decoder = engine.decoder(policy, batch, ctx, new_tokens)
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     rss_window = not cuda and reset_peak_rss()  # CPU: the process's peak RSS over this run
@@ -320,7 +314,6 @@ def measure_generation(
         if on_step is not None:
             on_step(i)
 
-    cache = policy.make_cache(model) if decoder is None else None  # fast: a cache per row group, in the window
     chunk = getattr(policy, "prefill_chunk", None)
     try:
         with sdpa_context(sdpa_backend), torch.no_grad(), sampler.window("prefill") as win:
@@ -328,26 +321,20 @@ def measure_generation(
             clock.mark()  # 0: prefill start
             if probe_prefill:
                 probe_prefill.start()
-            if decoder is None:
-                first = prefill(model, ids, cache, chunk)[:, -1, :].argmax(dim=-1, keepdim=True)
-            else:  # into the static buffers, ``rows`` sequences at a time
-                first = decoder.prefill(ids, chunk, rows)
+            first = decoder.prefill(ids, chunk, rows)  # fast: into the static buffers, ``rows`` at a time
             clock.mark()  # 1: first token
             if probe_prefill:
                 probe_prefill.stop()
             if cuda:
                 torch.cuda.synchronize(device)
             t_first = time.perf_counter()
-            stats = cache_stats(cache) if decoder is None else decoder.stats()
+            stats = decoder.stats()
             t_decode = win.mark("decode")
             clock.mark()  # 2: decode start
             host_start = read_counters()
             if probe_decode:
                 probe_decode.start()
-            if decoder is None:
-                tokens = greedy_decode(model, cache, first, new_tokens, start_position=ctx, on_step=step_done)
-            else:
-                tokens = decoder.decode(first, new_tokens, start_position=ctx, on_step=step_done)
+            tokens = decoder.decode(first, new_tokens, start_position=ctx, on_step=step_done)
             if probe_decode:
                 probe_decode.stop()
     finally:  # a run that raised (e.g. an OOM in a probed warm-up) must not leave a profiler running
@@ -355,7 +342,7 @@ def measure_generation(
             if probe is not None:
                 probe.abandon()
     host = host_delta(host_start, read_counters())  # decode, to the window's closing synchronize
-    final = cache_stats(cache) if decoder is None else decoder.stats(new_tokens)  # after the decode
+    final = decoder.stats(new_tokens)  # after the decode
     res = win.result
     if _token_count(tokens) != new_tokens:
         raise MeasureError(f"generated {_token_count(tokens)} tokens per sequence, expected exactly {new_tokens}")
@@ -410,7 +397,7 @@ def measure_generation(
         "temp_start_c": res.temp_start_c,
         "temp_end_c": res.temp_end_c,
         **{f"decode_{k}": v for k, v in host.items()},
-        **engine_columns(engine, stats if decoder is not None else None, rows),
+        **decoder.columns(rows),
     }
     threads = torch.get_num_threads()
     contended, why = contention(host, decode_s, threads, device)

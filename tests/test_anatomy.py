@@ -6,6 +6,9 @@ import torch
 
 from kvlab import anatomy
 from kvlab.anatomy import GAP, OpTime
+from kvlab.engine.anatomy import compare_methods, instrument
+from kvlab.engine.engines import make_engine
+from kvlab.engine.generation import cache_kwarg
 
 
 @pytest.mark.parametrize(("chain", "category"), [
@@ -43,9 +46,7 @@ def test_step_profiler_needs_warmup():
 
 
 def _decode_loop(loaded, cache, ctx=64):
-    """A plain transformers decode loop (independent of kvlab.decode) for the profiler tests."""
-    from kvlab.decode import cache_kwarg
-
+    """A plain transformers decode loop (independent of kvlab's generation) for the profiler tests."""
     model = loaded.model
     kw = cache_kwarg(model)
     ids = anatomy.synthetic_prompt(loaded.spec.vocab_size, ctx)
@@ -68,7 +69,7 @@ def test_profile_full_cache_on_cpu(tiny):
 
     cache = DynamicCache(config=tiny.model.config)
     step = _decode_loop(tiny, cache)
-    with anatomy.instrument(tiny.model, cache):
+    with instrument(tiny.model, cache):
         result = anatomy.profile_loop(step, "full", steps=3, warmup=1)
     assert "update" not in cache.__dict__  # instrumentation removed
     by = result.by_category
@@ -89,7 +90,7 @@ def test_profile_quantized_cache_shows_quantize_and_dequantize(tiny):
 
     cache = QuantizedCache("quanto", tiny.model.config, nbits=4, q_group_size=16, residual_length=2)
     step = _decode_loop(tiny, cache)
-    with anatomy.instrument(tiny.model, cache):
+    with instrument(tiny.model, cache):
         result = anatomy.profile_loop(step, "quanto int4", steps=4, warmup=1)
     assert result.by_category["dequantize"] > 0
     assert result.by_category["quantize"] > 0  # the residual of 2 flushes every other step
@@ -98,8 +99,8 @@ def test_profile_quantized_cache_shows_quantize_and_dequantize(tiny):
 
 def test_method_anatomy_through_policies_and_decode(tiny):
     pytest.importorskip("optimum.quanto")
-    table, results = anatomy.compare_methods(
-        tiny, ["full", "quanto"], ctx=64, policy_params={"quanto": {"nbits": 4, "q_group_size": 16,
+    table, results = compare_methods(
+        make_engine("hf", tiny), ["full", "quanto"], ctx=64, policy_params={"quanto": {"nbits": 4, "q_group_size": 16,
                                                                    "residual_length": 8}},
         steps=3, warmup=1)
     assert [r.method for r in results] == ["full", "quanto"]

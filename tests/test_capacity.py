@@ -225,7 +225,7 @@ def test_a_confirm_above_the_cap_batch_runs_under_a_memory_cap_on_the_fast_engin
     caps, cap_now = fake_memory_cap(monkeypatch, module)
 
     def fake(loaded, policy, *, ctx, batch, new_tokens, engine=None, prefill_rows=None, **kw):
-        assert engine is not None and engine.name == "fast" and prefill_rows == 2
+        assert engine.name == "fast" and prefill_rows == 2
         peak = 1e9 + 1e8 * batch
         if cap_now[0] is not None and peak > cap_now[0]:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 100.00 MiB")

@@ -7,10 +7,10 @@ import pytest
 import torch
 from tiny_models import load_tiny_d32, registry_kwargs
 
-from kvlab.chunked import chunk_bounds, prefill
-from kvlab.decode import generate_text, greedy_decode
-from kvlab.decode import prefill as one_shot
+from kvlab.engine.engines import generate_text
 from kvlab.engine.fast import FastEngine
+from kvlab.engine.generation import chunk_bounds, greedy_decode, prefill
+from kvlab.engine.generation import prefill_once as one_shot
 from kvlab.policies import POLICIES, EvictionPolicy, PolicyError, QuantizedPolicy, cache_stats, kept_positions
 from kvlab.policies import make_policy as _make
 
@@ -229,6 +229,7 @@ def test_lower_right_chunk_attention_equals_the_masked_stock_path(lm, method, mo
     and cache as transformers' masked SDPA (K/V repeated per head), and the model keeps its attention."""
     import contextlib
 
+    import kvlab.engine.generation as generation
     import kvlab.policies.attention as attention
 
     calls = []
@@ -237,7 +238,7 @@ def test_lower_right_chunk_attention_equals_the_masked_stock_path(lm, method, mo
     policy = make(method, prefill_chunk=24)
     _, fast_tokens, fast_stats, fast_kept = run(lm, policy)
     assert calls and lm.model.config._attn_implementation == "sdpa"
-    monkeypatch.setattr(attention, "lower_right_chunks", lambda model: contextlib.nullcontext())
+    monkeypatch.setattr(generation, "lower_right_chunks", lambda model: contextlib.nullcontext())
     calls.clear()
     _, tokens, stats, kept = run(lm, policy)
     assert not calls

@@ -4,7 +4,7 @@ tests/test_policies_smollm2.py prefilled in 512-token chunks."""
 import pytest
 from test_policies_smollm2 import needle_prompt
 
-from kvlab.decode import generate_text
+from kvlab.engine.engines import generate_text
 from kvlab.policies import make_policy
 
 pytestmark = pytest.mark.slow

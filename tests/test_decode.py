@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from kvlab.decode import cache_kwarg, generate_text, greedy_decode, prefill
+from kvlab.engine.engines import generate_text
+from kvlab.engine.generation import cache_kwarg, greedy_decode, prefill
 from kvlab.models import load_model
 from kvlab.policies import make_policy
 

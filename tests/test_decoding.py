@@ -4,7 +4,8 @@ a long generation, kept rows are inspectable, and the masks stay right after eve
 import pytest
 import torch
 
-from kvlab.decode import cache_kwarg, generate_text, greedy_decode, prefill
+from kvlab.engine.engines import generate_text, make_engine
+from kvlab.engine.generation import cache_kwarg, greedy_decode, prefill
 from kvlab.models import load_model
 from kvlab.policies import PolicyError, cache_stats, kept_positions, make_policy
 
@@ -123,7 +124,7 @@ def test_measured_runs_record_the_cache_after_decoding(lm):
 
     def measured(policy):
         with policy.attach(lm, warm=False):
-            return measure_generation(lm, policy, ctx=P, new_tokens=60).record
+            return measure_generation(lm, policy, ctx=P, new_tokens=60, engine=make_engine("hf", lm)).record
 
     full, bounded = measured(make_policy("full")), measured(decoding("knorm", target=32, interval=16))
     assert full["cache_final_physical_tokens"] == P + 59

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from kvlab.decode import generate_text, greedy_decode, prefill
-from kvlab.engine import EngineError
+from kvlab.engine import EngineError, check_model_type
 from kvlab.engine.compare import compare_engines
+from kvlab.engine.engines import generate_text
 from kvlab.engine.fast import FastEngine
-from kvlab.engine.llama import check_model_type
+from kvlab.engine.generation import greedy_decode, prefill
 from kvlab.policies import POLICIES, EvictionPolicy, make_policy
 from kvlab.policies.base import PolicyError
 
@@ -167,9 +167,9 @@ def test_fast_equals_hf_for_32_steps_on_smollm2(smollm2, method):
 
 def test_fast_anatomy_puts_the_step_into_categories(tiny):
     from kvlab.anatomy import GAP
-    from kvlab.engine.anatomy import classify_kernel, fast_anatomy
+    from kvlab.engine.anatomy import classify_kernel
 
-    a = fast_anatomy(tiny, make_policy("snapkv", keep=0.5, window_size=8), ctx=48, steps=3, warmup=1)
+    a = FastEngine(tiny).anatomy(make_policy("snapkv", keep=0.5, window_size=8), ctx=48, steps=3, warmup=1)
     assert a.steps == 3 and "fast" in a.label
     assert a.by_category["weight GEMMs"] > 0
     assert a.by_category["attention"] > 0
@@ -298,14 +298,33 @@ def test_a_sweep_warms_a_quantized_policy_only_for_the_engine_that_needs_it(tiny
         assert warmed == ["quanto"]  # once per engine
 
 
-def test_a_sweep_holds_one_fast_decoder_and_drops_it_for_an_hf_run(tiny):
+def test_an_engine_set_holds_one_fast_decoder_and_drops_it_for_an_hf_run(tiny):
     """A run's peak memory is its own: no other method's static buffers are held during it."""
-    from kvlab.sweep.group import ModelSession
+    from kvlab.engine.engines import EngineSet, make_engine
 
-    session = ModelSession(tiny, sampler=None, idle_w=None, gpu_name=None)
-    engine = session.engine("fast")
-    engine.decoder(make_policy("full"), 1, 64, 8)
-    engine.decoder(make_policy("snapkv", keep=0.25, window_size=8), 1, 64, 8)
-    assert len(engine._decoders) == 1
-    assert session.engine("hf") is None and len(engine._decoders) == 0
-    assert session.engine("fast") is engine
+    engines = EngineSet(tiny)
+    fast = engines.get("fast")
+    fast.decoder(make_policy("full"), 1, 64, 8)
+    fast.decoder(make_policy("snapkv", keep=0.25, window_size=8), 1, 64, 8)
+    assert len(fast._decoders) == 1 and engines.get("fast") is fast
+    hf = engines.get("hf")
+    assert hf.name == "hf" and not fast._decoders  # the fast store was released before the hf run
+    assert not hf.release() and engines.get("fast") is fast
+    policy = make_policy("kvq-int4")
+    assert hf.storage_policy(policy) is policy and fast.storage_policy(policy) == policy.fast_storage()[0]
+    with pytest.raises(EngineError, match="unknown engine"):
+        make_engine("turbo", tiny)
+
+
+def test_both_engines_record_their_columns(tiny):
+    from kvlab.engine.engines import make_engine
+
+    policy = make_policy("full")
+    columns = {}
+    for name in ("hf", "fast"):
+        decoder = make_engine(name, tiny).decoder(policy, 1, 16, 3)
+        decoder.decode(decoder.prefill(ids(batch=1, n=16)), 3, 16)
+        columns[name] = decoder.columns(None)
+    assert columns["hf"] == {"engine": "hf", "prefill_rows": None}
+    assert columns["fast"]["engine"] == "fast" and columns["fast"]["kv_format"] == "model dtype"
+    assert columns["fast"]["cuda_graph"] is False and columns["fast"]["cache_bytes_allocated"] > 0

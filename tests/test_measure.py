@@ -9,6 +9,7 @@ import torch
 from fake_nvml import FakeNvml
 
 from kvlab.energy import make_sampler
+from kvlab.engine.engines import make_engine
 from kvlab.measure import haystack_ids, itl_stats, make_prompt, measure_generation
 from kvlab.policies import make_policy
 
@@ -66,7 +67,7 @@ def test_itl_stats():
 def test_full_cache_run_generates_exactly_n_tokens_and_times_each(tiny):
     steps = []
     m = measure_generation(tiny, ready(make_policy("full"), tiny), ctx=64, batch=2, new_tokens=6,
-                           on_step=steps.append)
+                           on_step=steps.append, engine=make_engine("hf", tiny))
     r = m.record
     assert m.tokens.shape == (2, 6)
     assert steps == [0, 1, 2, 3, 4]
@@ -94,33 +95,33 @@ def test_full_cache_run_generates_exactly_n_tokens_and_times_each(tiny):
 
 def test_greedy_tokens_match_transformers_generate(tiny):
     ids = make_prompt(tiny, ctx=32, batch=1, prompt_id=2)
-    m = measure_generation(tiny, ready(make_policy("full"), tiny), ctx=32, batch=1, new_tokens=5, input_ids=ids)
+    m = measure_generation(tiny, ready(make_policy("full"), tiny), ctx=32, batch=1, new_tokens=5, input_ids=ids, engine=make_engine("hf", tiny))
     ref = tiny.model.generate(ids, max_new_tokens=5, min_new_tokens=5, do_sample=False)
     assert torch.equal(m.tokens, ref[:, 32:])
 
 
 def test_cache_size_is_taken_after_prefill_eviction(tiny):
-    m = measure_generation(tiny, ready(make_policy("snapkv", keep=0.25), tiny), ctx=128, batch=1, new_tokens=4)
+    m = measure_generation(tiny, ready(make_policy("snapkv", keep=0.25), tiny), ctx=128, batch=1, new_tokens=4, engine=make_engine("hf", tiny))
     assert m.record["cache_logical_tokens"] == 128
     assert m.record["cache_physical_tokens"] == 32
 
 
 def test_one_new_token_is_prefill_only(tiny):
-    m = measure_generation(tiny, ready(make_policy("full"), tiny), ctx=16, batch=1, new_tokens=1)
+    m = measure_generation(tiny, ready(make_policy("full"), tiny), ctx=16, batch=1, new_tokens=1, engine=make_engine("hf", tiny))
     assert m.tokens.shape == (1, 1)
     assert m.record["itl_ms"] == [] and m.record["tokens_per_s"] is None
     with pytest.raises(ValueError, match="at least 1"):
-        measure_generation(tiny, make_policy("full"), ctx=16, new_tokens=0)
+        measure_generation(tiny, make_policy("full"), ctx=16, new_tokens=0, engine=make_engine("hf", tiny))
 
 
 @pytest.mark.parametrize("backend, kernel", [("math", "math"), ("flash", "flash_cpu")])
 def test_pinned_sdpa_backend_is_what_the_probe_sees(tiny, backend, kernel):
     m = measure_generation(tiny, ready(make_policy("full"), tiny), ctx=32, batch=1, new_tokens=6,
-                           sdpa_backend=backend, probe=True)
+                           sdpa_backend=backend, probe=True, engine=make_engine("hf", tiny))
     assert m.record["sdpa_backend"] == backend
     assert m.record["sdpa_kernel"] == kernel
     with pytest.raises(ValueError, match="sdpa_backend"):
-        measure_generation(tiny, make_policy("full"), ctx=8, new_tokens=2, sdpa_backend="fastest")
+        measure_generation(tiny, make_policy("full"), ctx=8, new_tokens=2, sdpa_backend="fastest", engine=make_engine("hf", tiny))
 
 
 def test_energy_fields_from_a_fake_nvml(tiny):
@@ -132,7 +133,7 @@ def test_energy_fields_from_a_fake_nvml(tiny):
         time.sleep(0.01)  # long enough for the poller to see each phase
 
     m = measure_generation(tiny, policy, ctx=64, batch=2, new_tokens=5, sampler=sampler, idle_w=50.0,
-                           on_step=slow_step)
+                           on_step=slow_step, engine=make_engine("hf", tiny))
     r = m.record
     window = r["window_s"]
     assert r["energy_source"] == "nvml-counter"
@@ -156,7 +157,7 @@ def test_real_model_gets_an_exact_length_haystack_through_its_tokenizer(smollm2)
     text = smollm2.tokenizer.decode(ids[0, 1:50])
     assert len(text.split()) > 10  # words, not random ids
     m = measure_generation(smollm2, ready(make_policy("tova", keep=0.5), smollm2), ctx=300, batch=2,
-                           new_tokens=4, input_ids=ids)
+                           new_tokens=4, input_ids=ids, engine=make_engine("hf", smollm2))
     assert m.tokens.shape == (2, 4)
     assert m.record["cache_physical_tokens"] == 150
 
@@ -186,14 +187,14 @@ def test_kernel_ms_sums_the_kernels_of_cpu_ops_once():
 def test_a_probed_run_that_raises_leaves_no_profiler_running(tiny, monkeypatch, phase):
     """A failed warm-up (the probed run) used to leave torch's profiler on for the rest of the
     process: every later run was measured under it."""
-    import kvlab.decode as decode
+    import kvlab.engine.hf as hf
 
     def oom(*args, **kwargs):
         raise torch.OutOfMemoryError("simulated")
 
-    monkeypatch.setattr(decode, phase, oom)
+    monkeypatch.setattr(hf, phase, oom)
     with pytest.raises(torch.OutOfMemoryError):
-        measure_generation(tiny, make_policy("full"), ctx=16, new_tokens=4, probe=True)
+        measure_generation(tiny, make_policy("full"), ctx=16, new_tokens=4, probe=True, engine=make_engine("hf", tiny))
     assert not torch._C._autograd._profiler_enabled()
 
 

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from kvlab.budget import cache_bytes
-from kvlab.decode import cache_kwarg, generate_text, greedy_decode, prefill
+from kvlab.engine.engines import generate_text
+from kvlab.engine.generation import cache_kwarg, greedy_decode, prefill
 from kvlab.models import load_model
 from kvlab.policies import EvictionError, cache_stats, kept_positions, make_policy
 from kvlab.policies.attention import window_attention

@@ -5,8 +5,9 @@ import pytest
 import torch
 from tiny_models import load_tiny_d32
 
-from kvlab.decode import cache_kwarg, generate_text, greedy_decode, prefill
+from kvlab.engine.engines import generate_text
 from kvlab.engine.fast import FastEngine
+from kvlab.engine.generation import cache_kwarg, greedy_decode, prefill
 from kvlab.kernels import parse_format
 from kvlab.models import get_spec
 from kvlab.policies import EvictionError, cache_stats, kept_positions, make_policy

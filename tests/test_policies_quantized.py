@@ -7,7 +7,8 @@ import torch
 from packaging.version import Version
 
 from kvlab.budget import cache_bytes
-from kvlab.decode import cache_kwarg, generate_text, prefill
+from kvlab.engine.engines import generate_text
+from kvlab.engine.generation import cache_kwarg, prefill
 from kvlab.models import load_model
 from kvlab.policies import EvictionError, cache_stats, kept_positions, make_policy
 from kvlab.policies.quantized.storage import FP8_MIN_TRANSFORMERS, installed_version

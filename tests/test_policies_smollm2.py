@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from kvlab.decode import generate_text
+from kvlab.engine.engines import generate_text
 from kvlab.policies import kept_positions, make_policy
 
 pytestmark = pytest.mark.slow

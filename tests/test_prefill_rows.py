@@ -9,6 +9,7 @@ import torch
 from tiny_models import load_tiny_d32, registry_kwargs
 
 from kvlab.engine import EngineError, prefill_rows
+from kvlab.engine.engines import make_engine
 from kvlab.engine.fast import FastEngine
 from kvlab.engine.kvstore import DenseStore, Layout, QuantizedStore
 from kvlab.kernels import make_format, quantize_write
@@ -74,7 +75,7 @@ def test_row_groups_give_the_whole_batch_tokens(lm, method, extra):
 def test_random_draws_the_same_positions_for_every_sequence(lm):
     """random's draw is per layer and KV head, not per batch row: a sequence keeps the same positions
     whichever row it sits in, and row 0 keeps what it kept before the draw was made per row."""
-    from kvlab.chunked import prefill
+    from kvlab.engine.generation import prefill
     from kvlab.policies import kept_positions
 
     policy = make_policy("random", keep=0.3, seed=3)
@@ -153,7 +154,7 @@ def test_measure_records_the_groups_and_keeps_the_tokens(lm):
         grouped = measure_generation(lm, policy, prefill_rows=2, **kw)
         one_group = measure_generation(lm, policy, prefill_rows=BATCH, **kw)
         with pytest.raises(EngineError, match="needs the fast engine"):
-            measure_generation(lm, policy, **{**kw, "engine": None}, prefill_rows=1)
+            measure_generation(lm, policy, **{**kw, "engine": make_engine("hf", lm)}, prefill_rows=1)
     assert torch.equal(grouped.tokens, whole.tokens)
     assert (whole.record["prefill_rows"], grouped.record["prefill_rows"], one_group.record["prefill_rows"]) == \
         (None, 2, None)

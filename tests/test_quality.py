@@ -10,21 +10,15 @@ import pytest
 import torch
 from toy_tokenizer import ToyTokenizer
 
+from kvlab.engine.engines import make_engine
+from kvlab.engine.generation import fork_cache, forward_at
 from kvlab.policies import POLICIES, QuantizedPolicy, make_policy
 from kvlab.policies.base import Policy
-from kvlab.quality import (
-    QUALITY_COLUMNS,
-    TaskSpec,
-    _segments,
-    build_items,
-    continuation_items,
-    fork_cache,
-    forward_at,
-    run_item,
-    run_quality,
-    stdlib_text,
-    summarize,
-)
+from kvlab.quality import TaskSpec, summarize
+from kvlab.quality.continuation import continuation_items, stdlib_text
+from kvlab.quality.items import run_item, segments
+from kvlab.quality.run import run_quality
+from kvlab.quality.spec import QUALITY_COLUMNS, build_items
 from kvlab.tasks import Encoder, make_item
 from kvlab.tasks.prompt import TaskError
 
@@ -49,7 +43,7 @@ def test_full_cache_protocol_matches_one_plain_forward(toy, enc):
     """Prefill + second forward + teacher forcing through a cache equals one uncached forward
     over the whole sequence, and the greedy reply equals argmax decoding without any cache."""
     item = make_item("niah_single", enc, 600, depth=0.5, max_new_tokens=5)
-    run = run_item(toy, make_policy("full"), item, enc)
+    run = run_item(toy, make_policy("full"), item, enc, make_engine("hf", toy))
     prompt = list(item.context_ids + item.question_ids + item.answer_prefix_ids)
     answer = list(item.answer_ids)
     logits = _plain_logits(toy.model, prompt + answer[:-1])
@@ -64,9 +58,9 @@ def test_full_cache_protocol_matches_one_plain_forward(toy, enc):
 
 def test_query_aware_moves_the_question_into_the_prefill(enc):
     item = make_item("niah_single", enc, 600)
-    first, second = _segments(item, query_aware=False)
+    first, second = segments(item, query_aware=False)
     assert first == item.context_ids and second == item.question_ids + item.answer_prefix_ids
-    first, second = _segments(item, query_aware=True)
+    first, second = segments(item, query_aware=True)
     assert first == item.context_ids + item.question_ids and second == item.answer_prefix_ids
 
 
@@ -112,7 +106,8 @@ def test_run_quality_records_every_method(toy, tmp_path):
 
 
 def test_a_resumed_pass_runs_and_writes_only_the_missing_records(toy, tmp_path, monkeypatch):
-    import kvlab.quality as quality
+    import kvlab.quality.continuation as continuation
+    import kvlab.quality.run as quality
 
     text = tmp_path / "story.txt"
     text.write_text("the cat sat on the mat and then the dog came by. " * 40, encoding="utf-8")
@@ -132,7 +127,7 @@ def test_a_resumed_pass_runs_and_writes_only_the_missing_records(toy, tmp_path, 
         raise AssertionError("a recorded item ran again")
 
     monkeypatch.setattr(quality, "run_item", no_model_work)
-    monkeypatch.setattr(quality, "continuation_logits", no_model_work)
+    monkeypatch.setattr(continuation, "continuation_logits", no_model_work)
     assert run_quality(toy, policies, spec, base={"sweep": "t"}, skip=set(ids)) == []
 
 
@@ -269,7 +264,7 @@ def test_lengths_beyond_the_model_context_are_refused(enc):
 
 def test_cli_expands_methods_like_a_sweep():
     from kvlab.cli import build_parser
-    from kvlab.cli.quality_cmd import policies_from_args
+    from kvlab.cli.quality_run import policies_from_args
 
     args = build_parser().parse_args(["quality", "--methods", "full", "snapkv", "quanto", "--keep", "0.5", "0.25",
                                       "--bits", "4", "-o", "x"])
@@ -352,7 +347,7 @@ def test_smollm2_continuation_on_python_text(smollm2):
 
 
 def test_the_snapkv_needle_note_appears_only_when_snapkv_misses_what_full_found():
-    from kvlab.quality import SNAPKV_NEEDLE_NOTE, quality_notes
+    from kvlab.quality.notes import SNAPKV_NEEDLE_NOTE, quality_notes
 
     def rec(method, score, task="niah_single"):
         return {"method": method, "task": task, "score": score, "status": "ok"}

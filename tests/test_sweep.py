@@ -388,7 +388,7 @@ def test_a_kill_between_the_quality_records_and_the_done_mark_duplicates_nothing
 
 
 def test_failed_quality_items_make_the_sweep_say_so_and_a_rerun_retries_only_them(tmp_path, monkeypatch):
-    import kvlab.quality as quality
+    import kvlab.quality.run as quality
 
     real = quality.run_item
 
@@ -414,18 +414,18 @@ def test_failed_quality_items_make_the_sweep_say_so_and_a_rerun_retries_only_the
 
 KILL_QUALITY_SCRIPT = """
 import json, sys, time
-import kvlab.quality as quality
+import kvlab.quality.run as quality
 from kvlab.sweep.params import parse_params
 from kvlab.sweep.driver import run_sweep
 from test_sweep import toy_loader
 
-real_emit = quality._emit
+real_emit = quality.emit
 
 def slow_emit(writer, record):  # gives the test time to kill the pass between two records
     real_emit(writer, record)
     time.sleep(0.5)
 
-quality._emit = slow_emit
+quality.emit = slow_emit
 run_sweep(parse_params(json.loads(sys.argv[1])), sys.argv[2], progress=False, loader=toy_loader)
 """
 

@@ -74,7 +74,7 @@ def test_weight_quantized_smollm2_still_finds_the_needle_at_1k(scheme, method, k
     sys.path.insert(0, str(Path(__file__).parent))
     from test_policies_smollm2 import needle_prompt
 
-    from kvlab.decode import generate_text
+    from kvlab.engine.engines import generate_text
     from kvlab.policies import make_policy
 
     m = load_model("smollm2-135m", device="cpu")
@@ -89,6 +89,7 @@ def run_every_policy(model: str, knobs: dict, skip: tuple = ()) -> list[str]:
     cache holding the prompt. Returns the methods run."""
     import dataclasses
 
+    from kvlab.engine.engines import make_engine
     from kvlab.measure import measure_generation
     from kvlab.policies import POLICIES, make_policy
 
@@ -101,7 +102,7 @@ def run_every_policy(model: str, knobs: dict, skip: tuple = ()) -> list[str]:
         fields = {f.name for f in dataclasses.fields(cls)}
         policy = make_policy(name, **{k: v for k, v in knobs.items() if k in fields})
         with policy.attach(loaded.model) as bound:
-            m = measure_generation(loaded, bound, ctx=40, batch=1, new_tokens=3, prompt_id=0, seed=0)
+            m = measure_generation(loaded, bound, ctx=40, batch=1, new_tokens=3, prompt_id=0, seed=0, engine=make_engine("hf", loaded))
         assert m.record["cache_bytes"] > 0 and len(m.record["itl_ms"]) == 2, name
         assert m.record["cache_logical_tokens"] == 40, name
         ran.append(name)

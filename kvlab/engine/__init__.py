@@ -1,6 +1,9 @@
 """Decode engines: how a measured generation turns a prefilled cache into N new tokens.
 
-- ``hf``: transformers' own forward for every decode step (:mod:`kvlab.decode`), through the
+One interface (:mod:`kvlab.engine.engines`: ``make_engine``, ``Engine``, ``Decoder``, ``EngineSet``),
+two implementations; this module holds what needs no torch (names, argument checks).
+
+- ``hf``: transformers' own forward for every decode step (:mod:`kvlab.engine.hf`), through the
   policy's transformers cache. What users run today; at batch 1 on a fast GPU it measures Python
   and launch overhead as much as the cache.
 - ``fast``: the prefill still runs through transformers and the policy's cache; then the kept K/V
@@ -10,6 +13,9 @@
   (:mod:`kvlab.engine.fast`). What a method costs when the implementation is not the bottleneck.
   ``prefill_rows`` prefills a large batch a group of sequences at a time into those buffers
   (:func:`prefill_rows`), so its peak holds one group's full-length prefill cache, not the batch's.
+
+Generation helpers both use (prefill, question append, greedy decode, teacher forcing):
+:mod:`kvlab.engine.generation`.
 """
 
 from __future__ import annotations
@@ -32,6 +38,17 @@ def check_engine(name: str) -> str:
     return name
 
 
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")  # architectures the fast engine's step runs
+
+
+def check_model_type(kind: str) -> None:
+    """Raise :class:`EngineError` (one line naming the supported architectures) for other models;
+    cheap enough to run on a ``ModelSpec`` before any weight loads."""
+    if kind not in SUPPORTED_MODEL_TYPES:
+        raise EngineError(f"the fast engine supports {', '.join(SUPPORTED_MODEL_TYPES)} models, not {kind!r}: "
+                          f"use engine hf for this model")
+
+
 def prefill_rows(rows: int | None, batch: int, engine: str = "fast") -> int | None:
     """The sequences per prefill group of a run at ``batch`` asked for ``rows``: None when unset or
     when one group would hold the whole batch (the plain prefill, with the plain run id). Only the
@@ -50,4 +67,4 @@ def prefill_rows(rows: int | None, batch: int, engine: str = "fast") -> int | No
     return rows
 
 
-__all__ = ["ENGINES", "EngineError", "check_engine", "prefill_rows"]
+__all__ = ["ENGINES", "SUPPORTED_MODEL_TYPES", "EngineError", "check_engine", "check_model_type", "prefill_rows"]

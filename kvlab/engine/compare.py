@@ -14,13 +14,13 @@ from typing import Any
 
 import torch
 
+from kvlab.engine.fast import FastEngine
+from kvlab.engine.generation import forward, prefill
+from kvlab.policies.base import hf_model
+
 
 @torch.no_grad()
 def compare_engines(loaded, policy, input_ids: torch.Tensor, steps: int) -> dict[str, Any]:
-    from kvlab.decode import _forward, prefill
-    from kvlab.engine.fast import FastEngine
-    from kvlab.policies.base import hf_model
-
     model = hf_model(loaded)
     bsz, ctx = input_ids.shape
     cache = policy.make_cache(model)
@@ -28,7 +28,7 @@ def compare_engines(loaded, policy, input_ids: torch.Tensor, steps: int) -> dict
     fed, ref = [], []
     for i in range(steps):
         fed.append(token)
-        logits = _forward(model, token, cache, torch.full((bsz, 1), ctx + i, device=token.device)).logits[:, -1]
+        logits = forward(model, token, cache, torch.full((bsz, 1), ctx + i, device=token.device)).logits[:, -1]
         ref.append(logits.float())
         token = logits.argmax(-1, keepdim=True)
     del cache

@@ -3,7 +3,7 @@
     engine = FastEngine(loaded)                         # once per loaded model
     decoder = engine.decoder(policy, batch, ctx, n)     # sized and captured once per shape (warm-up)
     cache = decoder.prefill_cache()                     # the policy's transformers cache, unquantized
-    logits = kvlab.decode.prefill(model, ids, cache)    # eviction happens here, as on ``hf``
+    logits = generation.prefill(model, ids, cache)      # eviction happens here, as on ``hf``
     decoder.load(cache)                                 # kept K/V -> static buffers (slots 0..kept)
     tokens = decoder.decode(first, n, start_position=ctx, on_step=...)
 
@@ -24,9 +24,15 @@ from typing import Any
 
 import torch
 
-from kvlab.engine import EngineError
+from kvlab.anatomy import Anatomy
+from kvlab.columns import engine_columns
+from kvlab.engine import EngineError, prefill_rows
+from kvlab.engine.anatomy import fast_anatomy
+from kvlab.engine.generation import chunk_bounds, prefill
 from kvlab.engine.kvstore import ATTENTION, DenseStore, Layout, QuantizedStore
 from kvlab.engine.llama import LlamaFamilyStep, check_model
+from kvlab.policies.base import hf_model
+from kvlab.policies.cache import layer_tensors
 
 CAPTURE_WARMUP_STEPS = 3
 # How the step is compiled by default, per device type (:data:`kvlab.engine.llama.STEP_COMPILE`).
@@ -39,6 +45,8 @@ DEFAULT_COMPILE = {"cuda": "layers"}
 
 class FastDecoder:
     """Static buffers + the captured step for one layout (batch, kept tokens per layer, new tokens)."""
+
+    cache = None  # decode runs in the static store, not in a transformers cache
 
     def __init__(self, model, step: LlamaFamilyStep, store, layout: Layout, prefill_policy, device,
                  capture: bool):
@@ -111,8 +119,6 @@ class FastDecoder:
     def load(self, cache, rows: slice | None = None) -> None:
         """Move the prefilled cache's kept K/V into the static buffers (a copy, inside prefill):
         into batch rows ``rows`` when the cache holds a group of the batch's sequences."""
-        from kvlab.policies.cache import layer_tensors
-
         self.store.load(layer_tensors(cache), rows)
         self.logical_tokens = int(cache.get_seq_length())
 
@@ -126,11 +132,8 @@ class FastDecoder:
         freed before the next group starts, so the peak holds one group's full-length prefill cache
         and activations instead of the batch's. Every policy the engine runs selects per sequence, so
         the tokens are those of the whole-batch prefill. ``chunk``: each group's prompt goes through
-        in chunks of that many tokens (:func:`kvlab.chunked.prefill`).
+        in chunks of that many tokens (:func:`kvlab.engine.generation.prefill`).
         """
-        from kvlab.chunked import chunk_bounds, prefill
-        from kvlab.engine import prefill_rows
-
         firsts = []
         for start, stop in chunk_bounds(input_ids.shape[0], prefill_rows(rows, input_ids.shape[0])):
             cache = self.prefill_cache()
@@ -175,6 +178,14 @@ class FastDecoder:
                 "graph": self.replays,
                 "step_compile": self.step_fn.compile}
 
+    def columns(self, prefill_rows: int | None = None) -> dict[str, Any]:
+        """The engine's record columns: ``engine: fast``, ``prefill_rows`` and how the store held and
+        attended the KV."""
+        stats = self.stats()
+        return {**engine_columns(FastEngine.name, prefill_rows), "kv_format": stats["kv_format"],
+                "fast_attention": stats["attention"], "cuda_graph": stats["graph"],
+                "fast_compile": stats.get("step_compile"), "cache_bytes_allocated": stats["bytes_allocated"]}
+
 
 class FastEngine:
     """Builds and keeps :class:`FastDecoder` s for one loaded model (captured graphs are reused).
@@ -196,10 +207,9 @@ class FastEngine:
 
     def __init__(self, model, attention: str = "auto", capture: bool | None = None, max_decoders: int = 4,
                  quant_attention: str = "auto", keep_fraction: float = 0.25, compile: str | None = None):
-        from kvlab.policies.base import hf_model
-
         if attention not in (*ATTENTION, "triton"):
             raise EngineError(f"attention={attention!r}: use one of {', '.join((*ATTENTION, 'triton'))}")
+        self.loaded = model
         self.model = hf_model(model)
         check_model(self.model)
         param = next(self.model.parameters())
@@ -213,6 +223,11 @@ class FastEngine:
                                if self.device.type == "cuda" else None)
         self._decoders: OrderedDict[tuple, FastDecoder] = OrderedDict()
 
+    def storage_policy(self, policy):
+        """The policy whose transformers cache the prefill fills (and whose warm-up runs): the
+        policy's unquantized prefill policy; the store holds the quantized format."""
+        return policy.fast_storage()[0]
+
     def layout(self, policy, batch: int, ctx: int, new_tokens: int) -> Layout:
         return Layout(batch, tuple(policy.kept_tokens(ctx, self.step.num_layers)), new_tokens,
                       self.step.num_kv_heads, self.step.head_dim)
@@ -223,16 +238,18 @@ class FastEngine:
         prefill_policy, kv_format = policy.fast_storage()
         return self._decoder(self.layout(policy, batch, ctx, new_tokens), kv_format, prefill_policy)
 
-    def decoder_for_cache(self, policy, cache, new_tokens: int) -> FastDecoder:
-        """The decoder for whatever a prefilled cache holds (e.g. a context, then a question
-        appended uncompressed): sized from the cache itself."""
-        from kvlab.policies.cache import layer_tensors
-
+    def decoder_for_cache(self, policy, cache, new_tokens: int,
+                          prefill_stats: dict[str, Any] | None = None) -> FastDecoder:
+        """A decoder holding whatever a prefilled cache (of :meth:`storage_policy`) holds, e.g. a
+        context, then a question appended uncompressed: sized from the cache and loaded from it. Its
+        stats are the store's, question included (``prefill_stats`` is for ``hf``, unused here)."""
         prefill_policy, kv_format = policy.fast_storage()
         kv = layer_tensors(cache)
         layout = Layout(kv[0][0].shape[0], tuple(k.shape[-2] for k, _ in kv), new_tokens,
                         self.step.num_kv_heads, self.step.head_dim)
-        return self._decoder(layout, kv_format, prefill_policy)
+        decoder = self._decoder(layout, kv_format, prefill_policy)
+        decoder.load(cache)
+        return decoder
 
     def _decoder(self, layout: Layout, kv_format: str, prefill_policy) -> FastDecoder:
         key = (layout, kv_format, repr(prefill_policy.params()))
@@ -265,8 +282,12 @@ class FastEngine:
         return QuantizedStore(layout, kv_format, self.step.num_heads, self.dtype, self.device, self.step.scaling,
                               self.quant_attention)
 
-    def clear(self) -> int:
-        """Drop every kept decoder (buffers and graphs); how many were dropped."""
-        n = len(self._decoders)
+    def anatomy(self, policy, ctx: int, batch: int = 1, steps: int = 8, warmup: int = 2, seed: int = 0) -> Anatomy:
+        """Where a decode step's time goes (:func:`kvlab.engine.anatomy.fast_anatomy`)."""
+        return fast_anatomy(self, policy, ctx, batch, steps, warmup, seed)
+
+    def release(self) -> bool:
+        """Drop every kept decoder (buffers and graphs); True if there was one (memory to free)."""
+        held = bool(self._decoders)
         self._decoders.clear()
-        return n
+        return held

@@ -17,17 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvlab.engine import EngineError
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-
-
-def check_model_type(kind: str) -> None:
-    """Raise :class:`EngineError` (one line naming the supported architectures) for other models;
-    cheap enough to run on a ``ModelSpec`` before any weight loads."""
-    if kind not in SUPPORTED_MODEL_TYPES:
-        raise EngineError(f"the fast engine supports {', '.join(SUPPORTED_MODEL_TYPES)} models, not {kind!r}: "
-                          f"use engine hf for this model")
+from kvlab.engine import EngineError, check_model_type
 
 
 def check_model(model) -> None:

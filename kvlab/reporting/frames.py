@@ -124,7 +124,6 @@ def method_label(method: Any, keep: Any = None, bits: Any = None, quant: Any = N
     failed before its policy existed: the policy is rebuilt from the record's identity fields and
     asked, so the report never spells labels itself. An unknown method keeps its name."""
     from kvlab.policies import make_policy
-    from kvlab.sweep.params import method_axis
 
     method, keep, bits = str(method), _plain(keep), _plain(bits)
     kwargs: dict[str, Any] = {}

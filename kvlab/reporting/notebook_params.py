@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvlab.sweep.params import SweepParams, parse_params
 from kvlab.reporting import ReportError
+from kvlab.sweep.params import SweepParams, parse_params
 
 
 def project_root(start: str | Path | None = None) -> Path:

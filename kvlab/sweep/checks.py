@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from kvlab import preflight
 from kvlab.budget import context_problem
+from kvlab.engine import check_model_type
 from kvlab.errors import UserError
 from kvlab.models import ModelError, get_spec
 from kvlab.preflight import compressions, device_problem, shape_problems, weights_problem
@@ -144,8 +145,6 @@ def check_params(params: SweepParams, check_device: bool = True,
         if problem:
             problems.append(problem)
         if "fast" in params.engine:
-            from kvlab.engine.llama import check_model_type  # torch
-
             try:
                 check_model_type(spec.model_type)
             except ValueError as err:

@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 
 from kvlab import env, models
 from kvlab.energy import make_sampler
+from kvlab.engine.engines import release_memory
 from kvlab.hostload import cpu_threads
 from kvlab.policies import make_policy
 from kvlab.quality import TaskSpec, quality_notes, run_quality
@@ -47,7 +48,6 @@ from kvlab.records import (
 from kvlab.runner import make_executor
 from kvlab.runner.sink import DriverSink
 from kvlab.sweep.checks import check_params
-from kvlab.sweep.group import release_memory
 from kvlab.sweep.lock import SweepLock
 from kvlab.sweep.params import SweepParams
 from kvlab.sweep.plan import (

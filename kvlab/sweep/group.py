@@ -11,7 +11,6 @@ goes to its ``sink``.
 
 from __future__ import annotations
 
-import gc
 import random
 import socket
 import sys
@@ -26,6 +25,7 @@ from tqdm import tqdm
 
 from kvlab import measure
 from kvlab.columns import model_columns, policy_columns
+from kvlab.engine.engines import EngineSet, release_memory
 from kvlab.policies import make_policy
 from kvlab.records import utc_now
 from kvlab.sweep.params import MethodVariant, SweepParams
@@ -38,15 +38,6 @@ from kvlab.sweep.plan import (
     short_error,
 )
 from kvlab.weights_quant import quantize_weights, weights_label
-
-
-def release_memory(device: str) -> None:
-    """Drop what a failed run or an unloaded model left: Python garbage, then CUDA's cached blocks."""
-    gc.collect()
-    if str(device).startswith("cuda"):
-        import torch
-
-        torch.cuda.empty_cache()
 
 
 class ModelSession:
@@ -64,25 +55,7 @@ class ModelSession:
         self.warmed: set[tuple] = set()  # (variant key, engine) whose one-off warm-up ran
         self.probes: dict[tuple, dict[str, Any]] = {}
         self.attached = ExitStack()  # policies stay attached while the model is loaded
-        self.fast = None
-
-    def engine(self, name: str):
-        """None for ``hf``; the model's :class:`~kvlab.engine.fast.FastEngine` (made once) for ``fast``.
-
-        A run's peak memory must be its own: the engine keeps one decoder (its static buffers and
-        graph) at a time, and an ``hf`` run first drops it. In the H200 campaign of 2026-12-03c the
-        engine kept the other methods' stores for reuse, which put them into every later run's peak
-        (hf full at batch 16: 120.5 GB) and ran the full cache out of memory. Rebuilding a decoder
-        (allocating its buffers, capturing its graph) happens before a run's window opens."""
-        if name == "hf":
-            if self.fast is not None and self.fast.clear():
-                release_memory(str(self.loaded.device))
-            return None
-        if self.fast is None:
-            from kvlab.engine.fast import FastEngine  # torch and triton: only for a sweep that runs fast
-
-            self.fast = FastEngine(self.loaded, max_decoders=1)
-        return self.fast
+        self.engines = EngineSet(loaded)  # one engine per name; getting one releases the others
 
     def policy(self, variant: MethodVariant, engine: str = "hf"):
         """The checked, prepared and warmed policy of a variant (built once per model load; warmed once
@@ -99,7 +72,7 @@ class ModelSession:
             if (key, engine) not in self.warmed:
                 started = time.perf_counter()
                 # one-off costs (e.g. quanto's CUDA build: minutes once), never measured
-                (policy.fast_storage()[0] if engine == "fast" else policy).warmup(self.loaded.model)
+                self.engines.get(engine).storage_policy(policy).warmup(self.loaded.model)
                 self.warmed.add((key, engine))
                 took = time.perf_counter() - started
                 if took > 5:
@@ -114,7 +87,7 @@ class ModelSession:
         """Detach the policies and drop the model, its engines and their memory."""
         self.attached.close()
         self.loaded = None
-        self.fast = None
+        self.engines = None
         self.policies.clear()
         release_memory(device)
 
@@ -172,7 +145,7 @@ def _measure(session: ModelSession, run: RunSpec, policy, probe: bool):
     return measure.measure_generation(  # looked up per call: tests stand in for it
         session.loaded, policy, ctx=run.ctx, batch=run.batch, new_tokens=run.new_tokens,
         prompt_id=run.prompt_id, seed=run.seed, sampler=session.sampler, sdpa_backend=run.sdpa_backend,
-        idle_w=session.idle_w, probe=probe, engine=session.engine(run.engine), prefill_rows=run.prefill_rows,
+        idle_w=session.idle_w, probe=probe, engine=session.engines.get(run.engine), prefill_rows=run.prefill_rows,
     )
 
 

@@ -9,10 +9,10 @@ KIVI's key layout), plus how loud the loudest key channel is against the median 
 import torch
 from transformers import DynamicCache
 
-from kvlab.decode import prefill
+from kvlab.engine.generation import prefill
 from kvlab.kernels import make_format
 from kvlab.models import load_model
-from kvlab.quality import stdlib_text
+from kvlab.quality.continuation import stdlib_text
 
 torch.set_num_threads(1)
 loaded = load_model("smollm2-135m", device="cpu")

@@ -1,0 +1,82 @@
+"""The ``hf`` engine: transformers' own forward for every decode step, through the policy's
+transformers cache (:mod:`kvlab.engine.generation`). What users run today; at batch 1 on a fast GPU
+it measures Python and launch overhead as much as the cache."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kvlab.anatomy import Anatomy
+from kvlab.columns import engine_columns
+from kvlab.engine.anatomy import hf_anatomy
+from kvlab.engine.generation import greedy_decode, prefill
+from kvlab.policies import cache_stats
+from kvlab.policies.base import hf_model
+
+
+class HFDecoder:
+    """One generation in a policy's transformers cache: prefill into it, then greedy decode in it."""
+
+    def __init__(self, model, cache, prefill_stats: dict[str, Any] | None = None):
+        self.model = model
+        self.cache = cache
+        self._prefill_stats = prefill_stats
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, chunk: int | None = None, rows: int | None = None) -> torch.Tensor:
+        """Prefill ``input_ids [B, n]`` into the cache (in chunks of ``chunk``); the first tokens ``[B, 1]``.
+        ``rows`` must be None: :func:`kvlab.engine.prefill_rows` refuses row groups on ``hf``."""
+        first = prefill(self.model, input_ids, self.cache, chunk)[:, -1, :].argmax(dim=-1, keepdim=True)
+        self._prefill_stats = None
+        return first
+
+    def decode(self, first_token: torch.Tensor, n_new: int, start_position: int | torch.Tensor,
+               on_step: Callable[[int], Any] | None = None) -> torch.Tensor:
+        """Greedy tokens ``[B, n_new]``: ``first_token`` then ``n_new - 1`` transformers forwards."""
+        return greedy_decode(self.model, self.cache, first_token, n_new, start_position, on_step=on_step)
+
+    def stats(self, new_tokens: int = 0) -> dict[str, Any]:
+        """The cache's tokens and bytes (:func:`kvlab.policies.cache_stats`): as the compressed prefill
+        left them (``new_tokens=0``), or as they are now (after ``new_tokens`` generated)."""
+        if new_tokens == 0 and self._prefill_stats is not None:
+            return self._prefill_stats
+        return cache_stats(self.cache)
+
+    def columns(self, prefill_rows: int | None = None) -> dict[str, Any]:
+        """The engine's record columns: ``engine: hf`` and ``prefill_rows``."""
+        return engine_columns(HFEngine.name, prefill_rows)
+
+
+class HFEngine:
+    """Decoders that run transformers' forward in the policy's own cache; nothing is held between runs."""
+
+    name = "hf"
+
+    def __init__(self, loaded):
+        self.loaded = loaded
+        self.model = hf_model(loaded)
+
+    def storage_policy(self, policy):
+        """The policy whose cache the prefill fills (and whose warm-up runs): the policy itself."""
+        return policy
+
+    def decoder(self, policy, batch: int, ctx: int, new_tokens: int) -> HFDecoder:
+        """A decoder with a fresh cache of ``policy`` (built before a measured window opens)."""
+        return HFDecoder(self.model, policy.make_cache(self.model))
+
+    def decoder_for_cache(self, policy, cache, new_tokens: int, prefill_stats: dict[str, Any] | None = None) -> HFDecoder:
+        """A decoder that goes on in ``cache``, already prefilled (e.g. a context, then a question
+        appended uncompressed). ``prefill_stats``: what :meth:`HFDecoder.stats` reports for the
+        prefill (the cache before the question); None: the cache as it is now."""
+        return HFDecoder(self.model, cache, prefill_stats)
+
+    def release(self) -> bool:
+        """Nothing is held between runs: False."""
+        return False
+
+    def anatomy(self, policy, ctx: int, batch: int = 1, steps: int = 8, warmup: int = 2, seed: int = 0) -> Anatomy:
+        """Where a decode step's time goes (:func:`kvlab.engine.anatomy.hf_anatomy`)."""
+        return hf_anatomy(self, policy, ctx, batch, steps, warmup, seed)
