@@ -469,14 +469,7 @@ def no_model_load(monkeypatch):
     monkeypatch.setattr(kvlab.preflight, "available_memory_bytes", lambda device: 64 * 1024**3)  # any machine
 
 
-# rows whose fix lands with the engine restructuring (#26: kvlab.quality becomes a package)
-PENDING = {"params-quality-no-signal-threshold", "params-quality-longbench-datasets", "params-quality-min-context-gain",
-           "quality-longbench-datasets-alone", "quality-threshold"}
-
-
-@pytest.mark.parametrize("case_id, argv, setup, expected",
-                         [pytest.param(*c, marks=pytest.mark.xfail(strict=True, reason="pending #26 engine"))
-                          if c[0] in PENDING else c for c in CASES], ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("case_id, argv, setup, expected", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_gives_one_clear_line_and_exit_2(case_id, argv, setup, expected, tmp_path, capsys,
                                                    no_model_load, monkeypatch):
     monkeypatch.chdir(tmp_path)
