@@ -294,6 +294,18 @@ CASES = [
      "smaller model or dtype: bfloat16"),
     ("generate-model-weights-above-memory", "generate --model llama-3.1-70b --weights synthetic --prompt-tokens 8", None,
      "--model: llama-3.1-70b's weights alone need"),
+    ("generate-decoding-with-bits", "generate --model smollm2-135m --prompt hi --method decoding --bits 4", None,
+     "--bits: --method decoding stores the model dtype"),
+    ("generate-decoding-with-backend", "generate --model smollm2-135m --prompt hi --method decoding --backend hqq", None,
+     "--backend: --method decoding stores the model dtype"),
+    ("generate-decoding-target-zero", "generate --model smollm2-135m --prompt hi --method decoding --target 0", None,
+     "target"),
+    ("generate-decoding-interval-zero", "generate --model smollm2-135m --prompt hi --method decoding --interval 0", None,
+     "interval"),
+    ("generate-decoding-score-unknown", "generate --model smollm2-135m --prompt hi --method decoding --score pyramidkv",
+     None, "score='pyramidkv' cannot drive decode-time compression"),
+    ("generate-target-with-snapkv", "generate --model smollm2-135m --prompt hi --method snapkv --target 64", None,
+     "unknown parameter(s) target"),
     # --- every other sweep key --------------------------------------------------------------------------
     ("set-name-list", SWEEP + " --set name=[1]", good_params, "name: Input should be a valid string"),
     ("set-attn-implementation", SWEEP + " --set attn_implementation=flash", good_params, "attn_implementation: 'flash'"),
@@ -577,6 +589,14 @@ def test_hqq_3_bits_runs_in_generate_and_passes_a_sweeps_checks(tmp_path, capsys
     assert '"nbits": 3' in capsys.readouterr().out
     params = parse_params({**GOOD, "methods": [{"method": "hqq", "bits": [3], "q_group_size": 16}]})
     assert len(planned_runs(params, check_device=True)) == 1
+
+
+def test_generate_takes_decodings_target_interval_and_score(capsys):
+    """#31: the flags reach the policy (its label says target/interval and the score)."""
+    assert main(["generate", "--model", "tiny-llama", "--weights", "synthetic", "--prompt-tokens", "24",
+                 "--method", "decoding", "--target", "8", "--interval", "4", "--score", "knorm",
+                 "--max-new-tokens", "6", "--json"]) == 0
+    assert '"label": "decoding knorm 8/4"' in capsys.readouterr().out
 
 
 def test_a_ray_address_that_does_not_answer_is_refused_within_its_timeout(monkeypatch):
