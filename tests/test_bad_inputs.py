@@ -23,6 +23,7 @@ def params_file(content):
             path.write_text(content)
     if isinstance(content, dict):
         setup.keys = set(content) | {f"quality.{k}" for k in (content.get("quality") or {})}
+        setup.methods = content.get("methods")
     return setup
 
 
@@ -348,6 +349,12 @@ CASES = [
      "interval"),
     ("params-decoding-window-above-interval", SWEEP,
      params_file({"methods": [{"method": "decoding", "target": 64, "interval": 8}]}), "longer than interval=8"),
+    ("params-decoding-score-params-list", SWEEP, params_file({"methods": [{"method": "decoding", "score_params": [1]}]}),
+     "score_params must be a mapping"),
+    ("params-decoding-score-params-unknown", SWEEP,
+     params_file({"methods": [{"method": "decoding", "score_params": {"windw": 8}}]}), "windw"),
+    ("params-quant-not-a-mapping", SWEEP, params_file({"methods": [{"method": "snapkv", "keep": 0.5, "quant": "int4"}]}),
+     "quant must be a dict"),
     ("params-fp8-bits-4", SWEEP, params_file({"methods": [{"method": "fp8", "bits": [4]}]}), "nbits=4"),
     ("params-kvq-int2-group-size", SWEEP, params_file({"methods": [{"method": "kvq-int2", "q_group_size": 48}]}),
      "q_group_size=48"),
@@ -448,6 +455,52 @@ def covered(cases):
     ids = {c[0] for c in cases}
     flags |= {pair for pair, row in POSITIONAL_ROWS.items() if row in ids}
     return keys, flags
+
+
+def policy_params_covered(cases) -> set[str]:
+    """The policy parameters the rows give a value: a method entry's knobs (params files, --set
+    methods=..., anatomy --params) and kvlab generate's policy flags."""
+    import json
+
+    from kvlab.cli import generate_run
+
+    flag_params = {f"--{flag.replace('_', '-')}": param for flags in (generate_run.EVICTION_FLAGS, generate_run.QUANT_FLAGS,
+                                                                     generate_run.DECODING_FLAGS)
+                   for flag, param in flags.items()}
+    flag_params.update({"--backend": "quant", "--prefill-chunk": "prefill_chunk"})
+    out = set()
+
+    def entries(methods):
+        for entry in methods if isinstance(methods, list) else [methods]:
+            if isinstance(entry, dict):
+                out.update({"bits": "nbits"}.get(k, k) for k in entry if k != "method")
+
+    for _, argv, setup, _ in cases:
+        args = argv.split() if isinstance(argv, str) else list(argv)
+        entries(getattr(setup, "methods", None) or [])
+        for i, a in enumerate(args[1:], 1):
+            if args[0] == "generate" and a in flag_params:
+                out.add(flag_params[a])
+            if a == "--set" and args[i + 1].startswith("methods="):
+                entries(yaml.safe_load(args[i + 1].partition("=")[2]))
+            if args[0] == "anatomy" and a == "--params":
+                try:
+                    for knobs in json.loads(args[i + 1]).values():
+                        out.update(knobs)
+                except (ValueError, AttributeError):
+                    pass
+    return out
+
+
+def test_every_policy_parameter_has_a_bad_input_row():
+    """Each parameter of each registered method (kvlab policies), so a new method's knobs get rows."""
+    import dataclasses
+
+    from kvlab.policies import POLICIES
+
+    wanted = {f.name for cls in POLICIES.values() for f in dataclasses.fields(cls) if f.init}
+    missing = sorted(wanted - policy_params_covered(CASES))
+    assert not missing, f"add a row to CASES giving a bad value of: {missing}"
 
 
 def test_every_sweep_key_and_cli_flag_has_a_bad_input_row():
