@@ -272,7 +272,7 @@ def measure_generation(
 ) -> Measurement:
     """Generate exactly ``new_tokens`` per sequence from an exact-length prompt and measure it.
 
-    ``policy`` must already be checked and prepared (:func:`kvlab.sweep` does that once per model);
+    ``policy`` must already be checked and prepared (a sweep's :class:`kvlab.sweep.group.ModelSession` does that once per model);
     ``policy.prepare`` is idempotent and called again here for direct callers. ``engine``
     (:func:`kvlab.engine.engines.make_engine`) builds this shape's decoder before the energy window
     opens (the fast engine: its static buffers and CUDA graph; copying the kept K/V into them counts
@@ -386,7 +386,7 @@ def measure_generation(
         "j_per_token_10hz": e10 / n_out if e10 is not None else None,
         # beyond the documented columns
         "window_s": res.seconds,
-        # the window on the wall clock and on the GPU's cumulative counter (kvlab.runner.attribution)
+        # the window on the wall clock and on the GPU's cumulative counter (kvlab.analysis.attribution)
         "window_start_unix": res.start_unix,
         "energy_counter_start_j": res.counter_start_j,
         "decode_j_per_token": (res.phase_j.get("decode") / (batch * (new_tokens - 1))

@@ -29,7 +29,7 @@ def register(sub) -> None:
                    help="override a params key (value parsed as YAML), e.g. --set ctx=16384; repeatable")
     p.add_argument("--executor", choices=("local", "process", "ray"), default=None,
                    help="where runs execute (params key `executor`): local (this process, the default), "
-                        "process (a child process per group: a crash costs one run), ray (a Ray task per GPU)")
+                        "process (a child process per group: a crash costs the run in flight), ray (a Ray task per GPU)")
     p.add_argument("--ray-address", default=None, metavar="ADDR",
                    help="Ray cluster to join with --executor ray, e.g. auto or ray://head:10001 "
                         "(default: RAY_ADDRESS, else a local cluster)")

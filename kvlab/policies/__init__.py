@@ -3,16 +3,17 @@
     policy = make_policy("snapkv", keep=0.25, quant={"backend": "quanto", "nbits": 4})
     policy.check(model); policy.prepare(model); policy.warmup(model)
     cache = policy.make_cache(model)          # fresh for every generation
-    model.generate(ids, past_key_values=cache, ...)   # or kvlab.decode; the keyword is
-                                              # `cache` from transformers 5.24: kvlab.decode.cache_kwarg
+    model.generate(ids, past_key_values=cache, ...)   # or kvlab.engine.generation; the keyword is
+                                              # `cache` from transformers 5.24: generation.cache_kwarg
     cache_stats(cache)                        # logical/physical tokens, bytes
     kept_positions(cache)                     # per layer, the prompt positions each KV head kept
 
 Adding a method: one module holding its ``Policy`` subclass, and one line in :data:`POLICIES`.
 Nothing below this module imports it (a policy that needs another one imports that class).
 
-transformers' cache internals are touched only in :mod:`kvlab.policies.cache`,
-:mod:`kvlab.policies.quantized` and :mod:`kvlab.policies.decoding`; kvlab supports transformers >= 5.17, < 5.25.
+transformers' cache internals are touched in this package (:mod:`~kvlab.policies.cache`,
+:mod:`~kvlab.policies.quantized`, :mod:`~kvlab.policies.decoding`, :mod:`~kvlab.policies.chunking`) and in
+:mod:`kvlab.engine.generation` (forking a cache, reading its compressions), nowhere else; kvlab supports transformers >= 5.17, < 5.25.
 """
 
 from __future__ import annotations

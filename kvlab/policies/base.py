@@ -122,7 +122,7 @@ class Policy:
     """Base of every cache policy. Subclasses set ``name``/``summary`` and implement ``make_cache``.
 
     ``prefill_chunk`` (every policy): the prompt goes through the model this many tokens at a time
-    (:func:`kvlab.chunked.prefill`); an evicting cache compresses as it streams in
+    (:func:`kvlab.engine.generation.prefill`); an evicting cache compresses as it streams in
     (:mod:`kvlab.policies.chunking`). None: one forward over the whole prompt.
     """
 

@@ -1,4 +1,4 @@
-"""Evicting cache layers and cache statistics: the one place that touches transformers cache internals.
+"""Evicting cache layers and cache statistics (transformers cache internals: see :mod:`kvlab.policies`).
 
 An evicting layer behaves like a ``DynamicLayer`` except for its first ``update`` (the prefill):
 it returns the full prompt K/V, so the prefill attention is exact, and keeps only

@@ -3,8 +3,9 @@
 - ``local``: in the sweep's own process, one model load per model (the runner's historic
   behaviour, and the default).
 - ``process``: each (model, ctx, batch) group in a fresh child process (multiprocessing spawn), so
-  a segfault, ``os._exit`` or an OOM kill costs one run, recorded as failed with its cause, not the
-  sweep.
+  a segfault, ``os._exit`` or an OOM kill costs the run in flight (during a warm-up, that variant's
+  pending runs at that shape; during the model load, the group's), recorded as failed with its cause,
+  not the sweep (:func:`kvlab.runner.drive.charged_runs`).
 - ``ray``: the same groups as Ray tasks, one per GPU (``num_gpus=1``; ``num_cpus`` on CPU), on a
   local machine or a cluster (``ray_address``).
 

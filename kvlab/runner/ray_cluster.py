@@ -5,7 +5,7 @@ and its energy sampler binds that GPU by UUID. A task puts each message into a m
 waits for the put to land, so whatever a worker measured before it died is safe (a streaming
 generator's in-flight items are not); the driver empties the mailbox and writes (one writer).
 Each task gets a fresh worker process and is never retried by Ray: a worker that dies is charged
-for its run in flight by the driver, which sends the rest of the group to a fresh task. At most
+for what it was doing by the driver (:func:`kvlab.runner.drive.charged_runs`), which sends the rest of the group to a fresh task. At most
 one task per GPU (or per ``threads`` CPUs) is in flight, so each task starts with the budget the
 sweep has left.
 
