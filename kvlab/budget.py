@@ -8,7 +8,7 @@ sequences fit) is where a smaller cache really shows.
 
 Conventions: bytes are exact integers where they can be; GPU memory and bandwidth use the vendors'
 decimal units (1 GB = 1e9 B); ``bits`` is the stored bits per element of K and V (16 for bf16/fp16,
-8 for fp8/int8, 4, 2; 32 for a float32 cache on CPU).
+8 for fp8/int8, 4, 3, 2, 1 for the quantized caches; 32 for a float32 cache on CPU).
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from kvlab.errors import UserError
 from kvlab.models import ModelSpec
 
-SUPPORTED_BITS = (32, 16, 8, 4, 2)
+# every width a cache stores: the model dtypes and each quantized backend's (`kvlab policies`: hqq
+# stores 1, 2, 3, 4 and 8 bits); tests/test_bad_inputs.py checks that the backends' widths are here
+SUPPORTED_BITS = (32, 16, 8, 4, 3, 2, 1)
 DTYPE_BITS = {"float32": 32, "bfloat16": 16, "float16": 16}
 DEFAULT_RESERVE_BYTES = 2 * 1024**3  # activations, allocator slack, CUDA context: stated, overridable
 
@@ -52,9 +54,10 @@ def get_gpu(name: str) -> GPU:
     return GPUS[key]
 
 
-def check_bits(bits: int) -> int:
+def check_bits(bits: int, key: str = "bits") -> int:
     if bits not in SUPPORTED_BITS:
-        raise BudgetError(f"bits={bits} is not supported: use 16 (bf16/fp16), 8 (fp8/int8), 4 or 2")
+        raise BudgetError(f"{key}: {bits} is not a stored width: use 16 (bf16/fp16), 8 (fp8/int8), 4, 3, 2 or 1 "
+                          f"(32 for a float32 cache)")
     return bits
 
 

@@ -12,3 +12,8 @@ from __future__ import annotations
 
 class UserError(ValueError):
     """A user mistake; the message names the key or file at fault and the fix."""
+
+    def _render_traceback_(self) -> list[str]:
+        """What IPython shows instead of the traceback (a notebook's cell, papermill's error): the
+        CLI's one line, so a bad ``-p`` value reads first, not after the frames that raised it."""
+        return [f"kvlab: error: {self}"]

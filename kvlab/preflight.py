@@ -124,13 +124,17 @@ def cache_floor_bytes(spec: ModelSpec, ctx: int, batch: int, new_tokens: int, ke
 
 def memory_problem(spec: ModelSpec, device: str, dtype: str | None, ctx: int, batch: int, new_tokens: int,
                    compressions: Iterable[tuple[float | None, int | None]] = ((None, None),),
-                   available: int | None = None, key: str = "batch") -> str | None:
+                   available: int | None = None, key: str = "batch", ctx_key: str = "ctx") -> str | None:
     """Why no run of this shape can fit the device's memory, or None when one may (or memory is unknown).
 
     ``compressions`` are the (keep, bits) of the methods to run: a shape is refused only when even
     the most compressed one cannot fit, so a sweep may still record the full cache failing where a
     compressed one fits (that is a capacity result). The bound (weights + the smallest final cache)
     leaves out activations, so passing it does not promise a fit.
+
+    The line names what to change: the model (or its dtype) when its weights alone exceed the
+    device, else ``key`` (the batch) and ``ctx_key``, or ``ctx_key`` alone at batch 1 (a command
+    with no batch). Keys of a command's flags (``ctx_key`` like ``--ctx``) name its flags.
     """
     name = resolved_dtype(device, dtype)
     if name not in DTYPE_BITS:
@@ -143,10 +147,16 @@ def memory_problem(spec: ModelSpec, device: str, dtype: str | None, ctx: int, ba
     cache = min(cache_floor_bytes(spec, ctx, batch, new_tokens, keep, bits) for keep, bits in compressions)
     if weights + cache <= available:
         return None
-    return (f"{key}: {spec.name} at ctx {ctx} x batch {batch} (+{new_tokens} new tokens) needs at least "
+    flags = ctx_key != "ctx"
+    if weights > available:
+        smaller = f" or {'--dtype' if flags else 'dtype:'} bfloat16" if name == "float32" else ""
+        return (f"{'--model' if flags else 'models'}: {spec.name}'s weights alone need {weights / GiB:,.1f} GiB in "
+                f"{name}, but {device} has {available / GiB:,.1f} GiB available; use a smaller model{smaller}")
+    where = key if batch > 1 else ctx_key
+    return (f"{where}: {spec.name} at ctx {ctx} x batch {batch} (+{new_tokens} new tokens) needs at least "
             f"{(weights + cache) / GiB:,.1f} GiB ({weights / GiB:,.1f} GiB weights in {name} + {cache / GiB:,.1f} "
             f"GiB KV cache, most compressed method), but {device} has {available / GiB:,.1f} GiB available; "
-            f"lower batch or ctx")
+            f"lower {f'{key} or {ctx_key}' if batch > 1 else ctx_key}")
 
 
 def shape_problems(spec: ModelSpec, device: str, dtype: str | None, ctx: int, batch: int, new_tokens: int,
@@ -158,7 +168,8 @@ def shape_problems(spec: ModelSpec, device: str, dtype: str | None, ctx: int, ba
     if batch < 1:
         problems.append(f"{batch_key}: {batch} must be at least 1")
     if not problems and check_memory:
-        problem = memory_problem(spec, device, dtype, ctx, batch, new_tokens, compressions, key=batch_key)
+        problem = memory_problem(spec, device, dtype, ctx, batch, new_tokens, compressions, key=batch_key,
+                                 ctx_key=ctx_key)
         if problem:
             problems.append(problem)
     return problems

@@ -10,7 +10,8 @@ key ``ctx`` may therefore be a distribution::
 
 ``samples`` lengths are drawn with the sweep's ``seed`` (the same seed draws the same lengths; more
 samples keep the first ones), then clipped to ``[min, max]`` and to the model's window minus the new
-tokens. Each draw is one point of the sweep (its run ids carry the draw's index and the
+tokens (a file's lengths above that window are refused unless ``max`` is given: clipping them
+changes the workload). Each draw is one point of the sweep (its run ids carry the draw's index and the
 distribution's name, so a rerun resumes it); every point is equally likely, so aggregates over a
 distribution weight each run by the tokens it generated.
 """
@@ -82,6 +83,19 @@ class CtxDistribution(BaseModel):
 
     def clip(self, n: float, window: int | None = None) -> int:
         return int(min(max(round(n), self.min), self.cap(window)))
+
+    def window_problem(self, window: int, why: str, key: str = "ctx") -> str | None:
+        """Why a file's lengths cannot run as observed: some are above ``window`` (the model's
+        longest prompt; ``why`` says how it comes about) and no ``max`` says to clip them; None otherwise. A
+        named shape's tail is clipped as documented; a file's lengths are the workload itself."""
+        if self.file is None or self.max is not None:
+            return None
+        observed = observed_lengths(self.file, self.field)
+        over = [n for n in observed if n > window]
+        if not over:
+            return None
+        return (f"{key}.file {self.file}: {len(over)} of {len(observed)} lengths (up to {max(over)}) are above "
+                f"{window} ({why}); add max: {window} to {key} to clip them, or remove them from the file")
 
     def raw_draws(self, seed: int, n: int) -> list[float]:
         """``n`` unclipped lengths drawn with ``seed``; a prefix of a longer draw with the same seed."""

@@ -11,7 +11,8 @@ GOOD = {"models": "tiny-llama", "weights": "synthetic", "device": "cpu", "method
 
 
 def params_file(content):
-    """Setup: write a params file (a dict is dumped as YAML; bytes/str are written as they are)."""
+    """Setup: write a params file (a dict is dumped as YAML; bytes/str are written as they are).
+    A dict's keys (and a quality block's, as ``quality.KEY``) are the keys its row covers."""
     def setup(tmp):
         path = tmp / "p.yaml"
         if isinstance(content, dict):
@@ -20,6 +21,9 @@ def params_file(content):
             path.write_bytes(content)
         else:
             path.write_text(content)
+    if isinstance(content, dict):
+        setup.keys = set(content) | {f"quality.{k}" for k in (content.get("quality") or {})}
+        setup.methods = content.get("methods")
     return setup
 
 
@@ -34,6 +38,11 @@ def files(named):
             else:
                 path.write_text(content)
     return setup
+
+
+def quality_params(block, **more):
+    """Setup: a params file with a quality block, on a model with real weights (a tokenizer)."""
+    return params_file({"models": "smollm2-135m", "weights": "real", "quality": block, **more})
 
 
 def good_params(tmp):
@@ -80,12 +89,12 @@ CASES = [
      "q_group_size=48 does not divide smollm2-135m's head_dim 64"),
     ("params-unknown-policy-param", SWEEP,
      params_file({"methods": [{"method": "snapkv", "keep": 0.5, "windw": 8}]}), "unknown parameter(s) windw"),
-    ("params-quality-typo", SWEEP, params_file({"quality": {"lenghts": [64]}}), "quality.lenghts"),
-    ("params-quality-longbench", SWEEP, params_file({"quality": {"longbench": "/no/such/longbench.jsonl"}}),
+    ("params-quality-typo", SWEEP, quality_params({"lenghts": [64]}), "quality.lenghts"),
+    ("params-quality-longbench", SWEEP, quality_params({"longbench": "/no/such/longbench.jsonl"}),
      "longbench path /no/such/longbench.jsonl does not exist"),
-    ("params-quality-task", SWEEP, params_file({"quality": {"tasks": ["no_such_task"]}}), "no_such_task"),
-    ("params-quality-too-long", SWEEP, params_file({"quality": {"lengths": [5000]}}),
-     "quality.lengths: 5000"),
+    ("params-quality-task", SWEEP, quality_params({"tasks": ["no_such_task"]}), "no_such_task"),
+    ("params-quality-too-long", SWEEP, quality_params({"lengths": [9000]}),
+     "quality.lengths: 9000"),
     # --- sweep: --set overrides ---------------------------------------------------------------
     ("set-yaml-unclosed", SWEEP + " --set ctx=[1", good_params, "--set 'ctx=[1': the value is not valid YAML"),
     ("set-no-equals", SWEEP + " --set ctx", good_params, "write key=value"),
@@ -259,12 +268,252 @@ CASES = [
      "nb.ipynb does not exist"),
     ("report-ctx-zero", "report {tmp}/s --ctx 0", files({"s/records.jsonl": '{"run_id": "a"}\n'}), "--ctx"),
     ("report-timeout-zero", "report {tmp}/s --timeout 0", files({"s/records.jsonl": '{"run_id": "a"}\n'}), "--timeout"),
+    # --- issue #31: the last unclear cases ----------------------------------------------------------
+    ("params-budget-above-memory", SWEEP + " --set budget_gb=1000000 --set batch=[1,2]", good_params,
+     "budget_gb: 1,000,000 GB is above the"),
+    ("params-quality-synthetic-weights", SWEEP, params_file({"quality": {"tasks": ["niah_single"], "lengths": [64]}}),
+     "quality: needs a tokenizer, and synthetic weights come without one"),
+    ("set-ctx-file-above-window", SWEEP.split() + ["--set", "ctx={file: lengths.txt}"],
+     lambda tmp: (good_params(tmp), files({"lengths.txt": "100\n9000\n"})(tmp)),
+     "ctx.file lengths.txt: 1 of 2 lengths (up to 9000) are above 4093 (tiny-llama's window 4096 minus new_tokens 3); "
+     "add max: 4093"),
+    ("budget-ctx-dist-file-above-window", ["budget", "--model", "tiny-llama", "--ctx-dist", "{file: l.txt}"],
+     files({"l.txt": "100\n9000\n"}), "--ctx-dist.file l.txt: 1 of 2 lengths (up to 9000) are above 4096"),
+    ("sweep-ray-address-nothing-listens", SWEEP + " --executor ray --ray-address 127.0.0.1:9", good_params,
+     "ray_address: nothing answers at 127.0.0.1:9 (connection refused)"),
+    ("sweep-ray-address-not-an-address", SWEEP + " --executor ray --ray-address head", good_params,
+     "ray_address: 'head' is not an address"),
+    ("set-ray-address-without-ray", SWEEP + " --set ray_address=auto", good_params, "ray_address: only used with"),
+    ("report-half-written-manifest", "report {tmp}/s",
+     files({"s/records.jsonl": '{"run_id": "a"}\n', "s/manifest.json": '{"sweep": "s", "run_ids": ["a", "b'}),
+     "manifest.json is damaged"),
+    ("report-baseline-unknown", "report {tmp}/s --baseline nope",
+     files({"s/records.jsonl": '{"run_id": "a", "method": "full"}\n{"run_id": "b", "method": "snapkv"}\n'}),
+     "--baseline 'nope' is no method in"),
+    ("set-model-weights-above-memory", SWEEP + " --set models=llama-3.1-70b", good_params,
+     "models: llama-3.1-70b's weights alone need 262.8 GiB in float32, but cpu has 64.0 GiB available; use a "
+     "smaller model or dtype: bfloat16"),
+    ("generate-model-weights-above-memory", "generate --model llama-3.1-70b --weights synthetic --prompt-tokens 8", None,
+     "--model: llama-3.1-70b's weights alone need"),
+    ("generate-decoding-with-bits", "generate --model smollm2-135m --prompt hi --method decoding --bits 4", None,
+     "--bits: --method decoding stores the model dtype"),
+    ("generate-decoding-with-backend", "generate --model smollm2-135m --prompt hi --method decoding --backend hqq", None,
+     "--backend: --method decoding stores the model dtype"),
+    ("generate-decoding-target-zero", "generate --model smollm2-135m --prompt hi --method decoding --target 0", None,
+     "target"),
+    ("generate-decoding-interval-zero", "generate --model smollm2-135m --prompt hi --method decoding --interval 0", None,
+     "interval"),
+    ("generate-decoding-score-unknown", "generate --model smollm2-135m --prompt hi --method decoding --score pyramidkv",
+     None, "score='pyramidkv' cannot drive decode-time compression"),
+    ("generate-target-with-snapkv", "generate --model smollm2-135m --prompt hi --method snapkv --target 64", None,
+     "unknown parameter(s) target"),
+    # --- every other sweep key --------------------------------------------------------------------------
+    ("set-name-list", SWEEP + " --set name=[1]", good_params, "name: Input should be a valid string"),
+    ("set-attn-implementation", SWEEP + " --set attn_implementation=flash", good_params, "attn_implementation: 'flash'"),
+    ("set-seed-text", SWEEP + " --set seed=abc", good_params, "seed"),
+    ("set-warmup-runs-negative", SWEEP + " --set warmup_runs=-1", good_params, "warmup_runs"),
+    ("set-idle-s-negative", SWEEP + " --set idle_s=-1", good_params, "idle_s"),
+    ("set-jitter-ms-above", SWEEP + " --set jitter_ms=5000", good_params, "jitter_ms"),
+    ("set-timelines", SWEEP + " --set timelines=maybe", good_params, "timelines"),
+    ("set-executor-unknown", SWEEP + " --set executor=slurm", good_params, "executor"),
+    ("sweep-executor-flag-unknown", SWEEP + " --executor slurm", good_params, "argument --executor: invalid choice"),
+    ("params-quality-depths", SWEEP, quality_params({"depths": [2]}), "quality.depths"),
+    ("params-quality-samples", SWEEP, quality_params({"samples": 0}), "quality.samples"),
+    ("params-quality-seed", SWEEP, quality_params({"seed": "x"}), "quality.seed"),
+    ("params-quality-query-aware", SWEEP, quality_params({"query_aware": "maybe"}), "quality.query_aware"),
+    ("params-quality-no-signal-threshold", SWEEP, quality_params({"no_signal_threshold": 2}),
+     "quality.no_signal_threshold"),
+    ("params-quality-max-new-tokens", SWEEP, quality_params({"max_new_tokens": 0}), "quality.max_new_tokens"),
+    ("params-quality-longbench-datasets", SWEEP, quality_params({"longbench_datasets": ["qasper"]}),
+     "quality.longbench_datasets"),
+    ("params-quality-text-files", SWEEP, quality_params({"tasks": ["continuation"], "text_files": ["no.txt"]}),
+     "quality.text_files"),
+    ("params-quality-continuation-tokens", SWEEP, quality_params({"continuation_tokens": 0}),
+     "quality.continuation_tokens"),
+    ("params-quality-min-context-gain", SWEEP, quality_params({"min_context_gain": -1}),
+     "quality.min_context_gain"),
+    ("set-ctx-dist-samples-zero", SWEEP.split() + ["--set", "ctx={dist: lognormal, median: 100, sigma: 1, samples: 0}"],
+     good_params, "samples"),
+    ("set-ctx-dist-max-below-min", SWEEP.split() + ["--set", "ctx={dist: lognormal, median: 100, sigma: 1, min: 50, "
+                                                              "max: 10}"], good_params, "max 10 is below min 50"),
+    ("set-ctx-dist-and-file", SWEEP.split() + ["--set", "ctx={dist: lognormal, median: 100, sigma: 1, file: l.txt}"],
+     good_params, "not both"),
+    ("set-ctx-dist-unknown-key", SWEEP.split() + ["--set", "ctx={dist: lognormal, median: 100, sigma: 1, medain: 3}"],
+     good_params, "medain"),
+    ("set-ctx-file-jsonl-without-field", SWEEP.split() + ["--set", "ctx={file: r.jsonl}"],
+     lambda tmp: (good_params(tmp), files({"r.jsonl": '{"prompt_tokens": 5}\n'})(tmp)), "a JSONL file needs field: KEY"),
+    ("set-ctx-file-empty", SWEEP.split() + ["--set", "ctx={file: l.txt}"],
+     lambda tmp: (good_params(tmp), files({"l.txt": "# none\n"})(tmp)), "holds no lengths"),
+    ("params-decoding-target-zero", SWEEP, params_file({"methods": [{"method": "decoding", "target": 0}]}), "target"),
+    ("params-decoding-interval-zero", SWEEP, params_file({"methods": [{"method": "decoding", "interval": 0}]}),
+     "interval"),
+    ("params-decoding-window-above-interval", SWEEP,
+     params_file({"methods": [{"method": "decoding", "target": 64, "interval": 8}]}), "longer than interval=8"),
+    ("params-decoding-score-params-list", SWEEP, params_file({"methods": [{"method": "decoding", "score_params": [1]}]}),
+     "score_params must be a mapping"),
+    ("params-decoding-score-params-unknown", SWEEP,
+     params_file({"methods": [{"method": "decoding", "score_params": {"windw": 8}}]}), "windw"),
+    ("params-quant-not-a-mapping", SWEEP, params_file({"methods": [{"method": "snapkv", "keep": 0.5, "quant": "int4"}]}),
+     "quant must be a dict"),
+    ("params-fp8-bits-4", SWEEP, params_file({"methods": [{"method": "fp8", "bits": [4]}]}), "nbits=4"),
+    ("params-kvq-int2-group-size", SWEEP, params_file({"methods": [{"method": "kvq-int2", "q_group_size": 48}]}),
+     "q_group_size=48"),
+    ("params-kvq-group-above-head-dim", SWEEP, params_file({"methods": ["kvq-int4"]}),
+     "head_dim 16 is not a multiple of group 64; no group this format has (32, 64, 128) divides it; store it with "
+     "a format without groups (kvq-fp8) or quanto/hqq with q_group_size 16"),
+    ("params-kvq-group-not-dividing", SWEEP, params_file({"models": "smollm2-135m",
+                                                          "methods": [{"method": "kvq-int4", "q_group_size": 128}]}),
+     "head_dim 64 is not a multiple of group 128; pick a group (q_group_size) from 32, 64"),
+    # --- every other flag ---------------------------------------------------------------------------------
+    ("generate-seed-text", "generate --model smollm2-135m --prompt hi --seed abc", None, "argument --seed"),
+    ("generate-window-size-zero", "generate --model smollm2-135m --prompt hi --method snapkv --window-size 0", None,
+     "window_size"),
+    ("generate-kernel-size-even", "generate --model smollm2-135m --prompt hi --method snapkv --kernel-size 4", None,
+     "kernel_size"),
+    ("generate-n-sink-negative", "generate --model smollm2-135m --prompt hi --method streamingllm --n-sink -1", None,
+     "n_sink"),
+    ("generate-beta-zero", "generate --model smollm2-135m --prompt hi --method pyramidkv --beta 0", None, "beta"),
+    ("generate-policy-seed-text", "generate --model smollm2-135m --prompt hi --method random --policy-seed x", None,
+     "argument --policy-seed"),
+    ("generate-residual-negative", "generate --model smollm2-135m --prompt hi --method quanto --residual -1", None,
+     "residual_length"),
+    ("generate-axis-key", "generate --model smollm2-135m --prompt hi --method quanto --axis-key 2", None, "axis_key"),
+    ("generate-axis-value", "generate --model smollm2-135m --prompt hi --method quanto --axis-value 2", None,
+     "axis_value"),
+    ("generate-engine-unknown", "generate --model smollm2-135m --prompt hi --engine turbo", None,
+     "argument --engine: invalid choice"),
+    ("quality-engine-unknown", "quality -o {tmp}/q --engine turbo", None, "argument --engine: invalid choice"),
+    ("anatomy-engine-unknown", "anatomy --engine turbo", None, "argument --engine: invalid choice"),
+    ("anatomy-weights-unknown", "anatomy --weights fake", None, "argument --weights: invalid choice"),
+    ("budget-residual-negative", "budget --model llama-3.1-8b --ctx 1024 --bits 4 --residual -1", None, "--residual"),
+    ("quality-bits-3-quanto", "quality -o {tmp}/q --methods quanto --bits 3", None, "nbits=3"),
+    ("quality-continuation-tokens", "quality -o {tmp}/q --tasks continuation --continuation-tokens 0", None,
+     "--continuation-tokens"),
+    ("quality-longbench-datasets-alone", "quality -o {tmp}/q --longbench-datasets qasper", None, "--longbench-datasets"),
+    ("quality-seed-text", "quality -o {tmp}/q --seed x", None, "argument --seed"),
+    ("quality-threshold", "quality -o {tmp}/q --threshold 2", None, "--threshold"),
+    ("quality-weights-synthetic", "quality -o {tmp}/q --weights synthetic", None, "--weights synthetic comes without a tokenizer"),
 ]
 
 
 def test_the_table_is_large_and_its_ids_unique():
     ids = [c[0] for c in CASES]
-    assert len(ids) >= 60 and len(ids) == len(set(ids))
+    assert len(ids) >= 195 and len(ids) == len(set(ids))
+
+
+# Coverage: every sweep key (SweepParams' fields, and a quality block's TaskSpec keys as quality.KEY)
+# and every flag of every subcommand has a row above, so a new parameter cannot land without one.
+# A row covers the keys its params dict or --set names and the flags its argv gives; the flags
+# nearly every row of a command passes count only for a row whose id names them.
+ALWAYS_GIVEN = {("sweep", "--out"), ("generate", "--model"), ("generate", "--prompt"), ("generate", "--prompt-tokens"),
+                ("quality", "--out"), ("budget", "--model"), ("budget", "--ctx")}
+POSITIONAL_ROWS = {("sweep", "params"): "params-missing", ("report", "dir"): "report-missing-folder"}
+# what needs no row, and why
+EXEMPT_KEYS = {
+    "quality.task_params": "per-task knobs, checked by each task (kvlab.tasks) at build time; no common schema",
+}
+
+
+def flags_by_command():
+    """{command: {option string or positional dest: canonical name}}, from the CLI's own parsers;
+    store_true flags are left out (they take no value, so none can be bad)."""
+    import argparse
+
+    from kvlab.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    out = {}
+    for name, parser in sub.choices.items():
+        names = {}
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction) or action.nargs == 0:
+                continue
+            canonical = max(action.option_strings, key=len) if action.option_strings else action.dest
+            for opt in action.option_strings or [action.dest]:
+                names[opt] = canonical
+        out[name] = names
+    return out
+
+
+def covered(cases):
+    """(sweep keys, (command, flag) pairs) the rows cover."""
+    by_command = flags_by_command()
+    keys, flags = set(), set()
+    for case_id, argv, setup, _ in cases:
+        args = argv.split() if isinstance(argv, str) else list(argv)
+        names = by_command[args[0]]
+        keys |= getattr(setup, "keys", set())
+        for i, a in enumerate(args[1:], 1):
+            if a == "--set" and i + 1 < len(args):
+                keys.add(args[i + 1].partition("=")[0].strip())
+            if a in names:
+                flag = names[a]
+                if (args[0], flag) not in ALWAYS_GIVEN or flag.strip("-") in case_id:
+                    flags.add((args[0], flag))
+        if args[0] == "sweep":  # the flags that set sweep keys
+            keys |= {k for f, k in (("--executor", "executor"), ("--ray-address", "ray_address")) if f in args}
+    ids = {c[0] for c in cases}
+    flags |= {pair for pair, row in POSITIONAL_ROWS.items() if row in ids}
+    return keys, flags
+
+
+def policy_params_covered(cases) -> set[str]:
+    """The policy parameters the rows give a value: a method entry's knobs (params files, --set
+    methods=..., anatomy --params) and kvlab generate's policy flags."""
+    import json
+
+    from kvlab.cli import generate_run
+
+    flag_params = {f"--{flag.replace('_', '-')}": param for flags in (generate_run.EVICTION_FLAGS, generate_run.QUANT_FLAGS,
+                                                                     generate_run.DECODING_FLAGS)
+                   for flag, param in flags.items()}
+    flag_params.update({"--backend": "quant", "--prefill-chunk": "prefill_chunk"})
+    out = set()
+
+    def entries(methods):
+        for entry in methods if isinstance(methods, list) else [methods]:
+            if isinstance(entry, dict):
+                out.update({"bits": "nbits"}.get(k, k) for k in entry if k != "method")
+
+    for _, argv, setup, _ in cases:
+        args = argv.split() if isinstance(argv, str) else list(argv)
+        entries(getattr(setup, "methods", None) or [])
+        for i, a in enumerate(args[1:], 1):
+            if args[0] == "generate" and a in flag_params:
+                out.add(flag_params[a])
+            if a == "--set" and args[i + 1].startswith("methods="):
+                entries(yaml.safe_load(args[i + 1].partition("=")[2]))
+            if args[0] == "anatomy" and a == "--params":
+                try:
+                    for knobs in json.loads(args[i + 1]).values():
+                        out.update(knobs)
+                except (ValueError, AttributeError):
+                    pass
+    return out
+
+
+def test_every_policy_parameter_has_a_bad_input_row():
+    """Each parameter of each registered method (kvlab policies), so a new method's knobs get rows."""
+    import dataclasses
+
+    from kvlab.policies import POLICIES
+
+    wanted = {f.name for cls in POLICIES.values() for f in dataclasses.fields(cls) if f.init}
+    missing = sorted(wanted - policy_params_covered(CASES))
+    assert not missing, f"add a row to CASES giving a bad value of: {missing}"
+
+
+def test_every_sweep_key_and_cli_flag_has_a_bad_input_row():
+    from kvlab.quality import TaskSpec
+    from kvlab.sweep.params import SweepParams
+
+    keys, flags = covered(CASES)
+    wanted = set(SweepParams.model_fields) | {f"quality.{k}" for k in TaskSpec.model_fields}
+    missing_keys = sorted(wanted - keys - set(EXEMPT_KEYS))
+    missing_flags = sorted(f"{c} {f}" for c, names in flags_by_command().items()
+                           for f in set(names.values()) if (c, f) not in flags)
+    assert not missing_keys and not missing_flags, (
+        f"add a row to CASES (or an EXEMPT_KEYS entry saying why none) for: keys {missing_keys}, flags {missing_flags}")
 
 
 @pytest.fixture
@@ -292,7 +541,10 @@ def test_bad_input_gives_one_clear_line_and_exit_2(case_id, argv, setup, expecte
     if setup is not None:
         setup(tmp_path)
     args = [a.replace("{tmp}", str(tmp_path)) for a in (argv.split() if isinstance(argv, str) else argv)]
-    code = main(args)
+    try:
+        code = main(args)
+    except SystemExit as exit_:  # argparse's own checks (a type, a choice): the same one line
+        code = exit_.code
     out, err = capsys.readouterr()
     lines = err.strip().splitlines()
     assert code == 2, f"exit {code}; stderr: {err}"
@@ -368,3 +620,66 @@ def test_ctrl_c_is_one_line_and_status_130(monkeypatch, capsys):
     assert main(["budget", "--model", "tiny-llama", "--ctx", "8"]) == 130
     assert capsys.readouterr().err.strip() == ("kvlab budget: interrupted; every record written so far is kept "
                                                "(rerun to continue)")
+
+
+def test_every_stored_width_passes_the_byte_arithmetic():
+    """The memory preflight's bit widths cover every backend's (hqq's 3 bits was refused, #31)."""
+    from kvlab.budget import SUPPORTED_BITS
+    from kvlab.policies.quantized import BACKENDS
+
+    assert {b for backend in BACKENDS.values() for b in backend.nbits} <= set(SUPPORTED_BITS)
+
+
+def test_hqq_3_bits_runs_in_generate_and_passes_a_sweeps_checks(tmp_path, capsys):
+    """The valid case of #31's regression: tiny-llama, synthetic weights, CPU, 3-bit hqq past its residual."""
+    pytest.importorskip("hqq")
+    from kvlab.sweep.params import parse_params
+    from kvlab.sweep.plan import planned_runs
+
+    assert main(["generate", "--model", "tiny-llama", "--weights", "synthetic", "--prompt-tokens", "24",
+                 "--method", "hqq", "--bits", "3", "--group-size", "16", "--residual", "4",
+                 "--max-new-tokens", "2", "--json"]) == 0
+    assert '"nbits": 3' in capsys.readouterr().out
+    params = parse_params({**GOOD, "methods": [{"method": "hqq", "bits": [3], "q_group_size": 16}]})
+    assert len(planned_runs(params, check_device=True)) == 1
+
+
+def test_generate_takes_decodings_target_interval_and_score(capsys):
+    """#31: the flags reach the policy (its label says target/interval and the score)."""
+    assert main(["generate", "--model", "tiny-llama", "--weights", "synthetic", "--prompt-tokens", "24",
+                 "--method", "decoding", "--target", "8", "--interval", "4", "--score", "knorm",
+                 "--max-new-tokens", "6", "--json"]) == 0
+    assert '"label": "decoding knorm 8/4"' in capsys.readouterr().out
+
+
+def test_a_ray_address_that_does_not_answer_is_refused_within_its_timeout(monkeypatch):
+    """Nothing listening (refused at once), nothing answering (the connect's timeout) or a port that is
+    no Ray head (no gRPC reply within the timeout): one line each, bounded. A live head answers (checked
+    by hand against ray.init's GCS: its SETTINGS frame)."""
+    import socket
+    import time
+
+    from kvlab.runner import ray_cluster
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    started = time.monotonic()
+    assert ray_cluster.address_problem("127.0.0.1:9", timeout_s=0.5).startswith(
+        "ray_address: nothing answers at 127.0.0.1:9 (connection refused)")
+    assert time.monotonic() - started < 3
+    asked = []
+
+    def silent(address, timeout):
+        asked.append((address, timeout))
+        raise TimeoutError
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:  # takes the connection, never speaks gRPC
+        port = listener.getsockname()[1]
+        started = time.monotonic()
+        problem = ray_cluster.address_problem(f"127.0.0.1:{port}", timeout_s=0.5)
+        assert time.monotonic() - started < 3
+    assert problem.startswith(f"ray_address: 127.0.0.1:{port} takes a connection but does not answer as a Ray head")
+
+    monkeypatch.setattr(socket, "create_connection", silent)
+    assert "(no answer within 0.5 s)" in ray_cluster.address_problem("ray://head:10001", timeout_s=0.5)
+    assert asked == [(("head", 10001), 0.5)]
+    assert ray_cluster.address_problem("auto") is None and ray_cluster.address_problem(None) is None

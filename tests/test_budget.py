@@ -96,7 +96,7 @@ def test_weight_bytes(llama8b):
     [
         (lambda s: budget.cache_bytes(s, 0), "ctx must be a positive integer"),
         (lambda s: budget.cache_bytes(s, -5), "ctx must be a positive integer"),
-        (lambda s: budget.kv_bytes_per_token(s, 3), "use 16 (bf16/fp16), 8 (fp8/int8), 4 or 2"),
+        (lambda s: budget.kv_bytes_per_token(s, 5), "bits: 5 is not a stored width: use 16 (bf16/fp16), 8 (fp8/int8), 4, 3, 2 or 1"),
         (lambda s: budget.kv_bytes_per_token(s, 4, group_size=48), "does not divide"),
         (lambda s: budget.cache_bytes(s, 100, keep=0), "outside (0, 1]"),
         (lambda s: budget.cache_bytes(s, 100, keep=1.5), "outside (0, 1]"),

@@ -39,6 +39,12 @@ def test_cpu_memory_counts_float32_weights():
     problem = memory_problem(spec, "cpu", None, ctx=128, batch=100000, new_tokens=8, available=8 * GiB)
     assert "in float32" in problem and "cpu has 8.0 GiB available" in problem
     assert memory_problem(spec, "cpu", None, ctx=128, batch=1, new_tokens=8, available=8 * GiB) is None
+    # a command with no batch is told to lower its context flag; weights alone too big: the model
+    long = memory_problem(spec, "cpu", None, ctx=8000, batch=1, new_tokens=8, available=int(0.6 * GiB),
+                          ctx_key="--prompt-tokens")
+    assert long.startswith("--prompt-tokens: smollm2-135m at ctx 8000 x batch 1") and long.endswith("lower --prompt-tokens")
+    big = memory_problem(spec, "cpu", None, ctx=8, batch=1, new_tokens=8, available=GiB // 4, ctx_key="--ctx")
+    assert big.startswith("--model: smollm2-135m's weights alone need") and big.endswith("or --dtype bfloat16")
 
 
 def test_devices_and_weights():

@@ -30,10 +30,18 @@ COMMANDS = {
 }
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with its errors as one ``kvlab CMD: error: ...`` line (no usage block above it),
+    like every other user mistake; ``kvlab CMD --help`` still prints the usage."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} ({self.prog} --help lists the flags)\n")
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser of ``command`` only when it names one (only its module loads, with what that
     module imports: ``kvlab budget`` stays pure arithmetic), else of every command (``--help``)."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="kvlab", description="Measure what KV-cache compression does to memory, time, energy and quality.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, module in COMMANDS.items():
@@ -53,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:  # user mistakes carry the fix in their message
         print(f"kvlab {args.command}: error: {err}", file=sys.stderr)
         return EXIT_USAGE
+    except BrokenPipeError:  # the reader left (kvlab policies | head): nothing more to say, and no traceback
+        sys.stderr.close()  # Python's own flush at exit would raise again
+        return EXIT_OK
     except KeyboardInterrupt:
         print(f"kvlab {args.command}: interrupted; every record written so far is kept (rerun to continue)",
               file=sys.stderr)

@@ -24,7 +24,7 @@ def register(sub) -> None:
                    help="a context-length distribution, as a sweep's ctx: e.g. '{dist: lognormal, median: 4096, "
                         "sigma: 0.6}' or '{file: lengths.txt}' (expected bytes over it)")
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--bits", type=int, default=16, choices=[16, 8, 4, 2], help="stored bits per K/V element")
+    p.add_argument("--bits", type=int, default=16, choices=[16, 8, 4, 3, 2, 1], help="stored bits per K/V element")
     p.add_argument("--group-size", type=int, default=64, help="quantization group size (scale + zero per group)")
     p.add_argument("--residual", type=int, default=128, help="recent tokens a quantized cache keeps in 16-bit")
     p.add_argument("--keep", type=float, default=1.0, help="eviction keep ratio of the prompt cache, in (0, 1]")
@@ -41,6 +41,8 @@ def run(args) -> int:
     if (args.ctx is None) == (args.ctx_dist is None):
         raise BudgetError("give --ctx N (one length) or --ctx-dist '{dist: lognormal, median: 4096, sigma: 0.6}'")
     check_positive("--batch", args.batch)
+    if args.residual < 0:
+        raise BudgetError(f"--residual must be >= 0 tokens (kept at full precision), got {args.residual}")
     spec = get_spec(args.model)
     gpu = get_gpu(args.gpu) if args.gpu else None
     if args.ctx_dist is not None:
@@ -84,13 +86,17 @@ def run_distribution(args, spec, gpu) -> int:
         raise BudgetError(f"--ctx-dist {args.ctx_dist!r}: write a mapping, e.g. '{{dist: lognormal, median: 4096, "
                           f"sigma: 0.6}}' or '{{file: lengths.txt}}'")
     dist = parse_distribution(data, key="--ctx-dist")
-    check_bits(args.bits)
+    check_bits(args.bits, key="--bits")
     if args.memory is not None and not args.memory > 0:
         raise BudgetError(f"--memory must be positive, got {args.memory:g}")
     if args.reserve is not None and not args.reserve >= 0:
         raise BudgetError(f"--reserve must be >= 0 GiB, got {args.reserve:g}")
     memory = args.memory * 1e9 if args.memory is not None else (gpu.memory_bytes if gpu else None)
-    lengths = dist.population(spec.max_context - max(args.new_tokens, 0))
+    window = spec.max_context - max(args.new_tokens, 0)
+    problem = dist.window_problem(window, f"{spec.name}'s window {spec.max_context} minus --new-tokens {args.new_tokens}", key="--ctx-dist")
+    if problem:
+        raise BudgetError(problem)
+    lengths = dist.population(window)
     report = distribution_budget(
         spec, lengths, dist.label, batch=args.batch, bits=args.bits, group_size=args.group_size,
         residual=args.residual, keep=args.keep, new_tokens=args.new_tokens, memory_bytes=memory,

@@ -30,6 +30,7 @@ EVICTION_FLAGS = {"keep": "keep", "window_size": "window_size", "kernel_size": "
                   "n_sink": "n_sink", "beta": "beta", "policy_seed": "seed"}
 QUANT_FLAGS = {"bits": "nbits", "group_size": "q_group_size", "residual": "residual_length",
                "axis_key": "axis_key", "axis_value": "axis_value"}
+DECODING_FLAGS = {"target": "target", "interval": "interval", "score": "score"}
 
 
 
@@ -51,9 +52,12 @@ def policy_from_args(args):
         if args.backend and args.backend != args.method:
             raise PolicyError(f"--backend {args.backend} contradicts --method {args.method}: drop --backend")
         params.update(quant)
-    elif args.method == "full" and (quant or args.backend):
-        raise PolicyError(f"--method full stores the model dtype: for a quantized cache use --method "
-                          f"{' / '.join(BACKENDS)} (or an eviction method with --bits to evict then quantize)")
+    elif cls is not None and (quant or args.backend):  # full, decoding: no quantized storage to give them to
+        flags = [f"--{flag.replace('_', '-')}" for flag in (*QUANT_FLAGS, "backend") if getattr(args, flag) is not None]
+        raise PolicyError(f"{' '.join(flags)}: --method {args.method} stores the model dtype: for a quantized cache "
+                          f"use --method {' / '.join(BACKENDS)} (or an eviction method with --bits to evict then "
+                          f"quantize)")
+    params.update(_given(args, DECODING_FLAGS))  # make_policy names them if the method takes none
     return make_policy(args.method, **params)
 
 

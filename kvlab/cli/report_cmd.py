@@ -7,7 +7,7 @@ from pathlib import Path
 
 from kvlab.errors import UserError
 from kvlab.preflight import check_out_dir
-from kvlab.records import RECORDS_FILE, read_records
+from kvlab.records import RECORDS_FILE, read_manifest, read_records
 from kvlab.reporting.render import index_folder, render_report
 
 
@@ -39,7 +39,22 @@ def check_records_dir(folder: str | Path) -> Path:
         warnings.simplefilter("ignore")  # the report's own load warns about each damaged line
         if not any(read_records(f) for f in files):
             raise UserError(f"{', '.join(map(str, files[:3]))}: no readable record (every line is empty or damaged)")
+    for f in files:  # a half-written manifest.json: the line kvlab sweep gives, not a JSONDecodeError in the notebook
+        read_manifest(f.parent)
     return path
+
+
+def baseline_problem(folder: Path, baseline: str) -> str | None:
+    """Why ``--baseline`` names no method (or label) of the folder's records, or None."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        records = [r for f in sorted(folder.rglob(RECORDS_FILE)) for r in read_records(f)]
+    names = {str(r[k]) for r in records for k in ("method", "label") if r.get(k) is not None}
+    if baseline in names:
+        return None
+    methods = sorted({str(r["method"]) for r in records if r.get("method") is not None})
+    return (f"--baseline {baseline!r} is no method in {folder}: its records hold {', '.join(methods) or 'none'}; "
+            f"pass one of them (or leave it out for full)")
 
 
 def check_args(args) -> None:
@@ -55,6 +70,10 @@ def check_args(args) -> None:
         raise UserError(f"--ctx must be >= 1, got {args.ctx}")
     if args.timeout < 1:
         raise UserError(f"--timeout must be >= 1 second, got {args.timeout}")
+    if args.baseline is not None:
+        problem = baseline_problem(Path(args.dir), args.baseline)
+        if problem:
+            raise UserError(problem)
 
 
 def run(args) -> int:

@@ -365,8 +365,11 @@ class IntFormat(KVFormat):
     def check_head_dim(self, head_dim):
         super().check_head_dim(head_dim)
         if head_dim % self.group:
-            raise FormatError(f"head_dim {head_dim} is not a multiple of group {self.group}; "
-                              f"pick a group from {[g for g in GROUPS if head_dim % g == 0]}")
+            fits = [g for g in GROUPS if head_dim % g == 0]
+            fix = (f"pick a group (q_group_size) from {', '.join(map(str, fits))}" if fits else
+                   f"no group this format has ({', '.join(map(str, GROUPS))}) divides it; store it with a format "
+                   f"without groups (kvq-fp8) or quanto/hqq with q_group_size {head_dim}")
+            raise FormatError(f"head_dim {head_dim} is not a multiple of group {self.group}; {fix}")
 
     def empty(self, batch, kv_heads, capacity, head_dim, device):
         codes = torch.zeros(batch, kv_heads, capacity, head_dim * self.bits // 8, dtype=torch.uint8, device=device)

@@ -24,7 +24,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from kvlab.tasks import TASKS, Encoder, TaskItem, make_items, task_name
 from kvlab.tasks.longbench import longbench_items
@@ -108,6 +108,28 @@ class TaskSpec(BaseModel):
         if path is not None and not Path(path).exists():
             raise ValueError(f"longbench path {path} does not exist: pass a LongBench jsonl file or folder")
         return path
+
+    @field_validator("longbench_datasets")
+    @classmethod
+    def _datasets_of_longbench(cls, datasets: list[str] | None, info: ValidationInfo) -> list[str] | None:
+        if datasets is not None and "longbench" in info.data and info.data["longbench"] is None:  # (a bad path: its own line)
+            raise ValueError(f"{datasets} picks LongBench datasets, but no longbench path is given: add it, "
+                             f"or drop the datasets")
+        return datasets
+
+    @field_validator("no_signal_threshold")
+    @classmethod
+    def _a_score(cls, threshold: float) -> float:
+        if not 0 <= threshold <= 1:
+            raise ValueError(f"{threshold}: a full-cache score in [0, 1] below which an item has no signal (default 0.7)")
+        return threshold
+
+    @field_validator("min_context_gain")
+    @classmethod
+    def _a_gain(cls, gain: float) -> float:
+        if not gain >= 0:
+            raise ValueError(f"{gain}: nats per token the full context must save, >= 0 (default 0.02)")
+        return gain
 
     @model_validator(mode="after")
     def _something_to_run(self) -> TaskSpec:

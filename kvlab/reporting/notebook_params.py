@@ -60,7 +60,11 @@ class SweepDefaults:
 def _ctx_list(ctx: Any) -> list[int]:
     if ctx is None:
         return []
-    return [int(c) for c in (ctx if isinstance(ctx, list | tuple) else [ctx])]
+    try:
+        return [int(c) for c in (ctx if isinstance(ctx, list | tuple) else [ctx])]
+    except (TypeError, ValueError):  # a bad -p ctx: the line kvlab sweep gives, not int()'s
+        raise ReportError(f"ctx: {ctx!r} is not a length in tokens; give e.g. -p ctx 16384 (or a list in "
+                          f"-f params.yaml)") from None
 
 
 def sweep_defaults(given: dict[str, Any], cuda_available: bool) -> SweepDefaults:

@@ -203,7 +203,7 @@ def run_budgeted(params: SweepParams, out_dir: str | Path, log=print, **sweep_kw
     summary = run_sweep(params, out, log=log, **sweep_kw)
     if summary.stopped:
         return summary
-    probes = expand(params, check_params(params, check_device=False))
+    probes = expand(params, check_params(params, check_device=False, own_loader="loader" in sweep_kw))
     budget_bytes = stored_budget_bytes(out, params.budget_gb) or resolve_budget_bytes(params.budget_gb, params.device)
     for _ in range(MAX_ROUNDS):
         latest = {r["run_id"]: r for r in read_records(out / RECORDS_FILE) if r.get("kind") == "perf"}

@@ -9,6 +9,7 @@ import importlib.util
 
 from pydantic import ValidationError
 
+from kvlab import preflight
 from kvlab.budget import context_problem
 from kvlab.engine import check_model_type
 from kvlab.errors import UserError
@@ -24,11 +25,28 @@ from kvlab.sweep.params import (
     pydantic_lines,
 )
 from kvlab.weights_quant import weights_quant_problems
-from kvlab.workload import context_points
+from kvlab.workload import CtxDistribution, context_points
+
+# transformers' attention implementations kvlab can load a model with (kvlab.policies.attention
+# wraps each); the flash ones need their package
+ATTN_IMPLEMENTATIONS = {"sdpa": None, "eager": None, "flex_attention": None,
+                        "flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
 
 
-def budget_problems(params: SweepParams) -> list[str]:
-    """Why a sweep's ``budget_gb`` (:mod:`kvlab.sweep.admission`) cannot run (one line each)."""
+def attn_problem(name: str) -> str | None:
+    """Why transformers cannot load a model with attention ``name`` here, or None."""
+    if name not in ATTN_IMPLEMENTATIONS:
+        return f"attn_implementation: {name!r} is not one of {', '.join(ATTN_IMPLEMENTATIONS)} (sdpa: the default)"
+    package = ATTN_IMPLEMENTATIONS[name]
+    if package and importlib.util.find_spec(package) is None:
+        return f"attn_implementation: {name} needs the {package} package, not installed here; use sdpa"
+    return None
+
+
+def budget_problems(params: SweepParams, check_device: bool = True) -> list[str]:
+    """Why a sweep's ``budget_gb`` (:mod:`kvlab.sweep.admission`) cannot run (one line each); with
+    ``check_device``, a budget above the memory the device has available now (admission would
+    otherwise fit billions of sequences into it and fail allocating them)."""
     budget = params.budget_gb
     if budget is None:
         return [] if params.budget_max_batch is None else [
@@ -38,6 +56,12 @@ def budget_problems(params: SweepParams) -> list[str]:
         problems.append("budget_gb: gpu needs device: cuda; on a CPU give a number of GB")
     if budget != "gpu" and not budget > 0:
         problems.append(f"budget_gb: {budget} must be positive (GB), or gpu for the whole free GPU")
+    elif budget != "gpu" and check_device:
+        available = preflight.available_memory_bytes(params.device)
+        if available is not None and budget * 1e9 > available:
+            problems.append(f"budget_gb: {budget:,.10g} GB is above the {available / 1e9:,.1f} GB {params.device} has "
+                            f"available now; give at most {int(available / 1e9)}"
+                            + (" (or gpu for the whole free GPU)" if params.device.startswith("cuda") else ""))
     if 1 not in params.batch or len(set(params.batch)) < 2:
         problems.append(f"batch: {params.batch} with budget_gb: list 1 (the single-stream view) and at least one "
                         f"more batch to fit the peak per sequence, e.g. batch: [1, 2]")
@@ -59,9 +83,11 @@ def prefill_rows_problems(params: SweepParams) -> list[str]:
     return problems
 
 
-def check_params(params: SweepParams, check_device: bool = True) -> list[tuple[int, MethodVariant]]:
+def check_params(params: SweepParams, check_device: bool = True,
+                 own_loader: bool = False) -> list[tuple[int, MethodVariant]]:
     """Validate against models, policies and (with ``check_device``) this machine's device and its
-    memory, without loading weights; returns the method variants.
+    memory, without loading weights; returns the method variants. ``own_loader``: the caller loads
+    models itself (a test's loader may give synthetic weights a tokenizer; kvlab's never does).
 
     Raises one :class:`ParamsError` listing every problem.
     """
@@ -79,17 +105,24 @@ def check_params(params: SweepParams, check_device: bool = True) -> list[tuple[i
     if params.executor == "ray":
         if importlib.util.find_spec("ray") is None:
             problems.append("executor: ray needs the ray package; install it with pip install 'kvlab[ray]'")
+        elif check_device:
+            from kvlab.runner.ray_cluster import address_problem
+
+            problem = address_problem(params.ray_address)
+            if problem:
+                problems.append(problem)
         if dev.startswith("cuda:") and dev != "cuda:0":
             problems.append(f"device: {dev!r} with executor: ray; use device: cuda (Ray gives each worker "
                             f"its GPU as cuda)")
     elif params.ray_address is not None:
         problems.append("ray_address: only used with executor: ray; add --executor ray (or drop ray_address)")
+    problems += [p for p in (attn_problem(params.attn_implementation),) if p]
     if params.sdpa_backend != "auto" and params.attn_implementation != "sdpa":
         problems.append(f"sdpa_backend: {params.sdpa_backend!r} only applies with attn_implementation: sdpa")
     if not params.methods:
         problems.append("methods: empty; list at least one method, e.g. [full]")
     problems += weights_quant_problems(params.weights_quant, params.engine)
-    problems += budget_problems(params)
+    problems += budget_problems(params, check_device)
     problems += prefill_rows_problems(params)
 
     # models, weights, context limits and memory (for the most compressed method that builds)
@@ -117,6 +150,11 @@ def check_params(params: SweepParams, check_device: bool = True) -> list[tuple[i
             except ValueError as err:
                 problems.append(f"engine: fast with models[{i}] {name}: {err}")
         try:
+            if isinstance(params.ctx, CtxDistribution):
+                problem = params.ctx.window_problem(spec.max_context - params.new_tokens,
+                                                    f"{name}'s window {spec.max_context} minus new_tokens {params.new_tokens}")
+                if problem:
+                    problems.append(problem)
             contexts = sorted({p.ctx for p in context_points(params.ctx, params.seed,
                                                              spec.max_context - params.new_tokens)})
         except UserError as err:
@@ -128,6 +166,9 @@ def check_params(params: SweepParams, check_device: bool = True) -> list[tuple[i
                                        compressions=compressions(built))
 
     # the quality pass: its own keys
+    if params.quality is not None and params.weights == "synthetic" and not own_loader:
+        problems.append("quality: needs a tokenizer, and synthetic weights come without one (the tasks are "
+                        "text); set weights: real (or drop quality, or run kvlab quality on a real model)")
     if params.quality is not None:
         try:
             task_spec = TaskSpec(**params.quality)

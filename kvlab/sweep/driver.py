@@ -133,9 +133,10 @@ def run_sweep(
     replaces the params' grid (kvlab.sweep.admission adds at-budget runs to it). ``log`` defaults to
     ``tqdm.write``: a line printed under a live progress bar, not into it."""
     log = log or tqdm.write
+    variants = check_params(params, check_device=check_device,  # raises before any model loads
+                            own_loader=loader is not None)
     loader = loader or models.load_model  # looked up per call: tests refuse any load
     sampler_factory = sampler_factory or make_sampler
-    variants = check_params(params, check_device=check_device)  # raises before any model loads
     threads = pinned_threads(params)
     if threads is not None:
         torch.set_num_threads(threads)  # recorded per run (``threads``) by kvlab.measure
