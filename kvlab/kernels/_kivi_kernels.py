@@ -1,0 +1,186 @@
+"""Triton kernels of :mod:`kvlab.kernels.kivi_decode` (imports triton; import this lazily).
+
+Flash-decoding over a :class:`kvlab.kernels.kivi.KiviStore`, in two launches:
+
+1. ``_kivi_split_kernel``, grid ``(B * Hkv, num_splits + 1)``: one program per KV head and split, the
+   GQA group's query heads as the rows of one tile (``BLOCK_H >= 16``, so products are ``tl.dot``).
+   Splits ``0 .. num_splits - 1`` read ``split_groups`` quantized groups each (G tokens per
+   iteration); the last split reads the bf16 ring (``W = R + G`` slots, masked to the tokens it
+   holds). Each writes its normalized output and log-sum-exp (base 2), ``-inf`` when it saw nothing.
+2. ``_kivi_combine_kernel``, grid ``(B * Hq,)``: merges the ``num_splits + 1`` partials.
+
+Keys are per channel, so the scale and zero of a group are vectors over the head dim and fold into
+the query: ``q . (c * s + z) = (q * s) . c + q . z``: one product with the raw codes plus one dot
+with the zeros per group, no dequantized key tile. Values are per token (a scale and zero per
+``VG`` elements of each token) and are dequantized plane by plane as in ``_decode_kernels``: byte
+``j`` holds elements ``j * PACK + p`` at bits ``[p * BITS, (p + 1) * BITS)``; plane ``p`` pairs with
+the strided slice ``q[:, p::PACK]`` and writes the output's strided slice.
+Products run on float16 operands with float32 accumulation (bf16 ring tiles are converted: 11 bits
+of mantissa hold bf16's 8, and the interpreter multiplies bf16 as raw integers).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _plane(raw, P: tl.constexpr, BITS: tl.constexpr):
+    return ((raw >> (P * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+
+
+@triton.jit
+def _q_plane(q_rows, offs_j, mask_h, P: tl.constexpr, PACK: tl.constexpr):
+    return tl.load(q_rows[:, None] + offs_j[None, :] * PACK + P, mask=mask_h[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _key_scores(q_p, raw, ks_ptr, kz_ptr, goff, offs_j, P: tl.constexpr, PACK: tl.constexpr, BITS: tl.constexpr):
+    """Plane ``P``'s part of ``q k^T`` for one per-channel group: ``(q * s) c^T + q . z``."""
+    sc = tl.load(ks_ptr + goff + offs_j * PACK + P).to(tl.float32)
+    zr = tl.load(kz_ptr + goff + offs_j * PACK + P).to(tl.float32)
+    qs = (q_p * sc[None, :]).to(tl.float16)
+    return tl.dot(qs, tl.trans(_plane(raw, P, BITS).to(tl.float16))) + tl.sum(q_p * zr[None, :], 1)[:, None]
+
+
+@triton.jit
+def _value_plane(raw, vs_ptr, vz_ptr, vgroups, P: tl.constexpr, BITS: tl.constexpr):
+    vs = tl.load(vs_ptr + vgroups).to(tl.float32)
+    vz = tl.load(vz_ptr + vgroups).to(tl.float32)
+    return (_plane(raw, P, BITS) * vs + vz).to(tl.float16)
+
+
+@triton.jit
+def _ring_plane(ptr, rslots, offs_j, mask_r, P: tl.constexpr, PACK: tl.constexpr, D: tl.constexpr):
+    return tl.load(ptr + rslots[:, None] * D + offs_j[None, :] * PACK + P, mask=mask_r[:, None],
+                   other=0.0).to(tl.float16)
+
+
+@triton.jit
+def _store_plane(rows, offs_j, mask_h, acc, inv_l, P: tl.constexpr, PACK: tl.constexpr):
+    tl.store(rows[:, None] + offs_j[None, :] * PACK + P, acc * inv_l[:, None], mask=mask_h[:, None])
+
+
+@triton.jit
+def _online(m_i, l_i, s):
+    """One online-softmax step (base 2): ``(m_new, l_new, alpha, p)``; safe when ``s`` is all ``-inf``."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    return m_new, l_i * alpha + tl.sum(p, 1), alpha, p.to(tl.float16)
+
+
+@triton.jit(do_not_specialize=["Hq", "Hkv", "TQ", "NKG", "W", "R", "split_groups", "num_splits", "GQ"])
+def _kivi_split_kernel(
+    q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, rk_ptr, rv_ptr, len_ptr, part_out_ptr, part_lse_ptr,
+    qk_scale, Hq, Hkv, TQ, NKG, W, R, split_groups, num_splits, GQ,
+    D: tl.constexpr, BLOCK_H: tl.constexpr, G: tl.constexpr, VG: tl.constexpr, BLOCK_R: tl.constexpr,
+    BITS: tl.constexpr, PACK: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = bh // Hkv
+    h = bh % Hkv
+    length = tl.maximum(tl.load(len_ptr + b).to(tl.int32), 0)
+    nq = tl.maximum(length - R, 0) // G * G  # tokens stored as codes (kivi.KiviSpec.quantized_tokens)
+    is_ring = split == num_splits
+    g_start = split * split_groups
+    g_end = tl.where(is_ring, g_start, tl.minimum(g_start + split_groups, nq // G))
+    r_end = tl.where(is_ring, W, 0)
+
+    DP: tl.constexpr = D // PACK
+    NVG: tl.constexpr = D // VG
+    offs_h = tl.arange(0, BLOCK_H)
+    mask_h = offs_h < GQ
+    heads = h * GQ + offs_h
+    offs_j = tl.arange(0, DP)
+    offs_g = tl.arange(0, G)
+    q_rows = q_ptr + (b * Hq + heads) * D
+    q0 = _q_plane(q_rows, offs_j, mask_h, 0, PACK)
+    q1 = q0
+    q2 = q0
+    q3 = q0
+    if PACK >= 2:
+        q1 = _q_plane(q_rows, offs_j, mask_h, 1, PACK)
+    if PACK == 4:
+        q2 = _q_plane(q_rows, offs_j, mask_h, 2, PACK)
+        q3 = _q_plane(q_rows, offs_j, mask_h, 3, PACK)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc0 = tl.zeros([BLOCK_H, DP], tl.float32)
+    acc1 = tl.zeros([BLOCK_H, DP], tl.float32)
+    acc2 = tl.zeros([BLOCK_H, DP], tl.float32)
+    acc3 = tl.zeros([BLOCK_H, DP], tl.float32)
+    row_t = bh.to(tl.int64) * TQ
+    row_g = bh.to(tl.int64) * NKG
+
+    for gi in range(g_start, g_end):  # quantized groups: G tokens, one key scale/zero vector
+        toks = row_t + gi * G + offs_g
+        tile = toks[:, None] * DP + offs_j[None, :]
+        goff = (row_g + gi) * D
+        k_raw = tl.load(kc_ptr + tile).to(tl.int32)
+        s = _key_scores(q0, k_raw, ks_ptr, kz_ptr, goff, offs_j, 0, PACK, BITS)
+        s += _key_scores(q1, k_raw, ks_ptr, kz_ptr, goff, offs_j, 1, PACK, BITS)
+        if PACK == 4:
+            s += _key_scores(q2, k_raw, ks_ptr, kz_ptr, goff, offs_j, 2, PACK, BITS)
+            s += _key_scores(q3, k_raw, ks_ptr, kz_ptr, goff, offs_j, 3, PACK, BITS)
+        m_i, l_i, alpha, p = _online(m_i, l_i, s * qk_scale)
+        v_raw = tl.load(vc_ptr + tile).to(tl.int32)
+        vgroups = toks[:, None] * NVG + (offs_j[None, :] * PACK) // VG
+        acc0 = acc0 * alpha[:, None] + tl.dot(p, _value_plane(v_raw, vs_ptr, vz_ptr, vgroups, 0, BITS))
+        acc1 = acc1 * alpha[:, None] + tl.dot(p, _value_plane(v_raw, vs_ptr, vz_ptr, vgroups, 1, BITS))
+        if PACK == 4:
+            acc2 = acc2 * alpha[:, None] + tl.dot(p, _value_plane(v_raw, vs_ptr, vz_ptr, vgroups, 2, BITS))
+            acc3 = acc3 * alpha[:, None] + tl.dot(p, _value_plane(v_raw, vs_ptr, vz_ptr, vgroups, 3, BITS))
+
+    first = nq % W  # ring slot of the oldest exact token
+    count = length - nq
+    for r0 in range(0, r_end, BLOCK_R):  # the ring: bf16, slots holding tokens nq .. length - 1
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        mask_r = (offs_r < W) & ((offs_r - first + W) % W < count)
+        rslots = bh.to(tl.int64) * W + offs_r
+        s = tl.dot(q0.to(tl.float16), tl.trans(_ring_plane(rk_ptr, rslots, offs_j, mask_r, 0, PACK, D)))
+        s += tl.dot(q1.to(tl.float16), tl.trans(_ring_plane(rk_ptr, rslots, offs_j, mask_r, 1, PACK, D)))
+        if PACK == 4:
+            s += tl.dot(q2.to(tl.float16), tl.trans(_ring_plane(rk_ptr, rslots, offs_j, mask_r, 2, PACK, D)))
+            s += tl.dot(q3.to(tl.float16), tl.trans(_ring_plane(rk_ptr, rslots, offs_j, mask_r, 3, PACK, D)))
+        s = tl.where(mask_r[None, :], s * qk_scale, float("-inf"))
+        m_i, l_i, alpha, p = _online(m_i, l_i, s)
+        acc0 = acc0 * alpha[:, None] + tl.dot(p, _ring_plane(rv_ptr, rslots, offs_j, mask_r, 0, PACK, D))
+        acc1 = acc1 * alpha[:, None] + tl.dot(p, _ring_plane(rv_ptr, rslots, offs_j, mask_r, 1, PACK, D))
+        if PACK == 4:
+            acc2 = acc2 * alpha[:, None] + tl.dot(p, _ring_plane(rv_ptr, rslots, offs_j, mask_r, 2, PACK, D))
+            acc3 = acc3 * alpha[:, None] + tl.dot(p, _ring_plane(rv_ptr, rslots, offs_j, mask_r, 3, PACK, D))
+
+    has = l_i > 0
+    inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    part = (b * Hq + heads) * (num_splits + 1) + split
+    tl.store(part_lse_ptr + part, lse, mask=mask_h)
+    out_rows = part_out_ptr + part.to(tl.int64) * D
+    _store_plane(out_rows, offs_j, mask_h, acc0, inv_l, 0, PACK)
+    _store_plane(out_rows, offs_j, mask_h, acc1, inv_l, 1, PACK)
+    if PACK == 4:
+        _store_plane(out_rows, offs_j, mask_h, acc2, inv_l, 2, PACK)
+        _store_plane(out_rows, offs_j, mask_h, acc3, inv_l, 3, PACK)
+
+
+@triton.jit(do_not_specialize=["S"])
+def _kivi_combine_kernel(part_out_ptr, part_lse_ptr, out_ptr, S, D: tl.constexpr, S_P2: tl.constexpr):
+    """Merge one query head's ``S`` partials; a partial with ``lse = -inf`` saw no token and weighs 0."""
+    bq = tl.program_id(0)
+    offs_s = tl.arange(0, S_P2)
+    offs_d = tl.arange(0, D)
+    mask_s = offs_s < S
+    base = bq.to(tl.int64) * S
+    lse = tl.load(part_lse_ptr + base + offs_s, mask=mask_s, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.where(mask_s, tl.exp2(lse - m), 0.0)
+    parts = tl.load(part_out_ptr + (base + offs_s)[:, None] * D + offs_d[None, :], mask=mask_s[:, None], other=0.0)
+    total = tl.sum(w, 0)
+    out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + bq.to(tl.int64) * D + offs_d, out.to(out_ptr.dtype.element_ty))
