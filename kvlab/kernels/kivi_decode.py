@@ -6,7 +6,7 @@ torch reference (:func:`kvlab.kernels.kivi.attend`) elsewhere.
 
 CUDA-graph capturable as :mod:`kvlab.kernels.triton_decode`: ``lengths`` (int32 ``[B]``) stays on the
 device, the grid depends only on B, Hkv and the store's number of groups; the boundary between
-codes and ring is computed on the device from the length. Kernels: :mod:`kvlab.kernels._kivi_kernels`.
+codes and ring is computed on the device from the length. Kernels: :mod:`kvlab.kernels.kivi_triton`.
 triton is imported only when a kernel runs.
 """
 
@@ -23,7 +23,6 @@ from kvlab.kernels.formats import FormatError
 
 PROGRAMS_PER_SM = 4
 MAX_SPLITS = 128
-BLOCK_R = 32  # ring slots per iteration
 BACKENDS = ("auto", "triton", "reference")
 
 
@@ -36,6 +35,7 @@ class KiviWorkspace:
     part_out: torch.Tensor  # [B, Hq, num_splits + 1, D] float32
     part_lse: torch.Tensor  # [B, Hq, num_splits + 1] float32
     num_warps: int = 4
+    block_r: int = 32  # ring slots per iteration
 
 
 def plan_kivi_splits(batch: int, kv_heads: int, groups: int, sm_count: int,
@@ -91,7 +91,7 @@ def kivi_decode_attention(q: torch.Tensor, store: kivi.KiviStore, lengths: torch
     why = kernel_supports(store)
     if why:
         raise FormatError(why + "; use backend='reference'")
-    from kvlab.kernels import _kivi_kernels as kern  # imports triton
+    from kvlab.kernels.kivi_triton import launch_kivi  # imports triton
 
     if workspace is None:
         workspace = make_kivi_workspace(q_heads, store)
@@ -100,19 +100,4 @@ def kivi_decode_attention(q: torch.Tensor, store: kivi.KiviStore, lengths: torch
     for t in (q, out, lengths, *store.tensors()):
         if not t.is_contiguous():
             raise FormatError("kivi_decode_attention needs contiguous q, out, lengths and store buffers")
-    spec = store.spec
-    group = q_heads // store.kv_heads
-    splits = workspace.num_splits
-    kern._kivi_split_kernel[(batch * store.kv_heads, splits + 1)](
-        q, store.k_codes, store.k_scale, store.k_zero, store.v_codes, store.v_scale, store.v_zero,
-        store.ring_k, store.ring_v, lengths, workspace.part_out, workspace.part_lse,
-        float(scale) * math.log2(math.e), q_heads, store.kv_heads, store.k_codes.shape[2], store.k_scale.shape[2],
-        spec.window, spec.residual, workspace.split_groups, splits, group,
-        D=head_dim, BLOCK_H=max(16, 1 << max(0, group - 1).bit_length()), G=spec.group, VG=spec.value_group,
-        BLOCK_R=BLOCK_R, BITS=spec.bits, PACK=8 // spec.bits, num_warps=workspace.num_warps,
-    )
-    kern._kivi_combine_kernel[(batch * q_heads,)](
-        workspace.part_out, workspace.part_lse, out, splits + 1, D=head_dim,
-        S_P2=max(2, 1 << splits.bit_length()),
-    )
-    return out
+    return launch_kivi(q, store, lengths, scale, workspace, out)

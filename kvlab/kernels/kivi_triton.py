@@ -1,4 +1,4 @@
-"""Triton kernels of :mod:`kvlab.kernels.kivi_decode` (imports triton; import this lazily).
+"""Triton kernels of :mod:`kvlab.kernels.kivi_decode` and their launch (imports triton; import lazily).
 
 Flash-decoding over a :class:`kvlab.kernels.kivi.KiviStore`, in two launches:
 
@@ -7,7 +7,8 @@ Flash-decoding over a :class:`kvlab.kernels.kivi.KiviStore`, in two launches:
    Splits ``0 .. num_splits - 1`` read ``split_groups`` quantized groups each (G tokens per
    iteration); the last split reads the bf16 ring (``W = R + G`` slots, masked to the tokens it
    holds). Each writes its normalized output and log-sum-exp (base 2), ``-inf`` when it saw nothing.
-2. ``_kivi_combine_kernel``, grid ``(B * Hq,)``: merges the ``num_splits + 1`` partials.
+2. :func:`kvlab.kernels.merge_triton.merge_partials_kernel`, grid ``(B * Hq,)``: merges the
+   ``num_splits + 1`` partials.
 
 Keys are per channel, so the scale and zero of a group are vectors over the head dim and fold into
 the query: ``q . (c * s + z) = (q * s) . c + q . z``: one product with the raw codes plus one dot
@@ -21,8 +22,12 @@ of mantissa hold bf16's 8, and the interpreter multiplies bf16 as raw integers).
 
 from __future__ import annotations
 
+import math
+
 import triton
 import triton.language as tl
+
+from kvlab.kernels.merge_triton import merge_partials
 
 
 @triton.jit
@@ -168,19 +173,18 @@ def _kivi_split_kernel(
         _store_plane(out_rows, offs_j, mask_h, acc3, inv_l, 3, PACK)
 
 
-@triton.jit(do_not_specialize=["S"])
-def _kivi_combine_kernel(part_out_ptr, part_lse_ptr, out_ptr, S, D: tl.constexpr, S_P2: tl.constexpr):
-    """Merge one query head's ``S`` partials; a partial with ``lse = -inf`` saw no token and weighs 0."""
-    bq = tl.program_id(0)
-    offs_s = tl.arange(0, S_P2)
-    offs_d = tl.arange(0, D)
-    mask_s = offs_s < S
-    base = bq.to(tl.int64) * S
-    lse = tl.load(part_lse_ptr + base + offs_s, mask=mask_s, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.where(mask_s, tl.exp2(lse - m), 0.0)
-    parts = tl.load(part_out_ptr + (base + offs_s)[:, None] * D + offs_d[None, :], mask=mask_s[:, None], other=0.0)
-    total = tl.sum(w, 0)
-    out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + bq.to(tl.int64) * D + offs_d, out.to(out_ptr.dtype.element_ty))
+def launch_kivi(q, store, lengths, scale, workspace, out):
+    """Both launches of one decode step (:func:`kvlab.kernels.kivi_decode.kivi_decode_attention`
+    checks the arguments)."""
+    batch, q_heads, head_dim = q.shape
+    spec, splits = store.spec, workspace.num_splits
+    group = q_heads // store.kv_heads
+    _kivi_split_kernel[(batch * store.kv_heads, splits + 1)](
+        q, store.k_codes, store.k_scale, store.k_zero, store.v_codes, store.v_scale, store.v_zero,
+        store.ring_k, store.ring_v, lengths, workspace.part_out, workspace.part_lse,
+        float(scale) * math.log2(math.e), q_heads, store.kv_heads, store.k_codes.shape[2], store.k_scale.shape[2],
+        spec.window, spec.residual, workspace.split_groups, splits, group,
+        D=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)), G=spec.group, VG=spec.value_group,
+        BLOCK_R=workspace.block_r, BITS=spec.bits, PACK=8 // spec.bits, num_warps=workspace.num_warps,
+    )
+    return merge_partials(workspace.part_out, workspace.part_lse, out)
