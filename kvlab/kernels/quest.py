@@ -141,8 +141,8 @@ def sparse_attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pag
     skipped) of ``keys``/``values [B, H, T, D]``, tokens past ``lengths[b]`` masked; float32 ``[B, Hq, D]``."""
     batch, q_heads, d = q.shape
     kv_heads, cap = keys.shape[1], keys.shape[2]
-    sel_heads, k = pages.shape[1], pages.shape[2]
-    tokens = (pages.clamp_min(0).unsqueeze(-1) * page + torch.arange(page, device=q.device)).flatten(-2)  # [B, Hs, k*P]
+    sel_heads = pages.shape[1]
+    tokens = (pages.clamp_min(0).unsqueeze(-1) * page + torch.arange(page, device=q.device)).flatten(-2)  # [B, Hs, k * page]
     valid = (pages >= 0).repeat_interleave(page, -1) & (tokens < lengths.view(batch, 1, 1).to(tokens.device))
     tokens = tokens.clamp(max=cap - 1)
     per_sel = q_heads // sel_heads  # query heads sharing one selection
