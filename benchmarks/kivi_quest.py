@@ -8,7 +8,8 @@ At the Llama-3.1-8B attention shape (Hq 32, Hkv 8, D 128), ``--lengths`` (16k, 3
 
 - ``flash-bf16``: flash attention's varlen kernel on the fast engine's dense ``[B, C, Hkv, D]`` cache;
 - ``fused-bf16`` / ``fused-int4-g64``: kvlab's split-K kernel (:func:`kvlab.kernels.decode_attention`);
-- ``kivi2`` / ``kivi4``: :func:`kvlab.kernels.kivi_decode.kivi_decode_attention` (G 32, R 128);
+- ``kivi2-g32``, ``kivi2-g16``, ``kivi-k4v2``, ``kivi4``: :func:`kvlab.kernels.kivi_decode.kivi_decode_attention`
+  (R 128);
 - ``quest-B``: page selection (torch, :func:`kvlab.kernels.quest.select_pages`) plus the sparse kernel
   over the dense cache, budget B tokens (``--budgets``, pages of 16), with the selection's own time
   (``select_ms``) and the kernel's (``attend_ms``) beside the total.
@@ -122,8 +123,8 @@ def run_case(batch, length, args, device, rows):
                    copies, device, args.reps)
         record(f"fused-{fmt.label}", ms, stores[0][0].nbytes() * 2, rel_err(out, ref))
 
-    for bits in (2, 4):
-        spec = kivi.KiviSpec(bits=bits)
+    for spec in (kivi.KiviSpec(bits=2), kivi.KiviSpec(bits=2, group=16, value_group=16),
+                 kivi.KiviSpec(bits=2, key_bits=4), kivi.KiviSpec(bits=4)):
         stores = []
         for _ in range(copies):
             store = kivi.alloc(spec, batch, hkv, length, d, device)

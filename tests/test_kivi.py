@@ -29,6 +29,7 @@ def test_boundary_is_a_function_of_length():
         r = n - s.quantized_tokens(n)
         assert (r == n) if n < s.window else (s.residual <= r < s.window)
     assert kivi.KiviSpec().group == 32 and kivi.KiviSpec().residual == 128
+    assert kivi.KiviSpec().label == "kivi2-g32-r128" and kivi.KiviSpec(key_bits=4).label == "kivi-k4v2-g32-r128"
 
 
 def test_bad_spec_and_head_dim():
@@ -38,9 +39,9 @@ def test_bad_spec_and_head_dim():
         kivi.alloc(SPEC, 1, 1, 64, 48)  # not a multiple of the value group
 
 
-@pytest.mark.parametrize("bits", [2, 4])
-def test_round_trip_within_half_a_step(bits):
-    spec = kivi.KiviSpec(bits=bits, group=16, residual=32, value_group=32)
+@pytest.mark.parametrize("bits,key_bits", [(2, None), (4, None), (2, 4)])
+def test_round_trip_within_half_a_step(bits, key_bits):
+    spec = kivi.KiviSpec(bits=bits, group=16, residual=32, value_group=32, key_bits=key_bits)
     k, v = (x.bfloat16().float() for x in kv())  # the store quantizes the bf16 values
     n = k.shape[2]
     store = kivi.alloc(spec, 2, 2, n, 64)

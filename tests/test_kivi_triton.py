@@ -31,10 +31,10 @@ def filled(spec, lengths, heads=2, dim=64, capacity=150, seed=0):
     return store
 
 
-@pytest.mark.parametrize("bits", [2, 4])
-def test_kernel_matches_reference(bits):
+@pytest.mark.parametrize("bits,key_bits", [(2, None), (4, None), (2, 4)])
+def test_kernel_matches_reference(bits, key_bits):
     # rows: codes and ring, empty, ring only, exactly R + G (one group just flushed); GQA 4
-    spec = kivi.KiviSpec(bits=bits, group=16, residual=32, value_group=32)
+    spec = kivi.KiviSpec(bits=bits, group=16, residual=32, value_group=32, key_bits=key_bits)
     lengths = [150, 0, 20, 48]
     store = filled(spec, lengths)
     q = torch.randn(4, 8, 64, generator=torch.Generator().manual_seed(7)).to(DEVICE)

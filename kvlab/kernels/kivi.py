@@ -37,17 +37,19 @@ RESIDUAL_DTYPE = torch.bfloat16
 
 @dataclass(frozen=True)
 class KiviSpec:
-    """Bits (2 or 4), key group G (tokens per channel group), residual R (exact recent tokens), value
-    group (head-dim elements per value scale)."""
+    """Bits (2 or 4; ``key_bits``, when given, for the keys: KIVI's ``k_bits``/``v_bits``), key group
+    G (tokens per channel group), residual R (exact recent tokens), value group (head-dim elements
+    per value scale)."""
 
     bits: int = 2
     group: int = 32
     residual: int = 128
     value_group: int = 32
+    key_bits: int | None = None
 
     def __post_init__(self):
-        if self.bits not in (2, 4):
-            raise FormatError(f"KIVI bits must be 2 or 4, not {self.bits!r}")
+        if self.bits not in (2, 4) or self.key_bits not in (None, 2, 4):
+            raise FormatError(f"KIVI bits must be 2 or 4, not {self.bits!r} (key_bits {self.key_bits!r})")
         if self.group not in (16, 32, 64, 128):
             raise FormatError(f"KIVI key group must be 16, 32, 64 or 128 tokens, not {self.group!r}")
         if self.value_group not in (16, 32, 64, 128):
@@ -57,11 +59,16 @@ class KiviSpec:
 
     @property
     def label(self) -> str:
-        return f"kivi{self.bits}-g{self.group}-r{self.residual}"
+        bits = f"{self.bits}" if self.k_bits == self.v_bits else f"-k{self.k_bits}v{self.v_bits}"
+        return f"kivi{bits}-g{self.group}-r{self.residual}"
 
     @property
-    def levels(self) -> int:
-        return (1 << self.bits) - 1
+    def k_bits(self) -> int:
+        return self.key_bits or self.bits
+
+    @property
+    def v_bits(self) -> int:
+        return self.bits
 
     @property
     def window(self) -> int:
@@ -73,14 +80,13 @@ class KiviSpec:
         return self.group * max(0, (length - self.residual) // self.group)
 
     def check_head_dim(self, head_dim: int) -> None:
-        pack = 8 // self.bits
-        if head_dim <= 0 or head_dim % self.value_group or head_dim % pack:
+        if head_dim <= 0 or head_dim % self.value_group:
             raise FormatError(f"head_dim {head_dim} must be a positive multiple of the value group "
                               f"{self.value_group}")
 
     def token_bytes(self, head_dim: int) -> float:
         """Bytes of one quantized token of one KV head, K and V (the ring is fixed, not per token)."""
-        codes = 2 * head_dim * self.bits // 8
+        codes = head_dim * (self.k_bits + self.v_bits) // 8
         key_scales = 2 * head_dim * 2 / self.group  # scale + zero per channel, shared by G tokens
         value_scales = 2 * (head_dim // self.value_group) * 2
         return codes + key_scales + value_scales
@@ -91,8 +97,8 @@ class KiviStore:
     """One layer's K and V: codes for ``capacity`` tokens (rounded up to groups, plus one trash
     group) and the bf16 ring.
 
-    ``k_codes [B, H, Cq + G, D*bits/8]``, ``k_scale``/``k_zero [B, H, Cq/G + 1, D]`` (per channel per
-    group), ``v_codes [B, H, Cq + G, D*bits/8]``, ``v_scale``/``v_zero [B, H, Cq + G, D/value_group]``,
+    ``k_codes [B, H, Cq + G, D*k_bits/8]``, ``k_scale``/``k_zero [B, H, Cq/G + 1, D]`` (per channel per
+    group), ``v_codes [B, H, Cq + G, D*v_bits/8]``, ``v_scale``/``v_zero [B, H, Cq + G, D/value_group]``,
     ``ring_k``/``ring_v [B, H, W, D]``. The last group of each code buffer is the trash group.
     """
 
@@ -148,13 +154,12 @@ def alloc(spec: KiviSpec, batch: int, kv_heads: int, capacity: int, head_dim: in
     spec.check_head_dim(head_dim)
     groups = spec.quantized_tokens(capacity) // spec.group
     tokens = (groups + 1) * spec.group
-    width = head_dim * spec.bits // 8
 
     def zeros(*shape, dtype=SCALE_DTYPE):
         return torch.zeros(batch, kv_heads, *shape, dtype=dtype, device=device)
 
-    return KiviStore(spec, zeros(tokens, width, dtype=torch.uint8), zeros(groups + 1, head_dim),
-                     zeros(groups + 1, head_dim), zeros(tokens, width, dtype=torch.uint8),
+    return KiviStore(spec, zeros(tokens, head_dim * spec.k_bits // 8, dtype=torch.uint8), zeros(groups + 1, head_dim),
+                     zeros(groups + 1, head_dim), zeros(tokens, head_dim * spec.v_bits // 8, dtype=torch.uint8),
                      zeros(tokens, head_dim // spec.value_group), zeros(tokens, head_dim // spec.value_group),
                      zeros(spec.window, head_dim, dtype=RESIDUAL_DTYPE),
                      zeros(spec.window, head_dim, dtype=RESIDUAL_DTYPE), head_dim)
@@ -179,31 +184,31 @@ def _asymmetric(x: torch.Tensor, dim: int, levels: int) -> tuple[torch.Tensor, t
 
 
 def quantize_keys(spec: KiviSpec, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``k [B, H, n * G, D]`` -> codes ``[B, H, n * G, D*bits/8]``, scale and zero ``[B, H, n, D]``."""
+    """``k [B, H, n * G, D]`` -> codes ``[B, H, n * G, D*k_bits/8]``, scale and zero ``[B, H, n, D]``."""
     b, h, t, d = k.shape
     if t % spec.group:
         raise FormatError(f"keys are quantized in whole groups of {spec.group} tokens, got {t}")
     kg = k.float().view(b, h, t // spec.group, spec.group, d)
-    codes, scale, zero = _asymmetric(kg, 3, spec.levels)
-    return packing.pack(codes.view(b, h, t, d), spec.bits), scale.squeeze(3), zero.squeeze(3)
+    codes, scale, zero = _asymmetric(kg, 3, (1 << spec.k_bits) - 1)
+    return packing.pack(codes.view(b, h, t, d), spec.k_bits), scale.squeeze(3), zero.squeeze(3)
 
 
 def quantize_values(spec: KiviSpec, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``v [B, H, n, D]`` -> codes ``[B, H, n, D*bits/8]``, scale and zero ``[B, H, n, D/value_group]``."""
+    """``v [B, H, n, D]`` -> codes ``[B, H, n, D*v_bits/8]``, scale and zero ``[B, H, n, D/value_group]``."""
     vg = v.float().unflatten(-1, (v.shape[-1] // spec.value_group, spec.value_group))
-    codes, scale, zero = _asymmetric(vg, -1, spec.levels)
-    return packing.pack(codes.flatten(-2), spec.bits), scale.squeeze(-1), zero.squeeze(-1)
+    codes, scale, zero = _asymmetric(vg, -1, (1 << spec.v_bits) - 1)
+    return packing.pack(codes.flatten(-2), spec.v_bits), scale.squeeze(-1), zero.squeeze(-1)
 
 
 def dequantize_keys(spec: KiviSpec, codes, scale, zero) -> torch.Tensor:
     b, h, t, _ = codes.shape
     d = scale.shape[-1]
-    c = packing.unpack(codes, spec.bits).float().view(b, h, t // spec.group, spec.group, d)
+    c = packing.unpack(codes, spec.k_bits).float().view(b, h, t // spec.group, spec.group, d)
     return (c * scale.float().unsqueeze(3) + zero.float().unsqueeze(3)).view(b, h, t, d)
 
 
 def dequantize_values(spec: KiviSpec, codes, scale, zero) -> torch.Tensor:
-    c = packing.unpack(codes, spec.bits).float()
+    c = packing.unpack(codes, spec.v_bits).float()
     c = c.unflatten(-1, (c.shape[-1] // spec.value_group, spec.value_group))
     return (c * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)).flatten(-2)
 

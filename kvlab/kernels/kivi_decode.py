@@ -63,11 +63,9 @@ def make_kivi_workspace(q_heads: int, store: kivi.KiviStore, num_splits: int | N
 
 def kernel_supports(store: kivi.KiviStore) -> str | None:
     """Why the kernel cannot read this store, or None."""
-    d, pack = store.head_dim, 8 // store.spec.bits
+    d, pack = store.head_dim, 8 // min(store.spec.k_bits, store.spec.v_bits)
     if d & (d - 1) or d // pack < 16:
         return f"head_dim {d} must be a power of two with head_dim / {pack} >= 16"
-    if store.spec.value_group % pack:
-        return f"value group {store.spec.value_group} is not a multiple of {pack}"
     return None
 
 

@@ -14,8 +14,9 @@ Keys are per channel, so the scale and zero of a group are vectors over the head
 the query: ``q . (c * s + z) = (q * s) . c + q . z``: one product with the raw codes plus one dot
 with the zeros per group, no dequantized key tile. Values are per token (a scale and zero per
 ``VG`` elements of each token) and are dequantized plane by plane as in ``_decode_kernels``: byte
-``j`` holds elements ``j * PACK + p`` at bits ``[p * BITS, (p + 1) * BITS)``; plane ``p`` pairs with
-the strided slice ``q[:, p::PACK]`` and writes the output's strided slice.
+``j`` holds elements ``j * PACK + p`` at bits ``[p * BITS, (p + 1) * BITS)``; key plane ``p`` pairs
+with the strided slice ``q[:, p::KPACK]``, value plane ``p`` writes the output's ``[:, p::VPACK]``.
+Keys and values may differ in bits (KIVI's ``k_bits``/``v_bits``).
 Products run on float16 operands with float32 accumulation (bf16 ring tiles are converted: 11 bits
 of mantissa hold bf16's 8, and the interpreter multiplies bf16 as raw integers).
 """
@@ -82,7 +83,7 @@ def _kivi_split_kernel(
     q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, rk_ptr, rv_ptr, len_ptr, part_out_ptr, part_lse_ptr,
     qk_scale, Hq, Hkv, TQ, NKG, W, R, split_groups, num_splits, GQ,
     D: tl.constexpr, BLOCK_H: tl.constexpr, G: tl.constexpr, VG: tl.constexpr, BLOCK_R: tl.constexpr,
-    BITS: tl.constexpr, PACK: tl.constexpr,
+    KBITS: tl.constexpr, KPACK: tl.constexpr, VBITS: tl.constexpr, VPACK: tl.constexpr,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -95,51 +96,52 @@ def _kivi_split_kernel(
     g_end = tl.where(is_ring, g_start, tl.minimum(g_start + split_groups, nq // G))
     r_end = tl.where(is_ring, W, 0)
 
-    DP: tl.constexpr = D // PACK
+    KDP: tl.constexpr = D // KPACK  # key bytes per token: plane p of byte j is channel j * KPACK + p
+    VDP: tl.constexpr = D // VPACK
     NVG: tl.constexpr = D // VG
     offs_h = tl.arange(0, BLOCK_H)
     mask_h = offs_h < GQ
     heads = h * GQ + offs_h
-    offs_j = tl.arange(0, DP)
+    offs_k = tl.arange(0, KDP)
+    offs_v = tl.arange(0, VDP)
     offs_g = tl.arange(0, G)
     q_rows = q_ptr + (b * Hq + heads) * D
-    q0 = _q_plane(q_rows, offs_j, mask_h, 0, PACK)
+    q0 = _q_plane(q_rows, offs_k, mask_h, 0, KPACK)
     q1 = q0
     q2 = q0
     q3 = q0
-    if PACK >= 2:
-        q1 = _q_plane(q_rows, offs_j, mask_h, 1, PACK)
-    if PACK == 4:
-        q2 = _q_plane(q_rows, offs_j, mask_h, 2, PACK)
-        q3 = _q_plane(q_rows, offs_j, mask_h, 3, PACK)
+    if KPACK >= 2:
+        q1 = _q_plane(q_rows, offs_k, mask_h, 1, KPACK)
+    if KPACK == 4:
+        q2 = _q_plane(q_rows, offs_k, mask_h, 2, KPACK)
+        q3 = _q_plane(q_rows, offs_k, mask_h, 3, KPACK)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc0 = tl.zeros([BLOCK_H, DP], tl.float32)
-    acc1 = tl.zeros([BLOCK_H, DP], tl.float32)
-    acc2 = tl.zeros([BLOCK_H, DP], tl.float32)
-    acc3 = tl.zeros([BLOCK_H, DP], tl.float32)
+    acc0 = tl.zeros([BLOCK_H, VDP], tl.float32)
+    acc1 = tl.zeros([BLOCK_H, VDP], tl.float32)
+    acc2 = tl.zeros([BLOCK_H, VDP], tl.float32)
+    acc3 = tl.zeros([BLOCK_H, VDP], tl.float32)
     row_t = bh.to(tl.int64) * TQ
     row_g = bh.to(tl.int64) * NKG
 
     for gi in range(g_start, g_end):  # quantized groups: G tokens, one key scale/zero vector
         toks = row_t + gi * G + offs_g
-        tile = toks[:, None] * DP + offs_j[None, :]
         goff = (row_g + gi) * D
-        k_raw = tl.load(kc_ptr + tile).to(tl.int32)
-        s = _key_scores(q0, k_raw, ks_ptr, kz_ptr, goff, offs_j, 0, PACK, BITS)
-        s += _key_scores(q1, k_raw, ks_ptr, kz_ptr, goff, offs_j, 1, PACK, BITS)
-        if PACK == 4:
-            s += _key_scores(q2, k_raw, ks_ptr, kz_ptr, goff, offs_j, 2, PACK, BITS)
-            s += _key_scores(q3, k_raw, ks_ptr, kz_ptr, goff, offs_j, 3, PACK, BITS)
+        k_raw = tl.load(kc_ptr + toks[:, None] * KDP + offs_k[None, :]).to(tl.int32)
+        s = _key_scores(q0, k_raw, ks_ptr, kz_ptr, goff, offs_k, 0, KPACK, KBITS)
+        s += _key_scores(q1, k_raw, ks_ptr, kz_ptr, goff, offs_k, 1, KPACK, KBITS)
+        if KPACK == 4:
+            s += _key_scores(q2, k_raw, ks_ptr, kz_ptr, goff, offs_k, 2, KPACK, KBITS)
+            s += _key_scores(q3, k_raw, ks_ptr, kz_ptr, goff, offs_k, 3, KPACK, KBITS)
         m_i, l_i, alpha, p = _online(m_i, l_i, s * qk_scale)
-        v_raw = tl.load(vc_ptr + tile).to(tl.int32)
-        vgroups = toks[:, None] * NVG + (offs_j[None, :] * PACK) // VG
-        acc0 = acc0 * alpha[:, None] + tl.dot(p, _value_plane(v_raw, vs_ptr, vz_ptr, vgroups, 0, BITS))
-        acc1 = acc1 * alpha[:, None] + tl.dot(p, _value_plane(v_raw, vs_ptr, vz_ptr, vgroups, 1, BITS))
-        if PACK == 4:
-            acc2 = acc2 * alpha[:, None] + tl.dot(p, _value_plane(v_raw, vs_ptr, vz_ptr, vgroups, 2, BITS))
-            acc3 = acc3 * alpha[:, None] + tl.dot(p, _value_plane(v_raw, vs_ptr, vz_ptr, vgroups, 3, BITS))
+        v_raw = tl.load(vc_ptr + toks[:, None] * VDP + offs_v[None, :]).to(tl.int32)
+        vgroups = toks[:, None] * NVG + (offs_v[None, :] * VPACK) // VG
+        acc0 = acc0 * alpha[:, None] + tl.dot(p, _value_plane(v_raw, vs_ptr, vz_ptr, vgroups, 0, VBITS))
+        acc1 = acc1 * alpha[:, None] + tl.dot(p, _value_plane(v_raw, vs_ptr, vz_ptr, vgroups, 1, VBITS))
+        if VPACK == 4:
+            acc2 = acc2 * alpha[:, None] + tl.dot(p, _value_plane(v_raw, vs_ptr, vz_ptr, vgroups, 2, VBITS))
+            acc3 = acc3 * alpha[:, None] + tl.dot(p, _value_plane(v_raw, vs_ptr, vz_ptr, vgroups, 3, VBITS))
 
     first = nq % W  # ring slot of the oldest exact token
     count = length - nq
@@ -147,18 +149,18 @@ def _kivi_split_kernel(
         offs_r = r0 + tl.arange(0, BLOCK_R)
         mask_r = (offs_r < W) & ((offs_r - first + W) % W < count)
         rslots = bh.to(tl.int64) * W + offs_r
-        s = tl.dot(q0.to(tl.float16), tl.trans(_ring_plane(rk_ptr, rslots, offs_j, mask_r, 0, PACK, D)))
-        s += tl.dot(q1.to(tl.float16), tl.trans(_ring_plane(rk_ptr, rslots, offs_j, mask_r, 1, PACK, D)))
-        if PACK == 4:
-            s += tl.dot(q2.to(tl.float16), tl.trans(_ring_plane(rk_ptr, rslots, offs_j, mask_r, 2, PACK, D)))
-            s += tl.dot(q3.to(tl.float16), tl.trans(_ring_plane(rk_ptr, rslots, offs_j, mask_r, 3, PACK, D)))
+        s = tl.dot(q0.to(tl.float16), tl.trans(_ring_plane(rk_ptr, rslots, offs_k, mask_r, 0, KPACK, D)))
+        s += tl.dot(q1.to(tl.float16), tl.trans(_ring_plane(rk_ptr, rslots, offs_k, mask_r, 1, KPACK, D)))
+        if KPACK == 4:
+            s += tl.dot(q2.to(tl.float16), tl.trans(_ring_plane(rk_ptr, rslots, offs_k, mask_r, 2, KPACK, D)))
+            s += tl.dot(q3.to(tl.float16), tl.trans(_ring_plane(rk_ptr, rslots, offs_k, mask_r, 3, KPACK, D)))
         s = tl.where(mask_r[None, :], s * qk_scale, float("-inf"))
         m_i, l_i, alpha, p = _online(m_i, l_i, s)
-        acc0 = acc0 * alpha[:, None] + tl.dot(p, _ring_plane(rv_ptr, rslots, offs_j, mask_r, 0, PACK, D))
-        acc1 = acc1 * alpha[:, None] + tl.dot(p, _ring_plane(rv_ptr, rslots, offs_j, mask_r, 1, PACK, D))
-        if PACK == 4:
-            acc2 = acc2 * alpha[:, None] + tl.dot(p, _ring_plane(rv_ptr, rslots, offs_j, mask_r, 2, PACK, D))
-            acc3 = acc3 * alpha[:, None] + tl.dot(p, _ring_plane(rv_ptr, rslots, offs_j, mask_r, 3, PACK, D))
+        acc0 = acc0 * alpha[:, None] + tl.dot(p, _ring_plane(rv_ptr, rslots, offs_v, mask_r, 0, VPACK, D))
+        acc1 = acc1 * alpha[:, None] + tl.dot(p, _ring_plane(rv_ptr, rslots, offs_v, mask_r, 1, VPACK, D))
+        if VPACK == 4:
+            acc2 = acc2 * alpha[:, None] + tl.dot(p, _ring_plane(rv_ptr, rslots, offs_v, mask_r, 2, VPACK, D))
+            acc3 = acc3 * alpha[:, None] + tl.dot(p, _ring_plane(rv_ptr, rslots, offs_v, mask_r, 3, VPACK, D))
 
     has = l_i > 0
     inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
@@ -166,11 +168,11 @@ def _kivi_split_kernel(
     part = (b * Hq + heads) * (num_splits + 1) + split
     tl.store(part_lse_ptr + part, lse, mask=mask_h)
     out_rows = part_out_ptr + part.to(tl.int64) * D
-    _store_plane(out_rows, offs_j, mask_h, acc0, inv_l, 0, PACK)
-    _store_plane(out_rows, offs_j, mask_h, acc1, inv_l, 1, PACK)
-    if PACK == 4:
-        _store_plane(out_rows, offs_j, mask_h, acc2, inv_l, 2, PACK)
-        _store_plane(out_rows, offs_j, mask_h, acc3, inv_l, 3, PACK)
+    _store_plane(out_rows, offs_v, mask_h, acc0, inv_l, 0, VPACK)
+    _store_plane(out_rows, offs_v, mask_h, acc1, inv_l, 1, VPACK)
+    if VPACK == 4:
+        _store_plane(out_rows, offs_v, mask_h, acc2, inv_l, 2, VPACK)
+        _store_plane(out_rows, offs_v, mask_h, acc3, inv_l, 3, VPACK)
 
 
 def launch_kivi(q, store, lengths, scale, workspace, out):
@@ -185,6 +187,7 @@ def launch_kivi(q, store, lengths, scale, workspace, out):
         float(scale) * math.log2(math.e), q_heads, store.kv_heads, store.k_codes.shape[2], store.k_scale.shape[2],
         spec.window, spec.residual, workspace.split_groups, splits, group,
         D=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)), G=spec.group, VG=spec.value_group,
-        BLOCK_R=workspace.block_r, BITS=spec.bits, PACK=8 // spec.bits, num_warps=workspace.num_warps,
+        BLOCK_R=workspace.block_r, KBITS=spec.k_bits, KPACK=8 // spec.k_bits, VBITS=spec.v_bits,
+        VPACK=8 // spec.v_bits, num_warps=workspace.num_warps,
     )
     return merge_partials(workspace.part_out, workspace.part_lse, out)
