@@ -99,3 +99,23 @@ def kivi_decode_attention(q: torch.Tensor, store: kivi.KiviStore, lengths: torch
         if not t.is_contiguous():
             raise FormatError("kivi_decode_attention needs contiguous q, out, lengths and store buffers")
     return launch_kivi(q, store, lengths, scale, workspace, out)
+
+
+def kivi_append(store: kivi.KiviStore, k: torch.Tensor, v: torch.Tensor, position: torch.Tensor, *,
+                backend: str = "auto") -> None:
+    """:func:`kvlab.kernels.kivi.append` in one Triton launch on CUDA (the torch ops elsewhere): the
+    token into its ring slot, and when the ring reaches R + G its oldest group quantized in place; a
+    step that fills no group writes nothing else (the kernel branches on the device)."""
+    if backend not in BACKENDS:
+        raise FormatError(f"backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
+    if k.shape != (store.batch, store.kv_heads, 1, store.head_dim) or v.shape != k.shape:
+        raise FormatError(f"append takes one token per row, [B={store.batch}, H={store.kv_heads}, 1, "
+                          f"D={store.head_dim}], got {list(k.shape)} and {list(v.shape)}")
+    if not (backend == "triton" or (backend == "auto" and k.is_cuda)):
+        kivi.append(store, k, v, position)
+        return
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise FormatError("kivi_append needs a unit-stride head dim")
+    from kvlab.kernels.kivi_triton import launch_kivi_append  # imports triton
+
+    launch_kivi_append(store, k, v, position)

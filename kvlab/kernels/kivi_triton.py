@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 
+import torch
 import triton
 import triton.language as tl
 
@@ -191,3 +192,111 @@ def launch_kivi(q, store, lengths, scale, workspace, out):
         VPACK=8 // spec.v_bits, num_warps=workspace.num_warps,
     )
     return merge_partials(workspace.part_out, workspace.part_lse, out)
+
+
+# -- append: write the ring slot, quantize the group that just filled (one launch per layer) ---------
+@triton.jit
+def _f16_step(value, up: tl.constexpr):
+    """The next float16 above (``up``) or below ``value``, as torch.nextafter does (kivi.round_toward)."""
+    bits = value.to(tl.int16, bitcast=True)
+    if up:  # only used for scales, which are >= 0
+        stepped = bits + 1
+    else:
+        stepped = tl.where(bits < 0, bits + 1, bits - 1)
+        stepped = tl.where(bits == 0, tl.full(bits.shape, -32767, tl.int16), stepped)  # +0 -> 0x8001
+    return stepped.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _bf16_bits(x):
+    """float32 -> bfloat16 bits (int16), rounding to nearest even as torch's cast does."""
+    bits = x.to(tl.uint32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16).to(tl.int16, bitcast=True)
+
+
+@triton.jit
+def _bf16_value(bits):
+    return ((bits.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _scale_zero(low, high, LEVELS: tl.constexpr):
+    """float16 zero (rounded down) and scale (rounded up) as float32, and the scale's inverse."""
+    zero = low.to(tl.float16)
+    zero = tl.where(zero.to(tl.float32) > low, _f16_step(zero, False), zero).to(tl.float32)
+    exact = tl.math.div_rn(high - zero, tl.full(low.shape, LEVELS, tl.float32))
+    scale = exact.to(tl.float16)
+    scale = tl.where(scale.to(tl.float32) < exact, _f16_step(scale, True), scale).to(tl.float32)
+    inv = tl.where(scale > 0, tl.math.div_rn(tl.full(low.shape, 1.0, tl.float32), tl.where(scale > 0, scale, 1.0)),
+                   0.0)
+    return zero, scale, inv
+
+
+@triton.jit(do_not_specialize=["Hkv", "W", "R", "TQ", "NKG", "ksb", "ksh", "vsb", "vsh"])
+def _kivi_append_kernel(
+    k_ptr, v_ptr, pos_ptr, rk_ptr, rv_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
+    Hkv, W, R, TQ, NKG, ksb, ksh, vsb, vsh,
+    D: tl.constexpr, G: tl.constexpr, VG: tl.constexpr,
+    KBITS: tl.constexpr, KPACK: tl.constexpr, VBITS: tl.constexpr, VPACK: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    b = bh // Hkv
+    h = bh % Hkv
+    pos = tl.load(pos_ptr).to(tl.int64)
+    offs_d = tl.arange(0, D)
+    kb = _bf16_bits(tl.load(k_ptr + b.to(tl.int64) * ksb + h * ksh + offs_d).to(tl.float32))
+    vb = _bf16_bits(tl.load(v_ptr + b.to(tl.int64) * vsb + h * vsh + offs_d).to(tl.float32))
+    ring = bh.to(tl.int64) * W + pos % W
+    tl.store(rk_ptr + ring * D + offs_d, kb)
+    tl.store(rv_ptr + ring * D + offs_d, vb)
+
+    over = pos + 1 - R
+    if (over >= G) and (over % G == 0):  # the ring holds R + G tokens: its oldest G become group `grp`
+        grp = over // G - 1
+        offs_g = tl.arange(0, G)
+        slots = bh.to(tl.int64) * W + (over - G + offs_g) % W
+        newest = (over - G + offs_g == pos)[:, None]  # the token just written (R = 0 only): from registers
+        kt = tl.where(newest, _bf16_value(kb)[None, :], _bf16_value(tl.load(rk_ptr + slots[:, None] * D + offs_d[None, :])))
+        vt = tl.where(newest, _bf16_value(vb)[None, :], _bf16_value(tl.load(rv_ptr + slots[:, None] * D + offs_d[None, :])))
+        toks = bh.to(tl.int64) * TQ + grp * G + offs_g
+
+        # keys: per channel over the G tokens
+        KLEVELS: tl.constexpr = (1 << KBITS) - 1
+        KDP: tl.constexpr = D // KPACK
+        zero, scale, inv = _scale_zero(tl.min(kt, 0), tl.max(kt, 0), KLEVELS)
+        codes = tl.minimum(tl.maximum(tl.floor((kt - zero[None, :]) * inv[None, :] + 0.5), 0.0), KLEVELS * 1.0)
+        codes = tl.reshape(codes.to(tl.int32), [G, KDP, KPACK])
+        packed = tl.sum(codes << (tl.arange(0, KPACK) * KBITS)[None, None, :], 2)
+        tl.store(kc_ptr + toks[:, None] * KDP + tl.arange(0, KDP)[None, :], packed.to(tl.uint8))
+        gof = (bh.to(tl.int64) * NKG + grp) * D
+        tl.store(ks_ptr + gof + offs_d, scale.to(tl.float16))
+        tl.store(kz_ptr + gof + offs_d, zero.to(tl.float16))
+
+        # values: per token, groups of VG along the head dim
+        VLEVELS: tl.constexpr = (1 << VBITS) - 1
+        VDP: tl.constexpr = D // VPACK
+        NVG: tl.constexpr = D // VG
+        vg = tl.reshape(vt, [G, NVG, VG])
+        vzero, vscale, vinv = _scale_zero(tl.min(vg, 2), tl.max(vg, 2), VLEVELS)
+        vcodes = tl.minimum(tl.maximum(tl.floor((vg - vzero[:, :, None]) * vinv[:, :, None] + 0.5), 0.0),
+                            VLEVELS * 1.0)
+        vcodes = tl.reshape(vcodes.to(tl.int32), [G, VDP, VPACK])
+        vpacked = tl.sum(vcodes << (tl.arange(0, VPACK) * VBITS)[None, None, :], 2)
+        tl.store(vc_ptr + toks[:, None] * VDP + tl.arange(0, VDP)[None, :], vpacked.to(tl.uint8))
+        offs_n = tl.arange(0, NVG)
+        tl.store(vs_ptr + toks[:, None] * NVG + offs_n[None, :], vscale.to(tl.float16))
+        tl.store(vz_ptr + toks[:, None] * NVG + offs_n[None, :], vzero.to(tl.float16))
+
+
+def launch_kivi_append(store, k, v, position):
+    """One launch: ``k``/``v [B, H, 1, D]`` into the ring at ``position`` (``[1]`` on the device), and the
+    group that filled, if one did, quantized in place (no trash group write)."""
+    spec = store.spec
+    _kivi_append_kernel[(store.batch * store.kv_heads,)](
+        k, v, position, store.ring_k.view(torch.int16), store.ring_v.view(torch.int16), store.k_codes, store.k_scale,
+        store.k_zero, store.v_codes, store.v_scale, store.v_zero,
+        store.kv_heads, spec.window, spec.residual, store.k_codes.shape[2], store.k_scale.shape[2],
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        D=store.head_dim, G=spec.group, VG=spec.value_group, KBITS=spec.k_bits, KPACK=8 // spec.k_bits,
+        VBITS=spec.v_bits, VPACK=8 // spec.v_bits,
+    )
