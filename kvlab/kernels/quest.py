@@ -108,12 +108,17 @@ def append_bounds(bounds: PageBounds, key: torch.Tensor, position: torch.Tensor)
 
 
 def page_scores(q: torch.Tensor, bounds: PageBounds) -> torch.Tensor:
-    """Per query head and page, the bound ``sum_d max(q_d min_d, q_d max_d)``: float32 ``[B, Hq, pages]``."""
+    """Per query head and page, the bound ``sum_d max(q_d min_d, q_d max_d)``: float32 ``[B, Hq, pages]``.
+
+    As two products, ``relu(q) . max + min(q, 0) . min`` (Quest's sign trick), so no
+    ``[B, Hq, pages, D]`` intermediate is made. Pages never written hold ``+-inf`` bounds and score
+    NaN or ``+-inf``; :func:`select_pages` masks pages past the length."""
     batch, q_heads, d = q.shape
     kv_heads = bounds.kmin.shape[1]
-    qf = q.float().view(batch, kv_heads, q_heads // kv_heads, 1, d)
-    lo, hi = bounds.kmin.float().unsqueeze(2), bounds.kmax.float().unsqueeze(2)  # [B, H, 1, pages, D]
-    return torch.maximum(qf * lo, qf * hi).sum(-1).view(batch, q_heads, -1)
+    qf = q.float().view(batch, kv_heads, q_heads // kv_heads, d)
+    upper = torch.einsum("bhgd,bhpd->bhgp", qf.clamp_min(0), bounds.kmax.float())
+    lower = torch.einsum("bhgd,bhpd->bhgp", qf.clamp_max(0), bounds.kmin.float())
+    return (upper + lower).view(batch, q_heads, -1)
 
 
 def select_pages(q: torch.Tensor, bounds: PageBounds, lengths: torch.Tensor) -> torch.Tensor:
