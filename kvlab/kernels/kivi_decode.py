@@ -89,8 +89,6 @@ def kivi_decode_attention(q: torch.Tensor, store: kivi.KiviStore, lengths: torch
     why = kernel_supports(store)
     if why:
         raise FormatError(why + "; use backend='reference'")
-    from kvlab.kernels.kivi_triton import launch_kivi  # imports triton
-
     if workspace is None:
         workspace = make_kivi_workspace(q_heads, store)
     if out is None:
@@ -98,7 +96,7 @@ def kivi_decode_attention(q: torch.Tensor, store: kivi.KiviStore, lengths: torch
     for t in (q, out, lengths, *store.tensors()):
         if not t.is_contiguous():
             raise FormatError("kivi_decode_attention needs contiguous q, out, lengths and store buffers")
-    return launch_kivi(q, store, lengths, scale, workspace, out)
+    return _kernels().launch_kivi(q, store, lengths, scale, workspace, out)
 
 
 def kivi_append(store: kivi.KiviStore, k: torch.Tensor, v: torch.Tensor, position: torch.Tensor, *,
@@ -116,6 +114,11 @@ def kivi_append(store: kivi.KiviStore, k: torch.Tensor, v: torch.Tensor, positio
         return
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         raise FormatError("kivi_append needs a unit-stride head dim")
-    from kvlab.kernels.kivi_triton import launch_kivi_append  # imports triton
+    _kernels().launch_kivi_append(store, k, v, position)
 
-    launch_kivi_append(store, k, v, position)
+
+def _kernels():
+    """:mod:`kvlab.kernels.kivi_triton`, imported when a kernel first runs (it imports triton)."""
+    from kvlab.kernels import kivi_triton
+
+    return kivi_triton
