@@ -1,0 +1,199 @@
+"""KIVI-style and Quest-style decode attention on the GPU (issue 29): error against the references,
+then kernel time beside the bf16 and int4 reads. Not a test: a script to run on the H200.
+
+    python benchmarks/kivi_quest.py --out kivi_quest.json                   # ~2 min
+
+At the Llama-3.1-8B attention shape (Hq 32, Hkv 8, D 128), ``--lengths`` (16k, 32k) and ``--batches``
+(1, 16), per row:
+
+- ``flash-bf16``: flash attention's varlen kernel on the fast engine's dense ``[B, C, Hkv, D]`` cache;
+- ``fused-bf16`` / ``fused-int4-g64``: kvlab's split-K kernel (:func:`kvlab.kernels.decode_attention`);
+- ``kivi2-g32``, ``kivi2-g16``, ``kivi-k4v2``, ``kivi4``: :func:`kvlab.kernels.kivi_decode.kivi_decode_attention`
+  (R 128);
+- ``quest-B``: page selection (torch, :func:`kvlab.kernels.quest.select_pages`) plus the sparse kernel
+  over the dense cache, budget B tokens (``--budgets``, pages of 16), with the selection's own time
+  (``select_ms``) and the kernel's (``attend_ms``) beside the total.
+
+Times: median of CUDA-event-timed replays of a CUDA graph holding ``copies`` launches over
+distinct copies of the inputs (enough copies to exceed 256 MiB, so the reads come from HBM, not L2),
+divided by ``copies``. ``bytes`` is what one launch must read of K/V (codes, scales, ring; for Quest
+the bounds plus the selected pages); ``GB/s`` = bytes / time. ``rel_err``: ||out - ref|| / ||ref||
+against the float32 reference of the same storage. ``--device cpu --quick`` with TRITON_INTERPRET=1
+smoke-tests the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kvlab.kernels import (  # noqa: E402
+    decode_attention,
+    decode_attention_reference,
+    kivi,
+    make_format,
+    make_workspace,
+    quest,
+)
+from kvlab.kernels.kivi_decode import kivi_decode_attention, make_kivi_workspace  # noqa: E402
+from kvlab.kernels.quest_decode import make_quest_workspace, quest_decode_attention  # noqa: E402
+
+L2_BYTES = 256 << 20
+
+
+def timed(fn, copies: int, device, reps: int) -> float:
+    """Median ms per call of ``fn(i)`` for ``i`` over the copies, through a CUDA graph on CUDA."""
+    for i in range(copies):
+        fn(i)
+    if device.type != "cuda":
+        return float("nan")
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(copies):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(copies):
+            fn(i)
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / copies)
+    return statistics.median(times)
+
+
+def rel_err(got, want) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm())
+
+
+def run_case(batch, length, args, device, rows):
+    hq, hkv, d = 32, 8, 128
+    scale = d ** -0.5
+    gen = torch.Generator().manual_seed(batch * 7 + length)
+    k = (torch.randn(batch, hkv, length, d, generator=gen) * 2).to(device, torch.bfloat16)
+    k[..., 7] += 6  # an outlier channel, as real keys have
+    v = torch.randn(batch, hkv, length, d, generator=gen).to(device, torch.bfloat16)
+    q = torch.randn(batch, hq, d, generator=gen).to(device, torch.bfloat16)
+    lengths = torch.full((batch,), length, dtype=torch.int32, device=device)
+    dense_bytes = 2 * k.numel() * 2
+    copies = 1 if args.quick else max(1, min(16, math.ceil(L2_BYTES / dense_bytes)))
+
+    def record(name, ms, nbytes, err, **extra):
+        row = {"batch": batch, "length": length, "read": name, "ms": ms, "bytes": nbytes,
+               "GB/s": nbytes / ms / 1e6 if ms == ms and ms > 0 else None, "rel_err": err, **extra}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    # flash on the dense [B, C, H, D] cache
+    dense = [(k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()) for _ in range(copies)]
+    if device.type == "cuda":
+        from kvlab.engine.kvstore import cumulative_offsets, flash_decode
+
+        offsets = cumulative_offsets(batch, length, device)
+        q4 = q.unsqueeze(2)
+        out = flash_decode(q4, *dense[0], lengths, scale, *offsets)
+        ref = decode_attention_reference(q.float(), make_format("bf16").quantize(k), make_format("bf16").quantize(v),
+                                         lengths, scale)
+        ms = timed(lambda i: flash_decode(q4, *dense[i], lengths, scale, *offsets), copies, device, args.reps)
+        record("flash-bf16", ms, dense_bytes, rel_err(out, ref))
+
+    for name, group in (("bf16", None), ("int4", 64)):
+        fmt = make_format(name, group)
+        stores = [(fmt.quantize(k), fmt.quantize(v)) for _ in range(copies)]
+        ws = make_workspace(hq, stores[0][0])
+        out = decode_attention(q, *stores[0], lengths, scale, workspace=ws, backend=args.backend)
+        ref = decode_attention_reference(q, *stores[0], lengths, scale)
+        ms = timed(lambda i, stores=stores, ws=ws: decode_attention(q, *stores[i], lengths, scale, workspace=ws,
+                                                                     backend=args.backend),
+                   copies, device, args.reps)
+        record(f"fused-{fmt.label}", ms, stores[0][0].nbytes() * 2, rel_err(out, ref))
+
+    for spec in (kivi.KiviSpec(bits=2), kivi.KiviSpec(bits=2, group=16, value_group=16),
+                 kivi.KiviSpec(bits=2, key_bits=4), kivi.KiviSpec(bits=4)):
+        stores = []
+        for _ in range(copies):
+            store = kivi.alloc(spec, batch, hkv, length, d, device)
+            kivi.load(store, k, v)
+            stores.append(store)
+        ws = make_kivi_workspace(hq, stores[0])
+        out = kivi_decode_attention(q, stores[0], lengths, scale, workspace=ws, backend=args.backend)
+        ref = kivi.attend(q, stores[0], lengths, scale)
+        dense_ref = decode_attention_reference(q.float(), make_format("bf16").quantize(k),
+                                               make_format("bf16").quantize(v), lengths, scale)
+        ms = timed(lambda i, stores=stores, ws=ws: kivi_decode_attention(q, stores[i], lengths, scale, workspace=ws,
+                                                                          backend=args.backend),
+                   copies, device, args.reps)
+        record(spec.label, ms, stores[0].nbytes(), rel_err(out, ref), err_vs_bf16=rel_err(out, dense_ref))
+
+    for budget in args.budgets:
+        spec = quest.QuestSpec(page=16, budget=budget)
+        bounds = quest.alloc_bounds(spec, batch, hkv, length, d, device=device)
+        quest.load_bounds(bounds, k)
+        pages = quest.select_pages(q, bounds, lengths)
+        kd, vd = dense[0]
+        ws = make_quest_workspace(hq, batch, hkv, pages.shape[2], d, device)
+        out = quest_decode_attention(q, kd, vd, pages, lengths, scale, 16, token_dim=1, workspace=ws,
+                                     backend=args.backend)
+        ref = quest.sparse_attend(q, k, v, pages, lengths, scale, 16)
+        select_ms = timed(lambda i, bounds=bounds: quest.select_pages(q, bounds, lengths), copies, device, args.reps)
+
+        def attend(i, pages=pages, ws=ws):
+            return quest_decode_attention(q, *dense[i], pages, lengths, scale, 16, token_dim=1, workspace=ws,
+                                          backend=args.backend)
+
+        def step(i, bounds=bounds, ws=ws):
+            return quest_decode_attention(q, *dense[i], quest.select_pages(q, bounds, lengths), lengths, scale, 16,
+                                          token_dim=1, workspace=ws, backend=args.backend)
+
+        attend_ms = timed(attend, copies, device, args.reps)
+        ms = timed(step, copies, device, args.reps)
+        read = bounds.kmin.numel() * 2 * 2 + 2 * batch * hkv * pages.shape[2] * 16 * d * 2
+        record(f"quest-{budget}", ms, read, rel_err(out, ref), select_ms=select_ms, attend_ms=attend_ms,
+               pages=pages.shape[2])
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[16384, 32768])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--budgets", type=int, nargs="+", default=[512, 2048])
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--backend", default="triton")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if args.quick:
+        args.lengths, args.batches, args.budgets = [300], [1], [64]
+    rows = []
+    for length in args.lengths:
+        for batch in args.batches:
+            try:
+                run_case(batch, length, args, device, rows)
+            except Exception as err:  # report and go on: one failing case must not lose the others
+                traceback.print_exc()
+                rows.append({"batch": batch, "length": length, "error": repr(err)})
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            if args.out:
+                args.out.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

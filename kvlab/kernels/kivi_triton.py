@@ -1,0 +1,302 @@
+"""Triton kernels of :mod:`kvlab.kernels.kivi_decode` and their launch (imports triton; import lazily).
+
+Flash-decoding over a :class:`kvlab.kernels.kivi.KiviStore`, in two launches:
+
+1. ``_kivi_split_kernel``, grid ``(B * Hkv, num_splits + 1)``: one program per KV head and split, the
+   GQA group's query heads as the rows of one tile (``BLOCK_H >= 16``, so products are ``tl.dot``).
+   Splits ``0 .. num_splits - 1`` read ``split_groups`` quantized groups each (G tokens per
+   iteration); the last split reads the bf16 ring (``W = R + G`` slots, masked to the tokens it
+   holds). Each writes its normalized output and log-sum-exp (base 2), ``-inf`` when it saw nothing.
+2. :func:`kvlab.kernels.merge_triton.merge_partials_kernel`, grid ``(B * Hq,)``: merges the
+   ``num_splits + 1`` partials.
+
+Keys are per channel, so the scale and zero of a group are vectors over the head dim and fold into
+the query: ``q . (c * s + z) = (q * s) . c + q . z``: one product with the raw codes plus one dot
+with the zeros per group, no dequantized key tile. Values are per token (a scale and zero per
+``VG`` elements of each token) and are dequantized plane by plane as in ``_decode_kernels``: byte
+``j`` holds elements ``j * PACK + p`` at bits ``[p * BITS, (p + 1) * BITS)``; key plane ``p`` pairs
+with the strided slice ``q[:, p::KPACK]``, value plane ``p`` writes the output's ``[:, p::VPACK]``.
+Keys and values may differ in bits (KIVI's ``k_bits``/``v_bits``).
+Products run on float16 operands with float32 accumulation (bf16 ring tiles are converted: 11 bits
+of mantissa hold bf16's 8, and the interpreter multiplies bf16 as raw integers).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kvlab.kernels.merge_triton import merge_partials
+
+
+@triton.jit
+def _plane(raw, P: tl.constexpr, BITS: tl.constexpr):
+    return ((raw >> (P * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+
+
+@triton.jit
+def _q_plane(q_rows, offs_j, mask_h, P: tl.constexpr, PACK: tl.constexpr):
+    return tl.load(q_rows[:, None] + offs_j[None, :] * PACK + P, mask=mask_h[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _key_scores(q_p, raw, ks_ptr, kz_ptr, goff, offs_j, P: tl.constexpr, PACK: tl.constexpr, BITS: tl.constexpr):
+    """Plane ``P``'s part of ``q k^T`` for one per-channel group: ``(q * s) c^T + q . z``."""
+    sc = tl.load(ks_ptr + goff + offs_j * PACK + P).to(tl.float32)
+    zr = tl.load(kz_ptr + goff + offs_j * PACK + P).to(tl.float32)
+    qs = (q_p * sc[None, :]).to(tl.float16)
+    return tl.dot(qs, tl.trans(_plane(raw, P, BITS).to(tl.float16))) + tl.sum(q_p * zr[None, :], 1)[:, None]
+
+
+@triton.jit
+def _value_plane(raw, vs_ptr, vz_ptr, vgroups, P: tl.constexpr, BITS: tl.constexpr):
+    vs = tl.load(vs_ptr + vgroups).to(tl.float32)
+    vz = tl.load(vz_ptr + vgroups).to(tl.float32)
+    return (_plane(raw, P, BITS) * vs + vz).to(tl.float16)
+
+
+@triton.jit
+def _ring_plane(ptr, rslots, offs_j, mask_r, P: tl.constexpr, PACK: tl.constexpr, D: tl.constexpr):
+    return tl.load(ptr + rslots[:, None] * D + offs_j[None, :] * PACK + P, mask=mask_r[:, None],
+                   other=0.0).to(tl.float16)
+
+
+@triton.jit
+def _store_plane(rows, offs_j, mask_h, acc, inv_l, P: tl.constexpr, PACK: tl.constexpr):
+    tl.store(rows[:, None] + offs_j[None, :] * PACK + P, acc * inv_l[:, None], mask=mask_h[:, None])
+
+
+@triton.jit
+def _online(m_i, l_i, s):
+    """One online-softmax step (base 2): ``(m_new, l_new, alpha, p)``; safe when ``s`` is all ``-inf``."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    return m_new, l_i * alpha + tl.sum(p, 1), alpha, p.to(tl.float16)
+
+
+@triton.jit(do_not_specialize=["Hq", "Hkv", "TQ", "NKG", "W", "R", "split_groups", "num_splits", "GQ"])
+def _kivi_split_kernel(
+    q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, rk_ptr, rv_ptr, len_ptr, part_out_ptr, part_lse_ptr,
+    qk_scale, Hq, Hkv, TQ, NKG, W, R, split_groups, num_splits, GQ,
+    D: tl.constexpr, BLOCK_H: tl.constexpr, G: tl.constexpr, VG: tl.constexpr, BLOCK_R: tl.constexpr,
+    KBITS: tl.constexpr, KPACK: tl.constexpr, VBITS: tl.constexpr, VPACK: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = bh // Hkv
+    h = bh % Hkv
+    length = tl.maximum(tl.load(len_ptr + b).to(tl.int32), 0)
+    nq = tl.maximum(length - R, 0) // G * G  # tokens stored as codes (kivi.KiviSpec.quantized_tokens)
+    is_ring = split == num_splits
+    g_start = split * split_groups
+    g_end = tl.where(is_ring, g_start, tl.minimum(g_start + split_groups, nq // G))
+    r_end = tl.where(is_ring, W, 0)
+
+    KDP: tl.constexpr = D // KPACK  # key bytes per token: plane p of byte j is channel j * KPACK + p
+    VDP: tl.constexpr = D // VPACK
+    NVG: tl.constexpr = D // VG
+    offs_h = tl.arange(0, BLOCK_H)
+    mask_h = offs_h < GQ
+    heads = h * GQ + offs_h
+    offs_k = tl.arange(0, KDP)
+    offs_v = tl.arange(0, VDP)
+    offs_g = tl.arange(0, G)
+    q_rows = q_ptr + (b * Hq + heads) * D
+    q0 = _q_plane(q_rows, offs_k, mask_h, 0, KPACK)
+    q1 = q0
+    q2 = q0
+    q3 = q0
+    if KPACK >= 2:
+        q1 = _q_plane(q_rows, offs_k, mask_h, 1, KPACK)
+    if KPACK == 4:
+        q2 = _q_plane(q_rows, offs_k, mask_h, 2, KPACK)
+        q3 = _q_plane(q_rows, offs_k, mask_h, 3, KPACK)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc0 = tl.zeros([BLOCK_H, VDP], tl.float32)
+    acc1 = tl.zeros([BLOCK_H, VDP], tl.float32)
+    acc2 = tl.zeros([BLOCK_H, VDP], tl.float32)
+    acc3 = tl.zeros([BLOCK_H, VDP], tl.float32)
+    row_t = bh.to(tl.int64) * TQ
+    row_g = bh.to(tl.int64) * NKG
+
+    for gi in range(g_start, g_end):  # quantized groups: G tokens, one key scale/zero vector
+        toks = row_t + gi * G + offs_g
+        goff = (row_g + gi) * D
+        k_raw = tl.load(kc_ptr + toks[:, None] * KDP + offs_k[None, :]).to(tl.int32)
+        s = _key_scores(q0, k_raw, ks_ptr, kz_ptr, goff, offs_k, 0, KPACK, KBITS)
+        s += _key_scores(q1, k_raw, ks_ptr, kz_ptr, goff, offs_k, 1, KPACK, KBITS)
+        if KPACK == 4:
+            s += _key_scores(q2, k_raw, ks_ptr, kz_ptr, goff, offs_k, 2, KPACK, KBITS)
+            s += _key_scores(q3, k_raw, ks_ptr, kz_ptr, goff, offs_k, 3, KPACK, KBITS)
+        m_i, l_i, alpha, p = _online(m_i, l_i, s * qk_scale)
+        v_raw = tl.load(vc_ptr + toks[:, None] * VDP + offs_v[None, :]).to(tl.int32)
+        vgroups = toks[:, None] * NVG + (offs_v[None, :] * VPACK) // VG
+        acc0 = acc0 * alpha[:, None] + tl.dot(p, _value_plane(v_raw, vs_ptr, vz_ptr, vgroups, 0, VBITS))
+        acc1 = acc1 * alpha[:, None] + tl.dot(p, _value_plane(v_raw, vs_ptr, vz_ptr, vgroups, 1, VBITS))
+        if VPACK == 4:
+            acc2 = acc2 * alpha[:, None] + tl.dot(p, _value_plane(v_raw, vs_ptr, vz_ptr, vgroups, 2, VBITS))
+            acc3 = acc3 * alpha[:, None] + tl.dot(p, _value_plane(v_raw, vs_ptr, vz_ptr, vgroups, 3, VBITS))
+
+    first = nq % W  # ring slot of the oldest exact token
+    count = length - nq
+    for r0 in range(0, r_end, BLOCK_R):  # the ring: bf16, slots holding tokens nq .. length - 1
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        mask_r = (offs_r < W) & ((offs_r - first + W) % W < count)
+        rslots = bh.to(tl.int64) * W + offs_r
+        s = tl.dot(q0.to(tl.float16), tl.trans(_ring_plane(rk_ptr, rslots, offs_k, mask_r, 0, KPACK, D)))
+        s += tl.dot(q1.to(tl.float16), tl.trans(_ring_plane(rk_ptr, rslots, offs_k, mask_r, 1, KPACK, D)))
+        if KPACK == 4:
+            s += tl.dot(q2.to(tl.float16), tl.trans(_ring_plane(rk_ptr, rslots, offs_k, mask_r, 2, KPACK, D)))
+            s += tl.dot(q3.to(tl.float16), tl.trans(_ring_plane(rk_ptr, rslots, offs_k, mask_r, 3, KPACK, D)))
+        s = tl.where(mask_r[None, :], s * qk_scale, float("-inf"))
+        m_i, l_i, alpha, p = _online(m_i, l_i, s)
+        acc0 = acc0 * alpha[:, None] + tl.dot(p, _ring_plane(rv_ptr, rslots, offs_v, mask_r, 0, VPACK, D))
+        acc1 = acc1 * alpha[:, None] + tl.dot(p, _ring_plane(rv_ptr, rslots, offs_v, mask_r, 1, VPACK, D))
+        if VPACK == 4:
+            acc2 = acc2 * alpha[:, None] + tl.dot(p, _ring_plane(rv_ptr, rslots, offs_v, mask_r, 2, VPACK, D))
+            acc3 = acc3 * alpha[:, None] + tl.dot(p, _ring_plane(rv_ptr, rslots, offs_v, mask_r, 3, VPACK, D))
+
+    has = l_i > 0
+    inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    part = (b * Hq + heads) * (num_splits + 1) + split
+    tl.store(part_lse_ptr + part, lse, mask=mask_h)
+    out_rows = part_out_ptr + part.to(tl.int64) * D
+    _store_plane(out_rows, offs_v, mask_h, acc0, inv_l, 0, VPACK)
+    _store_plane(out_rows, offs_v, mask_h, acc1, inv_l, 1, VPACK)
+    if VPACK == 4:
+        _store_plane(out_rows, offs_v, mask_h, acc2, inv_l, 2, VPACK)
+        _store_plane(out_rows, offs_v, mask_h, acc3, inv_l, 3, VPACK)
+
+
+def launch_kivi(q, store, lengths, scale, workspace, out):
+    """Both launches of one decode step (:func:`kvlab.kernels.kivi_decode.kivi_decode_attention`
+    checks the arguments)."""
+    batch, q_heads, head_dim = q.shape
+    spec, splits = store.spec, workspace.num_splits
+    group = q_heads // store.kv_heads
+    _kivi_split_kernel[(batch * store.kv_heads, splits + 1)](
+        q, store.k_codes, store.k_scale, store.k_zero, store.v_codes, store.v_scale, store.v_zero,
+        store.ring_k, store.ring_v, lengths, workspace.part_out, workspace.part_lse,
+        float(scale) * math.log2(math.e), q_heads, store.kv_heads, store.k_codes.shape[2], store.k_scale.shape[2],
+        spec.window, spec.residual, workspace.split_groups, splits, group,
+        D=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)), G=spec.group, VG=spec.value_group,
+        BLOCK_R=workspace.block_r, KBITS=spec.k_bits, KPACK=8 // spec.k_bits, VBITS=spec.v_bits,
+        VPACK=8 // spec.v_bits, num_warps=workspace.num_warps,
+    )
+    return merge_partials(workspace.part_out, workspace.part_lse, out)
+
+
+# -- append: write the ring slot, quantize the group that just filled (one launch per layer) ---------
+@triton.jit
+def _f16_step(value, up: tl.constexpr):
+    """The next float16 above (``up``) or below ``value``, as torch.nextafter does (kivi.round_toward)."""
+    bits = value.to(tl.int16, bitcast=True)
+    if up:  # only used for scales, which are >= 0
+        stepped = bits + 1
+    else:
+        stepped = tl.where(bits < 0, bits + 1, bits - 1)
+        stepped = tl.where(bits == 0, tl.full(bits.shape, -32767, tl.int16), stepped)  # +0 -> 0x8001
+    return stepped.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _bf16_bits(x):
+    """float32 -> bfloat16 bits (int16), rounding to nearest even as torch's cast does."""
+    bits = x.to(tl.uint32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16).to(tl.int16, bitcast=True)
+
+
+@triton.jit
+def _bf16_value(bits):
+    return ((bits.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _scale_zero(low, high, LEVELS: tl.constexpr):
+    """float16 zero (rounded down) and scale (rounded up) as float32, and the scale's inverse."""
+    zero = low.to(tl.float16)
+    zero = tl.where(zero.to(tl.float32) > low, _f16_step(zero, False), zero).to(tl.float32)
+    exact = tl.math.div_rn(high - zero, tl.full(low.shape, LEVELS, tl.float32))
+    scale = exact.to(tl.float16)
+    scale = tl.where(scale.to(tl.float32) < exact, _f16_step(scale, True), scale).to(tl.float32)
+    inv = tl.where(scale > 0, tl.math.div_rn(tl.full(low.shape, 1.0, tl.float32), tl.where(scale > 0, scale, 1.0)),
+                   0.0)
+    return zero, scale, inv
+
+
+@triton.jit(do_not_specialize=["Hkv", "W", "R", "TQ", "NKG", "ksb", "ksh", "vsb", "vsh"])
+def _kivi_append_kernel(
+    k_ptr, v_ptr, pos_ptr, rk_ptr, rv_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
+    Hkv, W, R, TQ, NKG, ksb, ksh, vsb, vsh,
+    D: tl.constexpr, G: tl.constexpr, VG: tl.constexpr,
+    KBITS: tl.constexpr, KPACK: tl.constexpr, VBITS: tl.constexpr, VPACK: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    b = bh // Hkv
+    h = bh % Hkv
+    pos = tl.load(pos_ptr).to(tl.int64)
+    offs_d = tl.arange(0, D)
+    kb = _bf16_bits(tl.load(k_ptr + b.to(tl.int64) * ksb + h * ksh + offs_d).to(tl.float32))
+    vb = _bf16_bits(tl.load(v_ptr + b.to(tl.int64) * vsb + h * vsh + offs_d).to(tl.float32))
+    ring = bh.to(tl.int64) * W + pos % W
+    tl.store(rk_ptr + ring * D + offs_d, kb)
+    tl.store(rv_ptr + ring * D + offs_d, vb)
+
+    over = pos + 1 - R
+    if (over >= G) and (over % G == 0):  # the ring holds R + G tokens: its oldest G become group `grp`
+        grp = over // G - 1
+        offs_g = tl.arange(0, G)
+        slots = bh.to(tl.int64) * W + (over - G + offs_g) % W
+        newest = (over - G + offs_g == pos)[:, None]  # the token just written (R = 0 only): from registers
+        kt = tl.where(newest, _bf16_value(kb)[None, :], _bf16_value(tl.load(rk_ptr + slots[:, None] * D + offs_d[None, :])))
+        vt = tl.where(newest, _bf16_value(vb)[None, :], _bf16_value(tl.load(rv_ptr + slots[:, None] * D + offs_d[None, :])))
+        toks = bh.to(tl.int64) * TQ + grp * G + offs_g
+
+        # keys: per channel over the G tokens
+        KLEVELS: tl.constexpr = (1 << KBITS) - 1
+        KDP: tl.constexpr = D // KPACK
+        zero, scale, inv = _scale_zero(tl.min(kt, 0), tl.max(kt, 0), KLEVELS)
+        codes = tl.minimum(tl.maximum(tl.floor((kt - zero[None, :]) * inv[None, :] + 0.5), 0.0), KLEVELS * 1.0)
+        codes = tl.reshape(codes.to(tl.int32), [G, KDP, KPACK])
+        packed = tl.sum(codes << (tl.arange(0, KPACK) * KBITS)[None, None, :], 2)
+        tl.store(kc_ptr + toks[:, None] * KDP + tl.arange(0, KDP)[None, :], packed.to(tl.uint8))
+        gof = (bh.to(tl.int64) * NKG + grp) * D
+        tl.store(ks_ptr + gof + offs_d, scale.to(tl.float16))
+        tl.store(kz_ptr + gof + offs_d, zero.to(tl.float16))
+
+        # values: per token, groups of VG along the head dim
+        VLEVELS: tl.constexpr = (1 << VBITS) - 1
+        VDP: tl.constexpr = D // VPACK
+        NVG: tl.constexpr = D // VG
+        vg = tl.reshape(vt, [G, NVG, VG])
+        vzero, vscale, vinv = _scale_zero(tl.min(vg, 2), tl.max(vg, 2), VLEVELS)
+        vcodes = tl.minimum(tl.maximum(tl.floor((vg - vzero[:, :, None]) * vinv[:, :, None] + 0.5), 0.0),
+                            VLEVELS * 1.0)
+        vcodes = tl.reshape(vcodes.to(tl.int32), [G, VDP, VPACK])
+        vpacked = tl.sum(vcodes << (tl.arange(0, VPACK) * VBITS)[None, None, :], 2)
+        tl.store(vc_ptr + toks[:, None] * VDP + tl.arange(0, VDP)[None, :], vpacked.to(tl.uint8))
+        offs_n = tl.arange(0, NVG)
+        tl.store(vs_ptr + toks[:, None] * NVG + offs_n[None, :], vscale.to(tl.float16))
+        tl.store(vz_ptr + toks[:, None] * NVG + offs_n[None, :], vzero.to(tl.float16))
+
+
+def launch_kivi_append(store, k, v, position):
+    """One launch: ``k``/``v [B, H, 1, D]`` into the ring at ``position`` (``[1]`` on the device), and the
+    group that filled, if one did, quantized in place (no trash group write)."""
+    spec = store.spec
+    _kivi_append_kernel[(store.batch * store.kv_heads,)](
+        k, v, position, store.ring_k.view(torch.int16), store.ring_v.view(torch.int16), store.k_codes, store.k_scale,
+        store.k_zero, store.v_codes, store.v_scale, store.v_zero,
+        store.kv_heads, spec.window, spec.residual, store.k_codes.shape[2], store.k_scale.shape[2],
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        D=store.head_dim, G=spec.group, VG=spec.value_group, KBITS=spec.k_bits, KPACK=8 // spec.k_bits,
+        VBITS=spec.v_bits, VPACK=8 // spec.v_bits,
+    )

@@ -1,0 +1,170 @@
+"""Quest-style query-aware sparse reads (Tang et al. 2024, github.com/mit-han-lab/Quest), pure torch:
+the ground truth of the sparse kernel (:mod:`kvlab.kernels.quest_decode`) and the CPU path.
+
+The cache is kept whole; beside it, per page of ``page`` tokens and KV head, the element-wise min and
+max of the keys (:class:`PageBounds`, updated on append). Each decode step bounds every page's
+attention logit from the query (``sum_d max(q_d * min_d, q_d * max_d) >= q . k`` for every key of the
+page, as Quest's ``estimate`` kernel and ``evaluation/quest_attention.py``), always reads the first
+page (the attention sink) and the latest (the current token's), and fills the rest of the budget
+with the top-bound pages; attention then runs over the selected pages only.
+
+GQA: Quest's code is written for one query head per KV head (its evaluation repeats K/V per query
+head, so every query head picks its own pages). Here ``group_reduce`` says how a KV head's group of
+query heads picks one page set that all of them read (the point of GQA: the pages are read once for
+the group): ``"max"`` (default) ranks a page by its highest bound over the group's heads, so a
+page any head may attend to strongly ranks high; ``"sum"`` by the sum of the bounds (an upper bound
+of the group's summed logit). ``"head"`` is Quest's own choice, a page set per query head (the
+reference reads it; the kernel reads one set per KV head).
+
+Selection is fixed-shape (``topk`` of a constant ``k``): pages past a row's length get ``-inf`` and
+come back as index ``-1`` when fewer pages exist than ``k``; readers skip them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvlab.kernels.formats import FormatError
+
+GROUP_REDUCE = ("max", "sum", "head")
+
+
+@dataclass(frozen=True)
+class QuestSpec:
+    """``page`` tokens per page (Quest's scripts: 16), ``budget`` tokens read per step (a multiple of
+    pages, the first and latest included), ``group_reduce`` (see the module doc)."""
+
+    page: int = 16
+    budget: int = 2048
+    group_reduce: str = "max"
+
+    def __post_init__(self):
+        if self.page < 1 or self.page & (self.page - 1):
+            raise FormatError(f"Quest page must be a power of two, not {self.page!r}")
+        if self.budget < 2 * self.page:
+            raise FormatError(f"Quest budget {self.budget} must hold at least two pages of {self.page} "
+                              "(the first and the latest are always read)")
+        if self.group_reduce not in GROUP_REDUCE:
+            raise FormatError(f"group_reduce must be one of {', '.join(GROUP_REDUCE)}, not {self.group_reduce!r}")
+
+    @property
+    def pages_per_step(self) -> int:
+        return self.budget // self.page
+
+    def pages(self, length: int) -> int:
+        return math.ceil(length / self.page)
+
+    def selected(self, capacity: int) -> int:
+        """Pages a step selects (a constant of the store: ``k`` of the ``topk``)."""
+        return min(self.pages(capacity), self.pages_per_step)
+
+
+@dataclass
+class PageBounds:
+    """``kmin``/``kmax [B, H, pages, D]`` (the keys' dtype) of a cache of ``pages * page`` slots."""
+
+    spec: QuestSpec
+    kmin: torch.Tensor
+    kmax: torch.Tensor
+
+    @property
+    def capacity(self) -> int:
+        return self.kmin.shape[2] * self.spec.page
+
+
+def alloc_bounds(spec: QuestSpec, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype=torch.bfloat16,
+                 device: torch.device | str = "cpu") -> PageBounds:
+    shape = (batch, kv_heads, spec.pages(capacity), head_dim)
+    return PageBounds(spec, torch.full(shape, float("inf"), dtype=dtype, device=device),
+                      torch.full(shape, float("-inf"), dtype=dtype, device=device))
+
+
+def load_bounds(bounds: PageBounds, keys: torch.Tensor) -> None:
+    """Bounds of a prefill's ``[B, H, n, D]`` keys (pages ``0 .. ceil(n / page) - 1``; a partial last
+    page is bounded by the tokens it has)."""
+    b, h, n, d = keys.shape
+    page = bounds.spec.page
+    pages = math.ceil(n / page)
+    pad = pages * page - n
+    lo = torch.cat([keys, keys.new_full((b, h, pad, d), float("inf"))], 2).view(b, h, pages, page, d).amin(3)
+    hi = torch.cat([keys, keys.new_full((b, h, pad, d), float("-inf"))], 2).view(b, h, pages, page, d).amax(3)
+    bounds.kmin[:, :, :pages].copy_(lo)
+    bounds.kmax[:, :, :pages].copy_(hi)
+
+
+def append_bounds(bounds: PageBounds, key: torch.Tensor, position: torch.Tensor) -> None:
+    """Fold one token's key ``[B, H, 1, D]`` at ``position`` (``[1]`` int64 on the device) into its
+    page's bounds; the first token of a page replaces them (fixed-shape ops, graph-capturable)."""
+    page = position // bounds.spec.page
+    fresh = (position % bounds.spec.page == 0).view(1, 1, 1, 1)
+    key = key.to(bounds.kmin.dtype)
+    lo = torch.where(fresh, key, torch.minimum(bounds.kmin.index_select(2, page), key))
+    hi = torch.where(fresh, key, torch.maximum(bounds.kmax.index_select(2, page), key))
+    bounds.kmin.index_copy_(2, page, lo)
+    bounds.kmax.index_copy_(2, page, hi)
+
+
+def page_scores(q: torch.Tensor, bounds: PageBounds) -> torch.Tensor:
+    """Per query head and page, the bound ``sum_d max(q_d min_d, q_d max_d)``: float32 ``[B, Hq, pages]``.
+
+    As two products, ``relu(q) . max + min(q, 0) . min`` (Quest's sign trick), so no
+    ``[B, Hq, pages, D]`` intermediate is made. Pages never written hold ``+-inf`` bounds and score
+    NaN or ``+-inf``; :func:`select_pages` masks pages past the length."""
+    batch, q_heads, d = q.shape
+    kv_heads = bounds.kmin.shape[1]
+    qf = q.float().view(batch, kv_heads, q_heads // kv_heads, d)
+    upper = torch.einsum("bhgd,bhpd->bhgp", qf.clamp_min(0), bounds.kmax.float())
+    lower = torch.einsum("bhgd,bhpd->bhgp", qf.clamp_max(0), bounds.kmin.float())
+    return (upper + lower).view(batch, q_heads, -1)
+
+
+def select_pages(q: torch.Tensor, bounds: PageBounds, lengths: torch.Tensor) -> torch.Tensor:
+    """Pages to read: int64 ``[B, Hsel, k]`` (``Hsel`` = KV heads, or query heads for ``"head"``),
+    ``k = spec.selected(capacity)``; the first and the latest page of each row, then the top bounds;
+    ``-1`` where a row has fewer pages than ``k``. Fixed shapes, no host sync."""
+    spec = bounds.spec
+    scores = page_scores(q, bounds)  # [B, Hq, P]
+    batch, q_heads, n_pages = scores.shape
+    kv_heads = bounds.kmin.shape[1]
+    if spec.group_reduce != "head":
+        grouped = scores.view(batch, kv_heads, q_heads // kv_heads, n_pages)
+        scores = grouped.amax(2) if spec.group_reduce == "max" else grouped.sum(2)
+    last = ((lengths.to(torch.int64) - 1).clamp_min(0) // spec.page).view(batch, 1, 1)  # the latest page
+    pages = torch.arange(n_pages, device=q.device).view(1, 1, n_pages)
+    scores = torch.where((pages == 0) | (pages == last), torch.full_like(scores, float("inf")), scores)
+    scores = torch.where(pages > last, torch.full_like(scores, float("-inf")), scores)
+    top, index = scores.topk(spec.selected(bounds.capacity), dim=-1)
+    return torch.where(top == float("-inf"), torch.full_like(index, -1), index)
+
+
+def sparse_attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pages: torch.Tensor,
+                  lengths: torch.Tensor, scale: float, page: int) -> torch.Tensor:
+    """Attention of ``q [B, Hq, D]`` over the tokens of the selected ``pages`` (``[B, Hsel, k]``, ``-1``
+    skipped) of ``keys``/``values [B, H, T, D]``, tokens past ``lengths[b]`` masked; float32 ``[B, Hq, D]``."""
+    batch, q_heads, d = q.shape
+    kv_heads, cap = keys.shape[1], keys.shape[2]
+    sel_heads = pages.shape[1]
+    tokens = (pages.clamp_min(0).unsqueeze(-1) * page + torch.arange(page, device=q.device)).flatten(-2)  # [B, Hs, k * page]
+    valid = (pages >= 0).repeat_interleave(page, -1) & (tokens < lengths.view(batch, 1, 1).to(tokens.device))
+    tokens = tokens.clamp(max=cap - 1)
+    per_sel = q_heads // sel_heads  # query heads sharing one selection
+    kv_of_sel = torch.arange(sel_heads, device=q.device) * kv_heads // sel_heads
+    src_k = keys.float()[:, kv_of_sel]  # [B, Hs, T, D]
+    src_v = values.float()[:, kv_of_sel]
+    idx = tokens.unsqueeze(-1).expand(-1, -1, -1, d)
+    sk, sv = src_k.gather(2, idx), src_v.gather(2, idx)  # [B, Hs, k*P, D]
+    qf = q.float().view(batch, sel_heads, per_sel, d)
+    logits = torch.einsum("bhgd,bhtd->bhgt", qf, sk) * scale
+    logits = logits.masked_fill(~valid.unsqueeze(2), float("-inf"))
+    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
+    return torch.einsum("bhgt,bhtd->bhgd", probs, sv).reshape(batch, q_heads, d)
+
+
+def quest_attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bounds: PageBounds,
+                 lengths: torch.Tensor, scale: float) -> torch.Tensor:
+    """One Quest decode step: select from the bounds, attend over the selected pages."""
+    pages = select_pages(q, bounds, lengths)
+    return sparse_attend(q, keys, values, pages, lengths, scale, bounds.spec.page)

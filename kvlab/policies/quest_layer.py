@@ -1,0 +1,73 @@
+"""Quest's page bounds beside a transformers cache layer, for the ``hf`` engine.
+
+:class:`QuestLayer` is a ``DynamicLayer`` (K/V kept whole, returned whole) that also keeps the
+page bounds of :mod:`kvlab.kernels.quest`, folded in on every update. transformers' cache interface
+never sees the query, so the sparse read happens in the attention function: for a decode step
+(one query token) of a layer at or past ``dense_layers`` (Quest keeps the first two layers dense),
+the function calls :meth:`QuestLayer.attend` instead of the stock kernel; prefill and multi-token
+chunks attend densely, as Quest's own code does. The hook belongs in kvlab's registered attention
+wrapper (:mod:`kvlab.policies.attention`), which already hands queries to cache layers.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from kvlab.kernels import quest
+
+
+class QuestLayer(DynamicLayer):
+    """Whole K/V plus ``kmin``/``kmax`` per page of ``spec.page`` tokens and KV head."""
+
+    def __init__(self, spec: quest.QuestSpec | None = None, layer_idx: int = 0, dense_layers: int = 2):
+        super().__init__()
+        self.spec = spec or quest.QuestSpec()
+        self.sparse = layer_idx >= dense_layers
+        self.kmin: torch.Tensor | None = None  # [B, H, pages, D]
+        self.kmax: torch.Tensor | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        start = self.get_seq_length() if self.is_initialized else 0
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        self._fold(key_states, start)
+        return keys, values
+
+    def _fold(self, new: torch.Tensor, start: int) -> None:
+        """Fold keys at positions ``start ..`` into the bounds: the pages they touch are recomputed
+        from the stored keys (the partial last page included)."""
+        page = self.spec.page
+        first, end = start // page, self.keys.shape[2]
+        pages = -(-end // page)
+        if self.kmin is None or self.kmin.shape[2] < pages:
+            grow = max(pages, 2 * (0 if self.kmin is None else self.kmin.shape[2]))
+            b, h, _, d = self.keys.shape
+            kmin = self.keys.new_full((b, h, grow, d), float("inf"))
+            kmax = self.keys.new_full((b, h, grow, d), float("-inf"))
+            if self.kmin is not None:
+                kmin[:, :, :self.kmin.shape[2]] = self.kmin
+                kmax[:, :, :self.kmax.shape[2]] = self.kmax
+            self.kmin, self.kmax = kmin, kmax
+        view = quest.PageBounds(self.spec, self.kmin[:, :, first:], self.kmax[:, :, first:])
+        quest.load_bounds(view, self.keys[:, :, first * page:end])
+
+    def bounds(self) -> quest.PageBounds:
+        pages = -(-self.get_seq_length() // self.spec.page)
+        return quest.PageBounds(self.spec, self.kmin[:, :, :pages], self.kmax[:, :, :pages])
+
+    def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Quest's read for one decode query ``[B, Hq, 1, D]`` -> ``[B, 1, Hq, D]`` (the layout
+        transformers' attention functions return), in the query's dtype."""
+        b, hq, _, d = query.shape
+        lengths = torch.full((b,), self.get_seq_length(), device=query.device)
+        out = quest.quest_attend(query[:, :, 0], self.keys, self.values, self.bounds(), lengths, scaling)
+        return out.to(query.dtype).view(b, 1, hq, d)
+
+    def reset(self) -> None:
+        super().reset()
+        self.kmin = self.kmax = None
+
+
+def quest_cache(num_layers: int, spec: quest.QuestSpec | None = None, dense_layers: int = 2) -> Cache:
+    """A transformers cache of :class:`QuestLayer` s (the first ``dense_layers`` never read sparsely)."""
+    return Cache(layers=[QuestLayer(spec, i, dense_layers) for i in range(num_layers)])
