@@ -659,11 +659,11 @@ def test_a_ray_address_that_does_not_answer_is_refused_within_its_timeout(monkey
     import socket
     import time
 
-    from kvlab.runner import ray_cluster
+    from kvlab.sweep import ray_address
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     started = time.monotonic()
-    assert ray_cluster.address_problem("127.0.0.1:9", timeout_s=0.5).startswith(
+    assert ray_address.address_problem("127.0.0.1:9", timeout_s=0.5).startswith(
         "ray_address: nothing answers at 127.0.0.1:9 (connection refused)")
     assert time.monotonic() - started < 3
     asked = []
@@ -675,11 +675,11 @@ def test_a_ray_address_that_does_not_answer_is_refused_within_its_timeout(monkey
     with socket.create_server(("127.0.0.1", 0)) as listener:  # takes the connection, never speaks gRPC
         port = listener.getsockname()[1]
         started = time.monotonic()
-        problem = ray_cluster.address_problem(f"127.0.0.1:{port}", timeout_s=0.5)
+        problem = ray_address.address_problem(f"127.0.0.1:{port}", timeout_s=0.5)
         assert time.monotonic() - started < 3
     assert problem.startswith(f"ray_address: 127.0.0.1:{port} takes a connection but does not answer as a Ray head")
 
     monkeypatch.setattr(socket, "create_connection", silent)
-    assert "(no answer within 0.5 s)" in ray_cluster.address_problem("ray://head:10001", timeout_s=0.5)
+    assert "(no answer within 0.5 s)" in ray_address.address_problem("ray://head:10001", timeout_s=0.5)
     assert asked == [(("head", 10001), 0.5)]
-    assert ray_cluster.address_problem("auto") is None and ray_cluster.address_problem(None) is None
+    assert ray_address.address_problem("auto") is None and ray_address.address_problem(None) is None

@@ -24,6 +24,7 @@ from kvlab.sweep.params import (
     params_error,
     pydantic_lines,
 )
+from kvlab.sweep.ray_address import address_problem
 from kvlab.weights_quant import weights_quant_problems
 from kvlab.workload import CtxDistribution, context_points
 
@@ -106,8 +107,6 @@ def check_params(params: SweepParams, check_device: bool = True,
         if importlib.util.find_spec("ray") is None:
             problems.append("executor: ray needs the ray package; install it with pip install 'kvlab[ray]'")
         elif check_device:
-            from kvlab.runner.ray_cluster import address_problem
-
             problem = address_problem(params.ray_address)
             if problem:
                 problems.append(problem)
