@@ -25,6 +25,7 @@ from kvlab.policies.cache import EvictionError, cache_stats, kept_positions
 from kvlab.policies.decoding import DecodingPolicy
 from kvlab.policies.eviction import EvictionPolicy
 from kvlab.policies.full import FullPolicy
+from kvlab.policies.kivi import KiviPolicy
 from kvlab.policies.knorm import KnormPolicy
 from kvlab.policies.pyramidkv import PyramidKVPolicy
 from kvlab.policies.quantized import QuantizedPolicy, QuantSpec
@@ -36,6 +37,7 @@ from kvlab.policies.quantized.policies import (
     KVQInt4Policy,
     QuantoPolicy,
 )
+from kvlab.policies.quest import QuestPolicy
 from kvlab.policies.random import RandomPolicy
 from kvlab.policies.snapkv import SnapKVPolicy
 from kvlab.policies.streamingllm import StreamingLLMPolicy
@@ -47,6 +49,7 @@ POLICIES: dict[str, type[Policy]] = {
                 RandomPolicy, QuantoPolicy, HQQPolicy, FP8Policy, KVQFp8Policy, KVQInt4Policy, KVQInt2Policy,
                 DecodingPolicy)
 }
+POLICIES.update({cls.name: cls for cls in (KiviPolicy, QuestPolicy)})  # issue 29's reads
 
 
 def make_policy(method: str, **params: Any) -> Policy:
