@@ -16,15 +16,16 @@ selection's own cost on eager steps) and read only those (``quest_decode_attenti
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.profiler import record_function
 
+from kvlab.anatomy import SCOPE_SELECT
 from kvlab.engine.kvstore import DenseStore, Layout, SlotStore, StepSlots
 from kvlab.kernels import kivi, quest
 from kvlab.kernels.kivi_decode import kivi_append, kivi_decode_attention, make_kivi_workspace
 from kvlab.kernels.quest_decode import make_quest_workspace, quest_decode_attention
-
-SCOPE_SELECT = "kvlab::quest_select"
 
 
 class KiviSlotStore(SlotStore):
@@ -47,10 +48,10 @@ class KiviSlotStore(SlotStore):
     def buffers(self) -> list[torch.Tensor]:
         return [t for s in self.stores for t in s.tensors()] + list(self.slots.tensors())
 
-    def bytes_per_slot(self) -> float:
-        """Bytes of one quantized token in one layer (K and V, all KV heads, scales included; the
-        ring's fixed bf16 window is in :meth:`bytes_allocated`)."""
-        return self.layout.kv_heads * self.spec.token_bytes(self.layout.head_dim)
+    def bytes_per_slot(self) -> int:
+        """Bytes of one quantized token in one layer (K and V, all KV heads, scales included, rounded
+        up; the ring's fixed bf16 window is in :meth:`bytes_allocated`)."""
+        return math.ceil(self.layout.kv_heads * self.spec.token_bytes(self.layout.head_dim))
 
     def _load_layer(self, layer: int, rows: slice, k: torch.Tensor, v: torch.Tensor) -> None:
         kivi.load(self.stores[layer].rows(rows), k, v)

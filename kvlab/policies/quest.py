@@ -41,7 +41,10 @@ class QuestPolicy(Policy):
         check_int("page", self.page, minimum=1)
         if self.page & (self.page - 1):
             raise PolicyError(f"page must be a power of two (16 is Quest's), got {self.page}")
-        check_int("budget", self.budget, minimum=2 * self.page)
+        check_int("budget", self.budget)
+        if self.budget < 2 * self.page:
+            raise PolicyError(f"budget={self.budget} tokens must hold two pages of {self.page} (the first and the "
+                              f"latest are always read): use >= {2 * self.page}")
         if self.group_reduce not in GROUP_REDUCE:
             raise PolicyError(f"group_reduce={self.group_reduce!r} is not supported: use one of {', '.join(GROUP_REDUCE)}")
         check_int("dense_layers", self.dense_layers, minimum=0)
