@@ -3,13 +3,13 @@ eagerly with the torch references), their stats, validation, anatomy and byte ar
 
 import pytest
 import torch
+from tiny_models import load_tiny_d32
 
 from kvlab.engine.compare import compare_engines
 from kvlab.engine.fast import FastEngine
 from kvlab.engine.generation import greedy_decode, prefill
 from kvlab.engine.kvstore_reads import KiviSlotStore, QuestStore
 from kvlab.policies import POLICIES, PolicyError, cache_stats, make_policy
-from tiny_models import load_tiny_d32
 
 # small groups and residuals so that groups flush inside the prompt and during decode; small pages
 # and budgets so that the read really is sparse at 100 tokens
