@@ -154,3 +154,26 @@ def test_generate_runs_kivi_and_quest_on_both_engines(capsys):
 
     tokens = [json.loads(a)["token_ids"] for a in answers]
     assert tokens[0] == tokens[1] and tokens[2] == tokens[3]
+
+
+@pytest.mark.parametrize("method,params", [
+    ("kivi", {"nbits": 4, "residual_length": 16, "q_group_size": 16, "value_group": 16}),
+    ("quest", {"page": 16, "budget": 32, "dense_layers": 1}),
+], ids=["kivi", "quest"])
+def test_the_stores_give_the_reference_tokens_through_the_triton_kernels(tiny32, method, params, monkeypatch):
+    """The CUDA path's plumbing (workspaces, lengths, layouts) on CPU: the kernels interpreted
+    (tests/conftest.py sets TRITON_INTERPRET=1) give the reference's tokens."""
+    import functools
+    import os
+
+    from kvlab.engine import fast, kvstore_reads
+
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and TRITON_INTERPRET is not 1")
+    policy = make_policy(method, **params)
+    ref, *_ = run_both(tiny32, policy, ids(), 12)
+    monkeypatch.setattr(fast, "read_store", functools.partial(kvstore_reads.read_store, backend="triton"))
+    _, kernels, decoder, _ = run_both(tiny32, policy, ids(), 12)
+    assert decoder.store.backend == "triton"
+    assert torch.equal(ref, kernels)

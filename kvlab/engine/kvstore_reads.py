@@ -33,13 +33,14 @@ class KiviSlotStore(SlotStore):
 
     attention = "kivi"
 
-    def __init__(self, layout: Layout, spec: kivi.KiviSpec, num_heads: int, device, scale: float):
-        self.layout, self.spec, self.scale = layout, spec, scale
+    def __init__(self, layout: Layout, spec: kivi.KiviSpec, num_heads: int, device, scale: float,
+                 backend: str = "auto"):
+        self.layout, self.spec, self.scale, self.backend = layout, spec, scale, backend
         self.kv_format = spec.label
         b, h, d = layout.batch, layout.kv_heads, layout.head_dim
         self.stores = [kivi.alloc(spec, b, h, c, d, device) for c in layout.capacity]
-        cuda = torch.device(device).type == "cuda"
-        self.workspaces = [make_kivi_workspace(num_heads, s) if cuda else None for s in self.stores]
+        kernel = uses_kernel(backend, device)
+        self.workspaces = [make_kivi_workspace(num_heads, s) if kernel else None for s in self.stores]
         self.slots = StepSlots(layout.kept, layout.batch, device)
 
     def bytes_allocated(self) -> int:
@@ -58,10 +59,10 @@ class KiviSlotStore(SlotStore):
 
     def _attend(self, layer: int, q, k, v) -> torch.Tensor:
         store = self.stores[layer]
-        kivi_append(store, k, v, self.slots.slot(layer))
+        kivi_append(store, k, v, self.slots.slot(layer), backend=self.backend)
         bsz, n_heads, _, dim = q.shape
         out = kivi_decode_attention(q.reshape(bsz, n_heads, dim).contiguous(), store, self.slots.used(layer),
-                                    self.scale, workspace=self.workspaces[layer])
+                                    self.scale, workspace=self.workspaces[layer], backend=self.backend)
         return out.to(q.dtype)
 
 
@@ -69,16 +70,16 @@ class QuestStore(DenseStore):
     """A dense store whose layers from ``read.dense_layers`` on read only the selected pages."""
 
     def __init__(self, layout: Layout, read: quest.QuestRead, num_heads: int, dtype, device, scale: float,
-                 attention: str = "auto"):
+                 attention: str = "auto", backend: str = "auto"):
         super().__init__(layout, dtype, device, scale, attention)
-        self.read = read
+        self.read, self.backend = read, backend
         self.kv_format = f"model dtype, {read.label}"
         spec, b, h, d = read.spec, layout.batch, layout.kv_heads, layout.head_dim
         self.bounds = [quest.alloc_bounds(spec, b, h, c, d, dtype, device) for c in layout.capacity]
-        cuda = torch.device(device).type == "cuda"
+        kernel = uses_kernel(backend, device)
         self.quest_workspaces = [
             make_quest_workspace(num_heads, b, h, spec.selected(bounds.capacity), d, device)
-            if cuda and i >= read.dense_layers else None for i, bounds in enumerate(self.bounds)]
+            if kernel and i >= read.dense_layers else None for i, bounds in enumerate(self.bounds)]
 
     def bytes_allocated(self) -> int:
         return super().bytes_allocated() + sum(t.numel() * t.element_size() for bd in self.bounds
@@ -104,14 +105,23 @@ class QuestStore(DenseStore):
         with record_function(SCOPE_SELECT):
             pages = quest.select_pages(q3, self.bounds[layer], used)
         out = quest_decode_attention(q3, self.keys[layer], self.values[layer], pages, used, self.scale,
-                                     self.read.spec.page, token_dim=1, workspace=self.quest_workspaces[layer])
+                                     self.read.spec.page, token_dim=1, workspace=self.quest_workspaces[layer],
+                                     backend=self.backend)
         return out.to(q.dtype)
 
 
-def read_store(layout: Layout, kv_format, num_heads: int, dtype, device, scale: float, attention: str = "auto"):
-    """The store for a ``fast_storage()`` format that is not a format name: a KIVI spec or a Quest read."""
+def uses_kernel(backend: str, device) -> bool:
+    """Whether the kernels' ``backend`` runs Triton here (``auto``: on CUDA devices)."""
+    return backend == "triton" or (backend == "auto" and torch.device(device).type == "cuda")
+
+
+def read_store(layout: Layout, kv_format, num_heads: int, dtype, device, scale: float, attention: str = "auto",
+               backend: str = "auto"):
+    """The store for a ``fast_storage()`` format that is not a format name: a KIVI spec or a Quest read.
+    ``backend``: the kernels' (``auto``: Triton on CUDA, the torch reference elsewhere; ``triton`` on
+    CPU runs the interpreter, with ``TRITON_INTERPRET=1``)."""
     if isinstance(kv_format, kivi.KiviSpec):
-        return KiviSlotStore(layout, kv_format, num_heads, device, scale)
+        return KiviSlotStore(layout, kv_format, num_heads, device, scale, backend)
     if isinstance(kv_format, quest.QuestRead):
-        return QuestStore(layout, kv_format, num_heads, dtype, device, scale, attention)
+        return QuestStore(layout, kv_format, num_heads, dtype, device, scale, attention, backend)
     raise TypeError(f"no fast-engine store for {kv_format!r}")
