@@ -53,6 +53,7 @@ def test_fast_equals_hf_token_for_token(tiny32, method, params):
     assert isinstance(decoder.store, KiviSlotStore if method == "kivi" else QuestStore)
     stats = cache_stats(cache)
     assert stats["logical_tokens"] == 100 + 39 and stats["bytes"] > 0
+    assert decoder.stats(40)["bytes"] == stats["bytes"]  # both engines count the same bytes
     assert decoder.columns()["kv_format"] == decoder.store.kv_format
 
 

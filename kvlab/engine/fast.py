@@ -173,7 +173,7 @@ class FastDecoder:
         logical = getattr(self, "logical_tokens", None)
         return {"logical_tokens": None if logical is None else logical + max(0, new_tokens - 1),
                 "physical_tokens": sum(held) // len(held) if len(set(held)) == 1 else sum(held) / len(held),
-                "bytes": sum(held) * self.layout.batch * self.store.bytes_per_slot(),
+                "bytes": self.store.held_bytes(held),
                 "bytes_allocated": self.store.bytes_allocated(),
                 "kv_format": self.store.kv_format, "attention": self.store.attention,
                 "graph": self.replays,

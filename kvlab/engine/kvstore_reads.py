@@ -54,6 +54,14 @@ class KiviSlotStore(SlotStore):
         up; the ring's fixed bf16 window is in :meth:`bytes_allocated`)."""
         return math.ceil(self.layout.kv_heads * self.spec.token_bytes(self.layout.head_dim))
 
+    def held_bytes(self, held: list[int]) -> int:
+        """Codes and scales of the quantized tokens, bf16 for those still in the ring (as ``cache_stats``
+        counts a :class:`~kvlab.policies.kivi_layer.KiviLayer`)."""
+        h, d, b = self.layout.kv_heads, self.layout.head_dim, self.layout.batch
+        exact = 2 * h * d * kivi.RESIDUAL_DTYPE.itemsize
+        return b * sum(math.ceil(self.spec.quantized_tokens(n) * h * self.spec.token_bytes(d))
+                       + (n - self.spec.quantized_tokens(n)) * exact for n in held)
+
     def _load_layer(self, layer: int, rows: slice, k: torch.Tensor, v: torch.Tensor) -> None:
         kivi.load(self.stores[layer].rows(rows), k, v)
 
@@ -87,6 +95,12 @@ class QuestStore(DenseStore):
 
     def buffers(self) -> list[torch.Tensor]:
         return [*super().buffers(), *(t for bd in self.bounds for t in (bd.kmin, bd.kmax))]
+
+    def held_bytes(self, held: list[int]) -> int:
+        """K/V plus the bounds of the pages holding tokens."""
+        bd = self.bounds[0].kmin
+        per_page = 2 * self.layout.batch * self.layout.kv_heads * self.layout.head_dim * bd.element_size()
+        return super().held_bytes(held) + sum(self.read.spec.pages(n) for n in held) * per_page
 
     def _load_layer(self, layer: int, rows: slice, k: torch.Tensor, v: torch.Tensor) -> None:
         super()._load_layer(layer, rows, k, v)

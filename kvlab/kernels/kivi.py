@@ -60,7 +60,8 @@ class KiviSpec:
     @property
     def label(self) -> str:
         bits = f"{self.bits}" if self.k_bits == self.v_bits else f"-k{self.k_bits}v{self.v_bits}"
-        return f"kivi{bits}-g{self.group}-r{self.residual}"
+        vg = "" if self.value_group == 32 else f"-vg{self.value_group}"
+        return f"kivi{bits}-g{self.group}-r{self.residual}{vg}"
 
     @property
     def k_bits(self) -> int:

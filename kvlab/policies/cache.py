@@ -333,12 +333,11 @@ def _physical_tokens(layer) -> int:
 
 
 def _layer_bytes(layer) -> int:
-    if callable(getattr(layer, "nbytes", None)):  # a layer that counts its own storage (KIVI's codes and ring)
+    if callable(getattr(layer, "nbytes", None)):  # a layer that counts its own storage (KIVI, Quest's bounds)
         return layer.nbytes()
     seen: set = set()
     return sum(tensor_bytes(getattr(layer, name, None), seen)
-               for name in ("keys", "values", "_quantized_keys", "_quantized_values", "key_store", "value_store",
-                            "kmin", "kmax"))  # kmin/kmax: Quest's page bounds
+               for name in ("keys", "values", "_quantized_keys", "_quantized_values", "key_store", "value_store"))
 
 
 def cache_stats(cache) -> dict[str, Any]:

@@ -78,6 +78,14 @@ class QuestLayer(DynamicLayer):
         out = quest.quest_attend(query[:, :, 0], self.keys, self.values, self.bounds(), lengths, scaling)
         return out.to(query.dtype).view(b, 1, hq, d)
 
+    def nbytes(self) -> int:
+        """K/V and the bounds of the pages holding tokens (``cache_stats`` counts this)."""
+        if not self.is_initialized or self.kmin is None:
+            return 0
+        pages = -(-self.get_seq_length() // self.spec.page)
+        kv = (self.keys.numel() + self.values.numel()) * self.keys.element_size()
+        return kv + 2 * self.kmin[:, :, :pages].numel() * self.kmin.element_size()
+
     def reset(self) -> None:
         super().reset()
         self.kmin = self.kmax = self._returned = None
