@@ -23,6 +23,9 @@ def test_the_four_notebooks_exist():
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=NAMES)
 def test_notebook_is_committed_clean(path):
+    raw = json.loads(path.read_text())
+    # nbformat 4.5 cells carry ids: without, reading warns MissingIDFieldWarning (kvlab report did, issue 30)
+    assert all(c.get("id") for c in raw["cells"]), "every cell has an id (nbformat.validator.normalize adds them)"
     nb = nbformat.read(path, as_version=4)
     nbformat.validate(nb)
     assert nb.metadata.kernelspec.name == "python3"
