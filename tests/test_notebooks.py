@@ -147,3 +147,28 @@ def test_smoke_sweep_report_draws_offline_in_chromium(smoke_sweep):
     assert counts["graph_divs"] >= 4 and counts["drawn"] == counts["graph_divs"], counts
     assert counts["main_svg"] >= counts["graph_divs"]
     assert 'href="smoke.html"' in (tmp / "site" / "index.html").read_text()
+
+
+def test_papermill_engine_kvlab_runs_the_kernel_over_ipc(monkeypatch):
+    """`papermill --engine kvlab` (README): ipykernel's TCP warning is not kvlab's; IPC avoids it."""
+    import tomllib
+
+    from papermill import engines
+
+    from kvlab.reporting.papermill_engine import IPCEngine
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert project["project"]["entry-points"]["papermill.engine"]["kvlab"] == \
+        "kvlab.reporting.papermill_engine:IPCEngine"
+    seen = {}
+
+    class Client:
+        def __init__(self, nb_man, **kwargs):
+            seen.update(kwargs)
+
+        def execute(self):
+            return None
+
+    monkeypatch.setattr(engines, "PapermillNotebookClient", Client)
+    IPCEngine.execute_managed_notebook(None, "python3")
+    assert seen["kernel_manager_class"]().transport == "ipc"
