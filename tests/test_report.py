@@ -318,7 +318,7 @@ def test_a_report_error_is_one_line_of_the_cli_with_status_2(tmp_path, monkeypat
     assert err == "kvlab report: error: notebook nope.ipynb not found: run from a kvlab checkout or pass --notebook\n"
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="a Jupyter kernel runs the whole report notebook, then nbconvert")
 def test_kvlab_report_renders_a_fake_campaign(tmp_path):
     """The CLI end to end on a fake folder of sweeps: executed notebook, HTML with every figure
     (batch, where compression pays and anatomy included), the int4 answer, index."""
@@ -762,9 +762,10 @@ def test_cpu_cost_note_says_why_and_what_steal_was_measured():
 WARNING_LINE = re.compile(r"warn", re.IGNORECASE)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="kvlab report in a subprocess: a kernel runs the whole report notebook")
 def test_kvlab_report_on_cpu_records_prints_no_warning(tmp_path):
-    """Slow (a kernel start and the whole report notebook, 30-90 s): `kvlab report` as a user runs it,
+    """Slow (a kernel start and the whole report notebook, 30-90 s; it is also the report notebook's
+    test on CPU-like records): `kvlab report` as a user runs it,
     in a subprocess so the kernel's own stderr counts too, on a shared-CPU-VM sweep (most runs
     contended). No warning line (nbformat's MissingIDFieldWarning, ipykernel's TCP warning: issue 30),
     and the report still reaches verdicts on CPU time."""
@@ -778,5 +779,7 @@ def test_kvlab_report_on_cpu_records_prints_no_warning(tmp_path):
     lines = (done.stdout + done.stderr).splitlines()
     assert not [line for line in lines if WARNING_LINE.search(line)], lines
     html = (folder / "report.html").read_text()
+    assert "weights: synthetic" in html
+    assert "no energy measure" in html  # the J/token sections say why they are empty
     assert "On a CPU the cost is the process's CPU time" in html
     assert re.search(r"quanto int4 used \+\d+% CPU ms/token vs full at 16k, batch 1 \(95% CI", html)
