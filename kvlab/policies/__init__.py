@@ -20,6 +20,7 @@ from kvlab.policies.base import Policy, PolicyError
 from kvlab.policies.cache import EvictionError, cache_stats, kept_positions
 from kvlab.policies.decoding import DecodingPolicy
 from kvlab.policies.eviction import EvictionPolicy
+from kvlab.policies.expected_attention import ExpectedAttentionPolicy
 from kvlab.policies.full import FullPolicy
 from kvlab.policies.knorm import KnormPolicy
 from kvlab.policies.kvq_fp8 import KVQFp8Policy
@@ -36,7 +37,7 @@ POLICIES: dict[str, type[Policy]] = {
     cls.name: cls
     for cls in (FullPolicy, StreamingLLMPolicy, SnapKVPolicy, PyramidKVPolicy, TOVAPolicy, KnormPolicy,
                 RandomPolicy, QuantoPolicy, HQQPolicy, FP8Policy, KVQFp8Policy, KVQInt4Policy, KVQInt2Policy,
-                DecodingPolicy)
+                DecodingPolicy, ExpectedAttentionPolicy)
 }
 
 
