@@ -75,3 +75,59 @@ def adakv_mask(scores, keep, alpha_safeguard=0.2):
     kept = torch.ones(bsz, heads * n, dtype=torch.bool)
     kept.scatter_(1, idx, False)
     return kept.view(bsz, heads, n)
+
+
+def kvzip_scores(model, ids, n_sink=4, chunk_size=2048, prev_postfix_size=8, prompts=((), (), ())):
+    """``KVzipPress`` scoring (kvzip_press.py: prepare, score_kvzip with kvzip_plus_normalization
+    off, prefix_length 0): per layer ``[B, Hkv, n]``. ``prompts``: the (first, later, suffix) ids."""
+    from transformers import DynamicCache
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    from kvlab.decode import cache_kwarg
+
+    layers = model.model.layers
+    n = ids.shape[1]
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, **{cache_kwarg(model): cache})
+    n_kv = model.config.num_key_value_heads
+    scores = torch.zeros(len(layers), ids.shape[0], n_kv, n)
+    scores[..., :n_sink] = 1.0
+    first, later, suffix = (torch.tensor(list(p), dtype=ids.dtype).expand(ids.shape[0], -1) for p in prompts)
+    chunks = [ids[:, i:i + chunk_size] for i in range(0, n, chunk_size)]
+    start = 0
+    for i, a_ids in enumerate(chunks):
+        q_ids = first if i == 0 else torch.cat([later, chunks[i - 1][:, -prev_postfix_size:]], dim=1)
+        repeat = torch.cat([q_ids, suffix, a_ids], dim=1)
+        end = start + a_ids.shape[1]
+
+        def hook(module, args, kwargs, output, start=start, end=end):
+            hs = kwargs["hidden_states"]
+            bsz, q_len, _ = hs.shape
+            groups = module.config.num_attention_heads // n_kv
+            d = module.head_dim
+            q = prerope_queries(module, hs)
+            cos, sin = kwargs["position_embeddings"]
+            q = (q * cos.unsqueeze(1)) + (rotate_half(q) * sin.unsqueeze(1))
+            q = q.view(bsz, n_kv, groups, q_len, d)
+            keys = cache.layers[module.layer_idx].keys
+            sink = min(n_sink, start)
+            sub = torch.cat([keys[:, :, :sink], keys[:, :, start:end], keys[:, :, -q_len:]], dim=2)
+            w = torch.matmul(q, sub.unsqueeze(2).transpose(-2, -1)) / math.sqrt(d)
+            mask = torch.full((q_len, q_len), torch.finfo(w.dtype).min)
+            cond = torch.arange(q_len)
+            mask.masked_fill_(cond < (cond + 1).view(q_len, 1), 0)
+            w[..., -q_len:, -q_len:] += mask
+            w = F.softmax(w, dim=-1)[..., sink:sink + end - start]
+            scores[module.layer_idx][..., start:end] = w.amax(dim=(-3, -2))
+
+        hooks = [layer.self_attn.register_forward_hook(hook, with_kwargs=True) for layer in layers]
+        try:
+            with torch.no_grad():
+                model.model(input_ids=repeat, **{cache_kwarg(model.model): cache})
+        finally:
+            for h in hooks:
+                h.remove()
+        cache.crop(-repeat.shape[1])
+        start = end
+    return scores

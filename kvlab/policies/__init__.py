@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvlab.policies.adakv import AdaKVPolicy
 from kvlab.policies.base import Policy, PolicyError
 from kvlab.policies.cache import EvictionError, cache_stats, kept_positions
 from kvlab.policies.decoding import DecodingPolicy
@@ -26,6 +27,7 @@ from kvlab.policies.knorm import KnormPolicy
 from kvlab.policies.kvq_fp8 import KVQFp8Policy
 from kvlab.policies.kvq_int2 import KVQInt2Policy
 from kvlab.policies.kvq_int4 import KVQInt4Policy
+from kvlab.policies.kvzip import KVzipPolicy
 from kvlab.policies.pyramidkv import PyramidKVPolicy
 from kvlab.policies.quantized import FP8Policy, HQQPolicy, QuantizedPolicy, QuantoPolicy, QuantSpec
 from kvlab.policies.random import RandomPolicy
@@ -37,7 +39,7 @@ POLICIES: dict[str, type[Policy]] = {
     cls.name: cls
     for cls in (FullPolicy, StreamingLLMPolicy, SnapKVPolicy, PyramidKVPolicy, TOVAPolicy, KnormPolicy,
                 RandomPolicy, QuantoPolicy, HQQPolicy, FP8Policy, KVQFp8Policy, KVQInt4Policy, KVQInt2Policy,
-                DecodingPolicy, ExpectedAttentionPolicy)
+                DecodingPolicy, ExpectedAttentionPolicy, KVzipPolicy, AdaKVPolicy)
 }
 
 

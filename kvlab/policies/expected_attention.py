@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvlab.policies.base import PolicyError, check_int, hf_model, model_shape
-from kvlab.policies.cache import EvictingLayer, EvictionCache
+from kvlab.policies.base import PolicyError, check_int, hf_model
 from kvlab.policies.eviction import EvictionPolicy
+from kvlab.policies.mixed import mixed_cache
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -111,7 +111,7 @@ class QueryStatsMixin:
     """An evicting layer that scores with the statistics of every prompt query it was handed
     (in front of :class:`~kvlab.policies.cache.EvictingLayer` or an evicting quantized layer)."""
 
-    rotary = None  # the model's rotary embedding module, set by the policy's make_cache
+    rotary = None  # the model's rotary embedding module (:func:`rotary_of`), set when the cache is made
 
     def receive_queries(self, query: torch.Tensor, attention_mask, scaling) -> None:
         keys, values, n_kept, positions = self._awaiting
@@ -189,33 +189,7 @@ class ExpectedAttentionPolicy(EvictionPolicy):
         return (QueryStatsMixin,)
 
     def make_cache(self, model):
-        return make_mixed_cache(self, model, self.layer_mixins())
-
-
-def make_mixed_cache(policy, model, mixins: tuple[type, ...]):
-    """An :class:`~kvlab.policies.cache.EvictionCache` whose layers put ``mixins`` in front of the
-    evicting layer class the policy would use (plain, or evict-then-quantize)."""
-    policy.prepare(model)
-    num_layers = model_shape(model).num_layers
-    if policy.quant is None:
-        base, kwargs = EvictingLayer, {}
-    else:
-        base, kwargs = policy.quant.evicting_layer_class(), policy.quant.layer_kwargs()
-    cls = _mixed_class(tuple(mixins), base)
-    layers = [cls(policy, i, num_layers, **kwargs) for i in range(num_layers)]
-    rotary = rotary_of(model) if any(m is QueryStatsMixin or issubclass(m, QueryStatsMixin) for m in mixins) \
-        else None
-    for layer in layers:
-        layer.rotary = rotary
-    return EvictionCache(layers, policy)
-
-
-_CLASSES: dict[tuple, type] = {}
-
-
-def _mixed_class(mixins: tuple[type, ...], base: type) -> type:
-    key = (*mixins, base)
-    if key not in _CLASSES:
-        name = "".join(m.__name__.replace("Mixin", "") for m in mixins) + base.__name__
-        _CLASSES[key] = type(name, (*mixins, base), {})
-    return _CLASSES[key]
+        cache = mixed_cache(self, model, self.layer_mixins())
+        for layer in cache.layers:
+            layer.rotary = rotary_of(model)
+        return cache
