@@ -166,3 +166,21 @@ def test_kvzip_chunk_scores_rows_are_blocked_exactly():
         torch.testing.assert_close(kvzip_chunk_scores(q, keys, 4, 150, 4), whole)
     finally:
         kvzip.ROW_BLOCK = block
+
+
+def test_kvzip_reconstruction_runs_inside_the_prefill_call(lm):
+    """The reconstruction forwards happen within the prefill call (so TTFT and prefill energy hold
+    them): one decoder forward for the prompt plus one per context chunk, then none while decoding."""
+    calls = []
+    hook = lm.model.model.register_forward_pre_hook(lambda m, a, k: calls.append(k["input_ids"].shape[1]),
+                                                    with_kwargs=True)
+    try:
+        policy = make_policy("kvzip", keep=0.25, chunk_size=32)
+        with policy.attach(lm, warm=False):
+            cache = policy.make_cache(lm.model)
+            logits = prefill(lm.model, prompt(n=80), cache)
+            assert calls == [80, 32, 8 + 32, 8 + 16]  # no tokenizer: the previous 8 tokens + the chunk
+            greedy_decode(lm.model, cache, logits[:, -1].argmax(-1), 3, 80)
+    finally:
+        hook.remove()
+    assert calls[4:] == [1, 1]
