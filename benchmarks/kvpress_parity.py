@@ -22,8 +22,9 @@ Pairs (kvpress press <-> kvlab policy), ``compression_ratio = 1 - keep``:
   evaluation-registry "expected_attention") <-> ``adakv`` (scorer expected_attention, epsilon 0.01)
 - kvzip: ``KVzipPress(layerwise=True)`` (each layer's budget spread over its heads) <-> ``adakv``
   (scorer kvzip, alpha_safeguard 0); kvzip-uniform: the top ``floor(n keep)`` of kvpress's KVzip
-  scores per head <-> ``kvzip``; kvpress's default ``layerwise=False`` (one budget over all layers)
-  has no kvlab twin yet. kvpress's KVzip leaves the chat template's prefix (``prefix_length``
+  scores per head <-> ``kvzip``; kvzip-model: kvpress's default ``KVzipPress()`` (``layerwise=False``:
+  one budget over every layer and head) <-> ``adakv`` (scorer kvzip, alpha_safeguard 0, scope
+  model). kvpress's KVzip leaves the chat template's prefix (``prefix_length``
   tokens, which its pipeline inserts) unscored; kvlab's prompts carry no template, so the worker
   sets that prefix to 0.
 
@@ -43,7 +44,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PAIRS = ["snapkv", "knorm", "expected_attention", "adakv(snapkv)", "adakv(expected_attention)", "kvzip",
-         "kvzip-uniform"]
+         "kvzip-uniform", "kvzip-model"]
 
 
 # -- the kvpress side (runs inside the kvpress virtualenv; imports no kvlab) -----------------------
@@ -51,7 +52,9 @@ def worker(spec_path: str, out_path: str) -> None:
     import torch
     from kvpress import AdaKVPress, ExpectedAttentionPress, KnormPress, KVzipPress, ScorerPress, SnapKVPress
     from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(spec["threads"])
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32, attn_implementation="sdpa").eval()
@@ -90,6 +93,7 @@ def worker(spec_path: str, out_path: str) -> None:
                 "adakv(snapkv)": AdaKVPress(SnapKVPress(compression_ratio=r)),
                 "adakv(expected_attention)": AdaKVPress(ExpectedAttentionPress(compression_ratio=r, epsilon=1e-2)),
                 "kvzip": PlainKVzip(compression_ratio=r, layerwise=True),
+                "kvzip-model": PlainKVzip(compression_ratio=r),
             }
             for method, press in presses.items():
                 if method not in spec["methods"] and not (method == "kvzip" and "kvzip-uniform" in spec["methods"]):
@@ -132,6 +136,7 @@ KVLAB = {
     "adakv(expected_attention)": ("adakv", {"scorer": "expected_attention", "scorer_params": {"epsilon": 0.01}}),
     "kvzip": ("adakv", {"scorer": "kvzip", "alpha_safeguard": 0.0}),
     "kvzip-uniform": ("kvzip", {}),
+    "kvzip-model": ("adakv", {"scorer": "kvzip", "alpha_safeguard": 0.0, "scope": "model"}),
 }
 
 
@@ -201,10 +206,12 @@ def main(argv=None) -> None:
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     from kvlab.models import converted_gguf, smollm2_gguf_path
 
     torch.set_num_threads(args.threads)
+    hf_logging.disable_progress_bar()
     folder = converted_gguf(smollm2_gguf_path())
     tokenizer = AutoTokenizer.from_pretrained(folder)
     prompts = {f"{n}": prompt_ids(tokenizer, n) for n in args.lengths}

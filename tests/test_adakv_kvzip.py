@@ -124,6 +124,8 @@ def test_adakv_refuses_what_it_cannot_do():
         make_policy("adakv", scorer_params={"window": 8})
     with pytest.raises(PolicyError, match="keep"):
         make_policy("adakv", scorer_params={"keep": 0.1})
+    with pytest.raises(PolicyError, match="only the kvzip"):
+        make_policy("adakv", scope="model")
     with pytest.raises(PolicyError, match="fast engine"):
         make_policy("adakv").fast_storage()
     assert "adakv" in POLICIES and "kvzip" in POLICIES
@@ -141,6 +143,15 @@ def test_kvzip_scores_match_kvpress(lm):
                                         scorer_params={"chunk_size": 32}), ids, n_new=2)
     for i, k in enumerate(kept):
         assert torch.equal(kept_mask(k, 80), ref.adakv_mask(expected[i], 0.25, 0.0)), f"layer {i}"
+    # kvpress's default (layerwise=False): one budget over every layer and head
+    _, kept, _, _ = run(lm, make_policy("adakv", keep=0.25, scorer="kvzip", alpha_safeguard=0.0, scope="model",
+                                        scorer_params={"chunk_size": 32}), ids, n_new=2)
+    for b in range(2):
+        flat = expected[:, b].reshape(-1)
+        want = torch.ones_like(flat, dtype=torch.bool)
+        want[(-flat).topk(int(flat.numel() * 0.75)).indices] = False
+        got = torch.stack([kept_mask(k[b:b + 1], 80)[0] for k in kept]).reshape(-1)
+        assert torch.equal(got, want)
 
 
 def test_kvzip_reconstruction_inputs_and_chunked_prefill(lm):

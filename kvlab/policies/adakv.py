@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+
+import torch
 
 from kvlab.policies.base import Policy, PolicyError, check_keep
 from kvlab.policies.expected_attention import ExpectedAttentionPolicy, rotary_of
@@ -44,6 +45,9 @@ class AdaKVPolicy(Policy):
         "help": "each head keeps at least this fraction of the layer's per-head budget"})
     scorer_params: dict | None = field(default=None, metadata={
         "help": "the scorer's own parameters, e.g. {'window_size': 32} (keep comes from adakv)"})
+    scope: str = field(default="layer", metadata={
+        "help": "'layer': one budget per layer over its heads; 'model' (kvzip only): one budget over every "
+                "layer and head (kvpress's KVzip default)"})
 
     def __post_init__(self):
         super().__post_init__()
@@ -64,6 +68,11 @@ class AdaKVPolicy(Policy):
         if unknown:
             raise PolicyError(f"unknown scorer_params {', '.join(unknown)} for {self.scorer}; it takes: "
                               f"{', '.join(sorted(allowed)) or 'nothing'}")
+        if self.scope not in ("layer", "model"):
+            raise PolicyError(f"scope must be 'layer' or 'model', got {self.scope!r}")
+        if self.scope == "model" and self.scorer != "kvzip":
+            raise PolicyError("scope='model' needs every layer's scores before any layer evicts: only the kvzip "
+                              "scorer has them (the others evict layer by layer during the prefill)")
         object.__setattr__(self, "_inner", SCORERS[self.scorer](keep=self.keep, **params))
 
     @property
@@ -73,12 +82,8 @@ class AdaKVPolicy(Policy):
 
     @property
     def label(self) -> str:
-        return self.chunk_label(f"adakv({self.scorer}) {self.keep:.0%}")
-
-    def params(self) -> dict[str, Any]:
-        out = super().params()
-        out.setdefault("scorer_params", None)
-        return out
+        scope = "" if self.scope == "layer" else ", model"
+        return self.chunk_label(f"adakv({self.scorer}{scope}) {self.keep:.0%}")
 
     def check(self, model) -> None:
         self.inner.check(model)
@@ -101,6 +106,8 @@ class AdaKVPolicy(Policy):
             layer.rotary = rotary
         if isinstance(self.inner, KVzipPolicy):
             self.inner.bind(cache)
+            if self.scope == "model":
+                cache.plan_heads = plan_model_budget
         cache.policy = self
         return cache
 
@@ -114,3 +121,23 @@ class AdaKVPolicy(Policy):
 
 def _select(scores, n_kept, alpha):
     return adakv_keep_mask(scores, n_kept, alpha)
+
+
+def plan_model_budget(layers) -> None:
+    """kvpress ``KVzipPress.compress_post`` with ``layerwise=False``: per batch row, the lowest scores
+    over every layer, KV head and position are evicted until ``sum over layers of Hkv x budget``
+    remain; each layer then keeps its share (no safeguard)."""
+    scores = torch.stack([layer.kvzip_scores for layer in layers])  # [L, B, Hkv, n]
+    n_layers, bsz, heads, n = scores.shape
+    kept_total = sum(heads * min(n, layer.policy.budget(n, layer.layer_idx, layer.num_layers)) for layer in layers)
+    flat = scores.transpose(0, 1).reshape(bsz, -1)
+    kept = torch.ones_like(flat, dtype=torch.bool)
+    if flat.shape[1] > kept_total:
+        kept.scatter_(1, (-flat).topk(flat.shape[1] - kept_total, dim=1).indices, False)
+    kept = kept.view(bsz, n_layers, heads, n).transpose(0, 1)
+    for layer, mask in zip(layers, kept, strict=True):
+        layer.select_heads = partial(_planned, mask=mask)
+
+
+def _planned(scores, n_kept, mask):
+    return mask

@@ -172,7 +172,7 @@ class ReconstructionMixin:
         """Evict to the budget with the reconstruction scores."""
         n = self.prompt_length
         n_kept = min(n, self.policy.budget(n, self.layer_idx, self.num_layers))
-        if n_kept < self.keys.shape[-2]:
+        if n_kept < self.keys.shape[-2] or hasattr(self, "select_heads"):  # a planned layer may keep more
             self._evict(self.keys, self.values, n_kept, self.kvzip_scores, None)
 
 
@@ -204,6 +204,9 @@ def score_by_reconstruction(base_model, cache, ids: torch.Tensor, policy) -> Non
     finally:
         for layer in layers:
             layer._span = None
+    plan = getattr(cache, "plan_heads", None)
+    if plan is not None:  # budgets across layers (adakv scope='model'): every layer's scores are in
+        plan(layers)
     for layer in layers:
         layer.finish_scoring()
 
