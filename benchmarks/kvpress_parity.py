@@ -256,6 +256,9 @@ def main(argv=None) -> None:
                     "mean_jaccard": round(j.mean().item(), 5), "min_jaccard": round(j.min().item(), 5),
                     "identical_heads": f"{int((j == 1).sum())}/{j.numel()}",
                     "kept_kvlab": int(ours.sum()), "kept_kvpress": int(other["kept"].sum()),
+                    # per-head budgets on transformers' cache: rows stored per KV head = the layer's longest head
+                    "kept_per_head": round(ours.sum(-1).float().mean().item(), 2),
+                    "padded_per_head": round(ours.sum(-1).amax(-1).float().mean().item(), 2),
                     "kvlab_s": round(seconds, 2), "kvpress_s": round(other["seconds"], 2),
                 })
                 print(f"{name:>5} keep {keep:<4} {method:<26} mean Jaccard {rows[-1]['mean_jaccard']:.5f} "

@@ -176,11 +176,6 @@ class ExpectedAttentionPolicy(EvictionPolicy):
                 math.isfinite(self.epsilon) or self.epsilon < 0:
             raise PolicyError(f"epsilon must be a finite number >= 0, got {self.epsilon!r}")
 
-    def check(self, model) -> None:
-        super().check(model)
-        if not hasattr(model, "spec"):  # a bare transformers model: check its rotary now
-            rotary_of(model)
-
     def score(self, keys, values, attn, layer_idx):
         mu, cov, rbar = attn
         return expected_attention_scores(keys, values, mu, cov, rbar, self.n_sink, self.use_vnorm, self.epsilon)
