@@ -113,3 +113,12 @@ def test_decodes_after_eviction(lm):
 def test_bad_parameters_are_refused(bad):
     with pytest.raises(PolicyError):
         make_policy("expected_attention", keep=0.5, **bad)
+
+
+def test_evict_then_quantize_keeps_the_same_positions(lm):
+    ids = prompt()
+    _, plain = kvlab_kept(lm, make_policy("expected_attention", keep=0.25), ids)
+    cache, quant = kvlab_kept(lm, make_policy("expected_attention", keep=0.25,
+                                              quant={"backend": "kvq", "nbits": 4, "q_group_size": 32}), ids)
+    assert all(torch.equal(a, b) for a, b in zip(plain, quant, strict=True))
+    assert cache_stats(cache)["physical_tokens_per_layer"] == [24, 24]
