@@ -5,12 +5,16 @@ Rule (kvpress ``AdaKVPress.compress`` at 0.5.4, arXiv 2407.11550): with the laye
 positions; of the rest, the ``Hkv * (n - n_kept)`` lowest scores of the whole layer are evicted, so
 the layer keeps ``Hkv * n_kept`` positions in total and a head keeps what its scores earn. The
 scores are the wrapped method's (``scorer``): snapkv, pyramidkv (its per-layer budgets too), tova,
-knorm, expected_attention, kvzip.
+knorm, expected_attention, kvzip. ``scope='model'`` (kvzip only, whose scores for every layer exist
+before any layer evicts) spreads one budget over every layer and head: kvpress's ``KVzipPress()``
+default; ``scope='layer'`` with kvzip and ``alpha_safeguard=0`` is its ``layerwise=True``.
 
 Storage (:mod:`kvlab.policies.headwise`): on ``hf``, each head's kept positions padded to the
 layer's longest head, the padding masked out of attention (exact); :func:`head_stats` gives the
 logical kept tokens and the padded tokens/bytes. The fast engine needs a ragged store (per batch
-row and KV head lengths) and decode kernels that read it; until then it refuses this policy.
+row and KV head lengths) and decode kernels that read it; until then it refuses this policy. With
+scope 'layer' a layer keeps exactly ``Hkv x budget`` rows per sequence, so such a store has static
+size per layer and only its per-(row, head) offsets and lengths change: it stays graph-capturable.
 """
 
 from __future__ import annotations
