@@ -1,5 +1,10 @@
 """Expected Attention, KVzip and AdaKV on real weights: the ~2k-token needle prompt of
-test_policies_smollm2 (SmolLM2-135M-Instruct, CPU), question-agnostic compression at keep 0.5."""
+test_policies_smollm2 (SmolLM2-135M-Instruct, CPU), question-agnostic compression at keep 0.5.
+
+Observed 2026-12-03 (kept positions identical to kvpress 0.5.4's, see
+reports/cpu-kvpress-parity-2026-12-03): KVzip, which scores what the model needs to repeat the
+context, keeps the needle; Expected Attention (per head or head-adaptive) answers 2021/2023 for
+2058756, as question-agnostic SnapKV loses it (test_policies_smollm2)."""
 
 import pytest
 
@@ -22,13 +27,13 @@ def answer(smollm2, needle, method, **params):
     return result, value
 
 
-@pytest.mark.parametrize("method,params", [
-    ("expected_attention", {}),
-    ("kvzip", {}),
-    ("adakv", {"scorer": "expected_attention"}),
-    ("adakv", {"scorer": "kvzip", "alpha_safeguard": 0.0}),
+@pytest.mark.parametrize("method,params,finds", [
+    ("expected_attention", {}, False),
+    ("kvzip", {}, True),
+    ("adakv", {"scorer": "expected_attention"}, False),
+    ("adakv", {"scorer": "kvzip", "alpha_safeguard": 0.0}, True),
 ])
-def test_half_cache_keeps_the_needle(smollm2, needle, method, params):
+def test_half_cache_and_the_needle(smollm2, needle, method, params, finds):
     result, value = answer(smollm2, needle, method, keep=0.5, **params)
     n = len(needle[0])
     kept = kept_positions(result.cache)
@@ -40,4 +45,4 @@ def test_half_cache_keeps_the_needle(smollm2, needle, method, params):
     else:
         assert result.cache_after_prefill["physical_tokens"] == n // 2
     print(method, params, repr(result.text))
-    assert value in result.text
+    assert (value in result.text) == finds
