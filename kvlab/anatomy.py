@@ -157,7 +157,9 @@ class StepProfiler:
             raise AnatomyError(f"device {device!r} requested but CUDA is not available: use device='cpu'")
         self.device, self.steps, self.warmup = str(device), steps, warmup
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.on_device else [])
-        self.profiler = profile(activities=activities)
+        # one cycle: acc_events=True keeps torch 2.11 (H200) from warning "Profiler clears events at the end
+        # of each cycle" on every profile (pytorch #180387); it changes nothing for a single cycle
+        self.profiler = profile(activities=activities, acc_events=True)
         self.count, self.t0, self.t1 = 0, None, None
 
     def _sync(self):

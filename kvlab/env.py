@@ -15,6 +15,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from kvlab import hostload
 from kvlab.energy import cuda_index, find_handle, torch_device_uuid
 from kvlab.records import utc_now
 
@@ -143,6 +144,7 @@ def snapshot(device: str | None = None, nvml=None, uuid: str | None = None) -> d
         "cpu": platform.processor() or platform.machine(),
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),  # set by kvlab/__init__ (CPU runs)
+        "rapl": hostload.rapl_status(),  # CPU energy counter, if the machine exposes one
         "packages": package_versions(),
         **torch_info(device),
         "gpu": gpu_state(device, nvml=nvml, uuid=uuid),

@@ -166,3 +166,67 @@ def peak_rss_bytes() -> int | None:
     activations and the interpreter), or None off Linux."""
     status = _read("/proc/self/status")
     return parse_peak_rss(status) if status else None
+
+
+# RAPL: the CPU package's energy counter, where the kernel exposes it through powercap. This VM (and
+# most cloud VMs) has no /sys/class/powercap, so a CPU run's cost is its CPU time (kvlab.reporting);
+# the status below is recorded in every sweep's manifest (kvlab.env.snapshot) so a report can say so.
+POWERCAP = "/sys/class/powercap"
+
+
+def rapl_zones(root: str | Path = POWERCAP) -> dict[str, Path]:
+    """Top-level RAPL zones (``intel-rapl:0`` ...; not their subzones) by their ``name`` file
+    (``package-0``), each as its folder: ``energy_uj`` and ``max_energy_range_uj`` live there."""
+    zones: dict[str, Path] = {}
+    base = Path(root)
+    if not base.is_dir():
+        return zones
+    for zone in sorted(base.glob("intel-rapl:*")):
+        if zone.name.count(":") != 1 or not (zone / "energy_uj").exists():
+            continue
+        name = _read(str(zone / "name"))
+        zones[(name or zone.name).strip()] = zone
+    return zones
+
+
+def read_rapl_uj(root: str | Path = POWERCAP) -> dict[str, int]:
+    """Each readable zone's cumulative energy in microjoules (``energy_uj``; root-only on recent
+    kernels, so an unprivileged process often reads nothing)."""
+    out = {}
+    for name, zone in rapl_zones(root).items():
+        text = _read(str(zone / "energy_uj"))
+        if text is not None and text.strip().isdigit():
+            out[name] = int(text)
+    return out
+
+
+def rapl_delta_j(before: dict[str, int], after: dict[str, int], root: str | Path = POWERCAP) -> dict[str, float]:
+    """Joules per zone between two :func:`read_rapl_uj` readings; a counter that wrapped adds its
+    ``max_energy_range_uj`` (one wrap: readings must be closer than the range, minutes at full load)."""
+    zones = rapl_zones(root)
+    out = {}
+    for name, b in before.items():
+        if name not in after:
+            continue
+        d = after[name] - b
+        if d < 0:
+            span = _read(str(zones[name] / "max_energy_range_uj")) if name in zones else None
+            if span is None or not span.strip().isdigit():
+                continue
+            d += int(span)
+        out[name] = d / 1e6
+    return out
+
+
+def rapl_status(root: str | Path = POWERCAP) -> str:
+    """Whether this machine exposes RAPL energy, in words: 'readable: package-0, dram', 'unreadable:
+    package-0 (energy_uj needs root)', or 'none: no /sys/class/powercap' (most VMs)."""
+    if not Path(root).is_dir():
+        return f"none: no {root}"
+    zones = rapl_zones(root)
+    if not zones:
+        return f"none: no intel-rapl zone in {root}"
+    readable = read_rapl_uj(root)
+    if readable:
+        return "readable: " + ", ".join(readable)
+    return "unreadable: " + ", ".join(zones) + " (energy_uj needs root)"

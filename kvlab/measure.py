@@ -178,7 +178,9 @@ class KernelProbe:
 
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         self.cuda = cuda
-        self._prof = profile(activities=acts)
+        # one profiling cycle per probe: acc_events=True changes nothing here, and stops torch 2.11 (H200)
+        # warning "Profiler clears events at the end of each cycle" on every profile (pytorch #180387)
+        self._prof = profile(activities=acts, acc_events=True)
         self.kernels: list[str] = []
         self.device_ms: float | None = None
         self.running = False
@@ -318,6 +320,7 @@ def measure_generation(
     try:
         with sdpa_context(sdpa_backend), torch.no_grad(), sampler.window("prefill") as win:
             t0 = win.phase_edges[0]
+            prefill_start = read_counters()
             clock.mark()  # 0: prefill start
             if probe_prefill:
                 probe_prefill.start()
@@ -342,6 +345,7 @@ def measure_generation(
             if probe is not None:
                 probe.abandon()
     host = host_delta(host_start, read_counters())  # decode, to the window's closing synchronize
+    prefill_host = host_delta(prefill_start, host_start)  # prefill and the first token
     final = decoder.stats(new_tokens)  # after the decode
     res = win.result
     if _token_count(tokens) != new_tokens:
@@ -397,6 +401,7 @@ def measure_generation(
         "temp_start_c": res.temp_start_c,
         "temp_end_c": res.temp_end_c,
         **{f"decode_{k}": v for k, v in host.items()},
+        "prefill_host_process_cpu_ms": prefill_host["host_process_cpu_ms"],  # CPU cost, split as energy
         **decoder.columns(rows),
     }
     threads = torch.get_num_threads()

@@ -20,6 +20,8 @@ from kvlab.reporting.frames import (
     SYNTHETIC_NOTE,
     all_perf_records,
     contended_mask,
+    cpu_only,
+    cpu_time_per_token,
     decode_throughput,
     energy_missing,
     failed_records,
@@ -67,7 +69,9 @@ from kvlab.reporting.stats import (
 )
 from kvlab.reporting.study import (
     Study,
+    cost_note,
     load_study,
+    rapl_recorded,
     study_provenance,
     summary_markdown,
     sweep_manifests,
@@ -75,13 +79,16 @@ from kvlab.reporting.study import (
 from kvlab.reporting.summaries import (
     BATCH_METRICS,
     CONTEXT_METRICS,
+    COSTS,
     PAYS_METRICS,
     STUDY_METRICS,
     VERDICT_WORDS,
     batch_summary,
     captioned,
+    cell_cost,
     compression_pays,
     context_summary,
+    cpu_cost_note,
     energy_answer,
     failure_text,
     headline,
@@ -107,6 +114,7 @@ from kvlab.reporting.workload import (
 
 __all__ = [
     "engine_comparison", "engine_lines", "engine_table",
+    "COSTS", "cell_cost", "cpu_cost_note", "cost_note", "rapl_recorded", "cpu_only", "cpu_time_per_token",
     "runs_text",
     "pays_why",
     "say",

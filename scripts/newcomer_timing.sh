@@ -143,4 +143,19 @@ for key, (n, s) in sorted(per.items()):
     print(f"  {key:32s} {n} x, prefill+decode {s:6.1f} s")
 EOF
 fi
+if [ "$setup_only" = 0 ] && [ -f outputs/smoke/records.jsonl ]; then
+  # issue #30's done-when: the report of a busy VM still reaches verdicts, and nothing warns
+  echo
+  echo "the report's verdicts (where compression pays; on a CPU they read CPU ms/token):"
+  python - <<'EOF' || true
+from kvlab import report
+study = report.load_study("outputs/smoke")
+pays = report.compression_pays(study.records)
+for r in pays.to_dict("records"):
+    print(f"  {r['label']:16s} ctx {r['ctx']:>5}, batch {r['batch']}: {r['verdict']} "
+          f"({r['cost']}, {r['n']} vs {r['n_base']} runs)")
+print("  " + "\n  ".join(report.energy_answer(pays)))
+EOF
+  echo "warning lines in the phases' output: $(cat "$work"/phase-*.log | tr '\r' '\n' | grep -ci 'warn')"
+fi
 [ "$keep" = 1 ] && echo "kept $work (table: $table)"

@@ -24,7 +24,10 @@ QUALITY_KEEPS = (0.1, 0.25, 0.5, 1.0)
 
 
 def fake_perf_records(ctxs=(1024, 4096, 16384), repeats=3, new_tokens=48, residual=16, energy=True,
-                      seed=0) -> list[dict]:
+                      seed=0, cpu=False) -> list[dict]:
+    """``cpu``: runs of a shared CPU VM instead (no energy; host counters, as kvlab.measure records
+    them: CPU time that follows the method's ITL factor, 30% of a CPU stolen, the first two repeats
+    contended)."""
     rng = np.random.default_rng(seed)
     rows = []
     for method, (label, keep, bits, mem_f, j_f, itl_f) in METHODS.items():
@@ -55,6 +58,12 @@ def fake_perf_records(ctxs=(1024, 4096, 16384), repeats=3, new_tokens=48, residu
                     energy_10hz_j=j * new_tokens * (1 + 0.05 * rng.standard_normal()) if energy else None,
                     j_per_token_10hz=None,
                 )
+                if cpu:
+                    rec.update(device="cpu", gpu_name=None, energy_source="none: device 'cpu' has no NVML energy counter",
+                               energy_j=None, decode_j=None, j_per_token=None, energy_10hz_j=None,
+                               decode_host_process_cpu_ms=float(itl.sum()) * (1 + 0.01 * r),
+                               prefill_host_process_cpu_ms=ctx / 10.0, decode_host_steal_ms=float(itl.sum()) * 0.3,
+                               contended=r < 2, peak_mem_source="process peak RSS (VmHWM)")
                 rows.append(rec)
     rows.append(dict(rows[-1], run_id="fake-failed", status="failed", error="CUDA out of memory (fake)",
                      ctx=131072, itl_ms=None, j_per_token=None))
@@ -90,14 +99,14 @@ FAKE_MANIFEST = {
 }
 
 
-def write_fake_sweep(folder: str | Path, energy=True, quality=True) -> Path:
+def write_fake_sweep(folder: str | Path, energy=True, quality=True, cpu=False) -> Path:
     """A sweep folder in the real on-disk format (kvlab.records writer), holding fake numbers."""
     from kvlab.records import RecordWriter, write_manifest
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     with RecordWriter(folder / "records.jsonl") as w:
-        for rec in fake_perf_records(energy=energy) + (fake_quality_records() if quality else []):
+        for rec in fake_perf_records(energy=energy, cpu=cpu) + (fake_quality_records() if quality else []):
             w.append(rec)
     write_manifest(folder, FAKE_MANIFEST)
     return folder

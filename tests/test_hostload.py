@@ -2,7 +2,16 @@
 
 import pytest
 
-from kvlab.hostload import HostCounters, host_delta, parse_nonvoluntary, parse_steal_s, read_counters
+from kvlab.hostload import (
+    HostCounters,
+    host_delta,
+    parse_nonvoluntary,
+    parse_steal_s,
+    rapl_delta_j,
+    rapl_status,
+    read_counters,
+    read_rapl_uj,
+)
 
 PROC_STAT = """cpu  4705 356 584 3699176 23060 0 277 1234 0 0
 cpu0 1393 280 209 923545 6017 0 207 600 0 0
@@ -120,3 +129,43 @@ def test_importing_kvlab_before_torch_makes_openmp_threads_wait_passively_unless
     assert _omp_wait_policy_after("import kvlab", OMP_WAIT_POLICY="ACTIVE") == "ACTIVE"
     # torch already loaded libgomp: setting it now would claim a policy that is not in force
     assert _omp_wait_policy_after("import torch; import kvlab") == "None"
+
+
+def fake_powercap(root, zones):
+    """A FAKE /sys/class/powercap tree: {folder: (name, energy_uj or None for root-only, max range)}."""
+    for folder, (name, energy, span) in zones.items():
+        z = root / folder
+        z.mkdir(parents=True)
+        (z / "name").write_text(name + "\n")
+        (z / "energy_uj").write_text(f"{energy}\n" if energy is not None else "")
+        (z / "max_energy_range_uj").write_text(f"{span}\n")
+    return root
+
+
+def test_rapl_status_without_powercap_says_so(tmp_path):
+    assert rapl_status(tmp_path / "none") == f"none: no {tmp_path / 'none'}"
+    assert rapl_status(tmp_path) == f"none: no intel-rapl zone in {tmp_path}"
+    assert read_rapl_uj(tmp_path / "none") == {}
+
+
+def test_rapl_reads_top_level_zones_and_a_wrapped_counter(tmp_path):
+    root = fake_powercap(tmp_path, {"intel-rapl:0": ("package-0", 999_000_000, 1_000_000_000),
+                                    "intel-rapl:0:0": ("core", 5, 1_000_000_000),  # a subzone: not counted twice
+                                    "intel-rapl:1": ("dram", 10_000_000, 1_000_000_000)})
+    before = read_rapl_uj(root)
+    assert before == {"package-0": 999_000_000, "dram": 10_000_000}
+    assert rapl_status(root) == "readable: package-0, dram"
+    (root / "intel-rapl:0" / "energy_uj").write_text("2000000\n")  # wrapped at 1000 J
+    (root / "intel-rapl:1" / "energy_uj").write_text("12500000\n")
+    assert rapl_delta_j(before, read_rapl_uj(root), root) == pytest.approx({"package-0": 3.0, "dram": 2.5})
+
+
+def test_rapl_readable_only_by_root_is_unreadable(tmp_path):
+    root = fake_powercap(tmp_path, {"intel-rapl:0": ("package-0", None, 1)})
+    assert rapl_status(root) == "unreadable: package-0 (energy_uj needs root)"
+
+
+def test_the_manifest_records_rapl():
+    from kvlab.env import snapshot
+
+    assert snapshot("cpu")["rapl"].split(":")[0] in {"none", "readable", "unreadable"}

@@ -90,6 +90,7 @@ def test_full_cache_run_generates_exactly_n_tokens_and_times_each(tiny):
     # host counters over decode (Linux) read; os.times() ticks every 10 ms, and five tiny decode
     # steps can take less, so the process CPU time may read 0 here
     assert r["decode_host_process_cpu_ms"] >= 0 and r["decode_host_process_cpu_share"] >= 0
+    assert r["prefill_host_process_cpu_ms"] >= 0  # the CPU cost of a CPU run, split as energy (issue 30)
     assert r["decode_host_steal_ms"] >= 0 and r["decode_host_nonvoluntary_switches"] >= 0
 
 

@@ -59,7 +59,7 @@ def test_keep_one_reproduces_the_full_cache(lm, full_tokens, method):
 
 @pytest.mark.parametrize("method", EVICTION)
 def test_generate_and_decode_loop_agree_after_eviction(lm, full_tokens, method):
-    """Same tokens from model.generate (positions from the attention mask) and kvlab.decode
+    """Same tokens from model.generate (positions from the attention mask) and kvlab.engine.generation
     (positions from the logical length): masks and positions are consistent after eviction."""
     p = policy(method, 0.3)
     ours = generate_text(lm, prompt(), p, NEW)

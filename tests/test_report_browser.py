@@ -7,7 +7,7 @@ from synthetic_records import write_fake_sweep
 
 from kvlab import report
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow(reason="renders a report (a Jupyter kernel) and draws it in headless Chromium")
 
 
 @pytest.fixture(scope="module")

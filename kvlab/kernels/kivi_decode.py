@@ -4,7 +4,7 @@ torch reference (:func:`kvlab.kernels.kivi.attend`) elsewhere.
     ws = make_kivi_workspace(q_heads, store)        # once, before capturing a graph
     out = kivi_decode_attention(q, store, lengths, scale, workspace=ws)
 
-CUDA-graph capturable as :mod:`kvlab.kernels.triton_decode`: ``lengths`` (int32 ``[B]``) stays on the
+CUDA-graph capturable as :mod:`kvlab.kernels.decode`: ``lengths`` (int32 ``[B]``) stays on the
 device, the grid depends only on B, Hkv and the store's number of groups; the boundary between
 codes and ring is computed on the device from the length. Kernels: :mod:`kvlab.kernels.kivi_triton`.
 triton is imported only when a kernel runs.
@@ -79,7 +79,7 @@ def kivi_decode_attention(q: torch.Tensor, store: kivi.KiviStore, lengths: torch
                           backend: str = "auto") -> torch.Tensor:
     """``softmax(q k^T * scale) v`` over each row's first ``lengths[b]`` tokens -> ``[B, Hq, D]``
     (``q.dtype`` from the kernel, float32 from the reference). ``backend`` as
-    :func:`kvlab.kernels.triton_decode.decode_attention`."""
+    :func:`kvlab.kernels.decode.decode_attention`."""
     if backend not in BACKENDS:
         raise FormatError(f"backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
     batch, q_heads, head_dim = q.shape

@@ -20,13 +20,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvlab.policies.adakv import AdaKVPolicy
 from kvlab.policies.base import Policy, PolicyError
 from kvlab.policies.cache import EvictionError, cache_stats, kept_positions
 from kvlab.policies.decoding import DecodingPolicy
 from kvlab.policies.eviction import EvictionPolicy
+from kvlab.policies.expected_attention import ExpectedAttentionPolicy
 from kvlab.policies.full import FullPolicy
 from kvlab.policies.kivi import KiviPolicy
 from kvlab.policies.knorm import KnormPolicy
+from kvlab.policies.kvzip import KVzipPolicy
 from kvlab.policies.pyramidkv import PyramidKVPolicy
 from kvlab.policies.quantized import QuantizedPolicy, QuantSpec
 from kvlab.policies.quantized.policies import (
@@ -47,7 +50,7 @@ POLICIES: dict[str, type[Policy]] = {
     cls.name: cls
     for cls in (FullPolicy, StreamingLLMPolicy, SnapKVPolicy, PyramidKVPolicy, TOVAPolicy, KnormPolicy,
                 RandomPolicy, QuantoPolicy, HQQPolicy, FP8Policy, KVQFp8Policy, KVQInt4Policy, KVQInt2Policy,
-                DecodingPolicy)
+                DecodingPolicy, ExpectedAttentionPolicy, KVzipPolicy, AdaKVPolicy)
 }
 POLICIES.update({cls.name: cls for cls in (KiviPolicy, QuestPolicy)})  # issue 29's reads
 

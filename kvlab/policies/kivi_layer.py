@@ -4,7 +4,7 @@ Holds exactly what the fast engine's :class:`kvlab.kernels.kivi.KiviStore` holds
 the first ``quantized_tokens(n)`` tokens as codes (keys per channel over groups of G tokens, values
 per token), the rest as bf16, flushed G at a time once R + G tokens are exact; the codes are
 computed from the bf16 values, as the fast store's. Attention gets the whole cache dequantized to
-the model dtype (the explicit dequantize-then-attend path, as :class:`kvlab.policies.kvq.KVQLayer`);
+the model dtype (the explicit dequantize-then-attend path, as :class:`kvlab.policies.quantized.kvq_layers.KVQLayer`);
 the prefill's own attention reads the exact K/V.
 """
 

@@ -71,7 +71,37 @@ def with_derived(df: pd.DataFrame) -> pd.DataFrame:
             df[dst] = pd.to_numeric(df[src], errors="coerce") / GB
     if any(c in df.columns for c in ("tokens_per_s", "decode_s")):
         df["tokens_per_s"] = decode_throughput(df)
+    df = df.assign(**cpu_time_per_token(df))
     return _int_columns(df)
+
+
+def cpu_time_per_token(df: pd.DataFrame) -> dict[str, pd.Series]:
+    """The process's CPU time (user + system, all threads) per generated token, split as energy is:
+    ``cpu_ms_per_token`` over the prefill and decode (the tokens of the whole batch, like
+    ``j_per_token``) and ``decode_cpu_ms_per_token`` over the decode steps (``batch * (new_tokens - 1)``,
+    like ``decode_j_per_token``). Empty where the records carry no host counters (kvlab.hostload)."""
+    if "decode_host_process_cpu_ms" not in df.columns or "new_tokens" not in df.columns:
+        return {}
+    def num(col: str) -> pd.Series:
+        if col not in df.columns:
+            return pd.Series(math.nan, index=df.index, dtype=float)
+        return pd.to_numeric(df[col], errors="coerce")
+
+    batch = num("batch").fillna(1.0)
+    new = num("new_tokens")
+    decode = num("decode_host_process_cpu_ms")
+    steps = batch * (new - 1)
+    out = {"decode_cpu_ms_per_token": (decode / steps).where(steps > 0)}
+    total = decode + num("prefill_host_process_cpu_ms")
+    out["cpu_ms_per_token"] = (total / (batch * new)).where(new > 0)
+    return out
+
+
+def cpu_only(df: pd.DataFrame) -> bool:
+    """True when every record ran on a CPU (``device`` not CUDA): its cost is CPU time, not energy."""
+    if "device" not in df.columns or df.empty:
+        return False
+    return not df["device"].astype(str).str.startswith("cuda").any()
 
 
 def engine_tag(record: dict) -> str:

@@ -32,12 +32,16 @@ def project_path(path: str | Path) -> Path:
 
 
 # The sweep notebook with no params file: what runs where. On a GPU, the study's protocol at the
-# requested context, reduced to end inside one 10-minute device command (the h200-16k.yaml grid:
-# every method at keep 0.1, quanto int4/int2, fp8, 3 repeats, SDPA pinned to flash); a rerun
-# resumes. On a CPU, the smoke sweep (SmolLM2, real weights) where its context limit allows.
+# requested context on both decode engines (kvlab's finding is method cost vs implementation cost:
+# transformers' step, hf, beside kvlab's static-KV graph-replayed step, fast), reduced to end inside
+# one 10-minute device command (the h200-16k.yaml grid: every method at keep 0.1, quanto int4/int2,
+# fp8, 3 repeats, SDPA pinned to flash). The sweep interleaves engines and methods within each
+# repeat, so a budget stop still leaves both engines measured; a rerun resumes. hf alone ran 24
+# runs in 6 min at 16k on the H200 (2026-12-03), fast runs take seconds. On a CPU, the smoke sweep
+# (SmolLM2, real weights) where its context limit allows.
 GPU_DEFAULTS: dict[str, Any] = {
     "name": "notebook-study", "models": ["llama-3.1-8b"], "weights": "synthetic", "dtype": "bfloat16",
-    "sdpa_backend": "flash",
+    "sdpa_backend": "flash", "engine": ["hf", "fast"],
     "methods": ["full", "streamingllm", "snapkv", "pyramidkv", "tova", {"method": "quanto", "bits": [4, 2]}, "fp8"],
     "keep": [0.1], "ctx": [16384], "batch": [1], "new_tokens": 128, "prompts": 1, "repeats": 3,
     "warmup_runs": 1, "idle_s": 5, "jitter_ms": 100, "time_budget_s": 540,
@@ -71,7 +75,8 @@ def sweep_defaults(given: dict[str, Any], cuda_available: bool) -> SweepDefaults
     """Pick the sweep notebook's defaults from the machine (pure: ``cuda_available`` is passed in).
 
     ``given`` holds the values the user set (not None). A CUDA device, given or found, gets the
-    study's methods on the Llama-3.1-8B shape with synthetic weights at the requested context; a
+    study's methods on the Llama-3.1-8B shape with synthetic weights on both engines at the
+    requested context; a
     CPU gets the smoke sweep, and a context above what it can run raises one :class:`ReportError`
     line saying what to run instead, in papermill's syntax.
     """
@@ -81,7 +86,8 @@ def sweep_defaults(given: dict[str, Any], cuda_available: bool) -> SweepDefaults
         values = {**GPU_DEFAULTS, "device": device}
         run = {**values, **given}  # what will run: the note says the user's values where given
         note = (f"no params file: the study's methods on the llama-3.1-8b shape (synthetic weights) on {device} "
-                f"at ctx {', '.join(map(str, ctx or values['ctx']))}, {run['repeats']} repeats, stopping "
+                f"with engine {' and '.join(run['engine'])} at ctx {', '.join(map(str, ctx or values['ctx']))}, "
+                f"{run['repeats']} repeats, stopping "
                 f"cleanly after {run['time_budget_s']} s (rerun to resume)")
         return SweepDefaults(None, values, note)
     too_long = [c for c in ctx if c + CPU_NEW_TOKENS > CPU_MAX_CONTEXT]

@@ -23,6 +23,7 @@ from kvlab.reporting.frames import (
     quality_records,
 )
 from kvlab.reporting.provenance import distinct_values, provenance, provenance_by_sweep
+from kvlab.reporting.summaries import cpu_cost_note
 
 
 @dataclass
@@ -99,10 +100,15 @@ def summary_markdown(study: Study) -> str:
              f"{len(perf)} performance runs, {len(quality)} quality records, "
              f"{len(failed_records(rec))} failed"]
     busy = int(contended_mask(perf).sum())
+    note = cost_note(study)
     if busy:
+        kept = ("their wall times are left out of *where compression pays*, their CPU time is not"
+                if note else "they are left out of *where compression pays*")
         lines.append(f"**contended:** {busy} of {len(perf)} performance runs were measured while other "
                      f"processes took the CPU (involuntary switches, CPU share or steal: "
-                     f"`kvlab.hostload.contention`); they are left out of *where compression pays*")
+                     f"`kvlab.hostload.contention`); {kept}")
+    if note:
+        lines.append(f"**cost on CPU:** {note}")
     for col, name in (("model", "model"), ("device", "device"), ("gpu_name", "GPU"), ("dtype", "dtype"),
                       ("threads", "torch threads"), ("energy_source", "energy source")):
         v = distinct_values(rec, col)
@@ -121,6 +127,19 @@ def summary_markdown(study: Study) -> str:
         lines.append(f"> weights: synthetic ({SYNTHETIC_NOTE}).")
     return "\n\n".join(lines)
 
+
+
+def rapl_recorded(study: Study) -> str | None:
+    """The RAPL status the sweeps' manifests recorded at their start (:func:`kvlab.hostload.rapl_status`)."""
+    manifests = list(study.manifests.values()) if study.manifests else [study.manifest]
+    found = [m.get("env_start", {}).get("rapl") for m in manifests if isinstance(m, dict)]
+    found = [f for f in found if f]
+    return "; ".join(dict.fromkeys(found)) or None
+
+
+def cost_note(study: Study) -> str | None:
+    """:func:`kvlab.reporting.summaries.cpu_cost_note` for a study (None unless every run was on CPU)."""
+    return cpu_cost_note(study.records, rapl_recorded(study))
 
 
 def study_provenance(study: Study, full: bool = False) -> pd.DataFrame:

@@ -14,6 +14,7 @@ from kvlab.reporting.frames import (
     DEFAULT_CTX,
     all_perf_records,
     contended_mask,
+    cpu_only,
     ok_mask,
     perf_records,
     pick_ctx,
@@ -141,15 +142,24 @@ BATCH_METRICS = {
 }
 PAYS_METRICS = {
     "j_per_token": "J/token",
+    "cpu_ms_per_token": "CPU ms/token",
+    "decode_cpu_ms_per_token": "decode CPU ms/token",
     "itl_median_ms": "time between tokens",
     "tokens_per_s": "tokens/s",
 }
-# The verdicts of `pays_verdict`, in words for the int4 sentences.
+# The cost a verdict reads: energy on a GPU; on a CPU-only machine the process's CPU time (no energy
+# counter there, and wall time counts the neighbours: on a shared 2-core VM 15 of 18 smoke runs were
+# contended, yet their CPU ms/token stayed within +-10%, issue 30).
+COSTS = {"j_per_token": "J/token", "cpu_ms_per_token": "CPU ms/token"}
+# Metrics that a neighbour inflates (wall clock): contended runs stay out of their ratios.
+WALL_METRICS = ("itl_median_ms", "tokens_per_s")
+# The verdicts of `pays_verdict`, in words for the int4 sentences, per cost.
 VERDICT_WORDS = {
-    "pays": "less energy than the full cache",
-    "costs": "more energy than the full cache",
+    "pays": "less {what} than the full cache",
+    "costs": "more {what} than the full cache",
     "no clear difference": "no clear difference from the full cache",
 }
+COST_WORDS = {"j_per_token": "energy", "cpu_ms_per_token": "CPU time"}
 
 
 def failure_text(errors: Sequence[Any]) -> str:
@@ -249,11 +259,13 @@ def rows_or_say(table: pd.DataFrame, sentence: str) -> pd.DataFrame | None:
 
 
 def pays_metric(pays: pd.DataFrame) -> tuple[str, str]:
-    """The metric the *where compression pays* chart colours: J/token where energy was measured,
-    else time between tokens (a CPU run has no energy counter)."""
-    col = "j_per_token_ratio"
-    if col in pays.columns and pd.to_numeric(pays[col], errors="coerce").notna().any():
-        return "j_per_token", "J/token"
+    """The metric the *where compression pays* chart colours: the cost its verdicts read (J/token
+    where energy was measured, CPU ms/token on a CPU), else time between tokens."""
+    for metric, title in COSTS.items():
+        col = f"{metric}_ratio"
+        if col in pays.columns and pd.to_numeric(pays[col], errors="coerce").notna().any():
+            if "cost" not in pays.columns or (pays["cost"] == metric).any():
+                return metric, title
     return "itl_median_ms", "time between tokens"
 
 
@@ -263,12 +275,14 @@ def pays_why(pays: pd.DataFrame, no_energy: str | None = None) -> str:
     metric, _ = pays_metric(pays)
     if metric == "j_per_token" or pays.empty:
         return no_energy or "no performance records"
+    if metric in COSTS:
+        return "no ratio in any cell"
     return "no ratio in any cell: " + "; ".join(dict.fromkeys(str(v) for v in pays["verdict"]))
 
 
-def say(lines: Sequence[str] | str) -> None:
+def say(lines: Sequence[str] | str | None) -> None:
     """Print the lines there are (nothing for none): a notebook cell then shows no empty output."""
-    lines = [lines] if isinstance(lines, str) else list(lines)
+    lines = [lines] if isinstance(lines, str) else list(lines or [])
     if any(lines):
         print("\n".join(line for line in lines if line))
 
@@ -288,10 +302,11 @@ def rows_or_none(table: pd.DataFrame) -> pd.DataFrame | None:
     return None if table is None or table.empty else table
 
 
-def pays_verdict(ratio: float, lo: float, hi: float) -> str:
-    """Does compression pay in energy? On the J/token ratio to the full cache and its 95% CI."""
+def pays_verdict(ratio: float, lo: float, hi: float, cost: str = "J/token") -> str:
+    """Does compression pay? On the cost's ratio to the full cache (J/token, or CPU ms/token on a
+    CPU) and its 95% CI."""
     if ratio is None or math.isnan(ratio):
-        return "no J/token data"
+        return f"no {cost} data"
     if lo is None or hi is None or math.isnan(lo) or math.isnan(hi):
         return "no CI (one run on a side)"
     if hi < 1:
@@ -301,40 +316,57 @@ def pays_verdict(ratio: float, lo: float, hi: float) -> str:
     return "no clear difference"
 
 
+def cell_cost(cell: pd.DataFrame) -> str:
+    """The cost a cell's verdict reads: ``j_per_token`` (energy), except on a CPU-only cell with CPU
+    time recorded (:func:`kvlab.reporting.frames.cpu_only`), where it is ``cpu_ms_per_token``."""
+    if cpu_only(cell) and "cpu_ms_per_token" in cell.columns and cell["cpu_ms_per_token"].notna().any():
+        return "cpu_ms_per_token"
+    return "j_per_token"
+
+
 def compression_pays(records: pd.DataFrame, baseline: str = "full", metrics: Sequence[str] | None = None,
                      n_boot: int = 2000, level: float = 0.95, seed: int = 0) -> pd.DataFrame:
     """For every measured (ctx, batch) cell, each method's metrics over the full cache's in the same
     cell: ratio of means with a bootstrap CI (``{metric}_ratio``, ``_lo``, ``_hi``) and a
-    ``verdict`` on J/token (:func:`pays_verdict`). A method that failed in a cell, or ran where the
-    full cache failed (that is where compression pays in capacity), gets a row saying so. Runs
-    flagged ``contended`` (measured while other work took the CPU: :func:`kvlab.hostload.contention`)
-    are left out of every ratio and counted in ``n_contended``."""
-    metrics = list(metrics or PAYS_METRICS)
+    ``verdict`` (:func:`pays_verdict`) on the cell's ``cost`` (:func:`cell_cost`: J/token, or CPU
+    ms/token on a CPU). A method that failed in a cell, or ran where the full cache failed (that is
+    where compression pays in capacity), gets a row saying so. Runs flagged ``contended`` (measured
+    while other work took the CPU: :func:`kvlab.hostload.contention`) are counted in ``n_contended``
+    and left out of the wall-clock ratios (:data:`WALL_METRICS`) and of J/token; CPU time keeps them
+    (the time the process ran, which a neighbour does not add to), so ``n`` and ``n_base`` count the
+    runs behind the verdict."""
     perf = all_perf_records(records)
+    metrics = [m for m in (metrics or PAYS_METRICS) if m in perf.columns or m == "j_per_token"]
     within = [c for c in CELL if c in perf.columns]
     ratio_cols = [f"{m}_ratio{s}" for m in metrics for s in ("", "_lo", "_hi")]
+    head = ["label", "ctx", "batch", "n", "n_base", "n_contended", "cost"]
     if perf.empty or "method" not in perf.columns or not {"ctx", "batch"} <= set(within):
-        return pd.DataFrame(columns=["label", "ctx", "batch", "n", "n_base", "n_contended", *ratio_cols, "verdict"])
-    cols = ["label", *within, "n", "n_base", "n_contended", *ratio_cols, "verdict"]
+        return pd.DataFrame(columns=[*head, *ratio_cols, "verdict"])
+    cols = ["label", *within, "n", "n_base", "n_contended", "cost", *ratio_cols, "verdict"]
     rows = []
     for keys, cell in perf.groupby(within, sort=True):
         where = dict(zip(within, keys if isinstance(keys, tuple) else (keys,), strict=True))
+        cost = cell_cost(cell)
+        keeps_busy = cost == "cpu_ms_per_token"
         ok = ok_mask(cell)
         busy = contended_mask(cell)
         is_base = cell["method"] == baseline
-        base = cell[is_base & ok & ~busy]
+        base_all, base_quiet = cell[is_base & ok], cell[is_base & ok & ~busy]
+        base = base_all if keeps_busy else base_quiet
         base_failed = cell[is_base & ~ok]
         for label, g in cell[~is_base].groupby("label", sort=False):
-            g_ok = g[ok_mask(g) & ~busy[g.index]]
-            n_busy = int((busy[g.index] & ok_mask(g)).sum() + (busy & is_base & ok).sum())
+            g_all = g[ok_mask(g)]
+            g_quiet = g_all[~busy[g_all.index]]
+            g_ok = g_all if keeps_busy else g_quiet
+            n_busy = int(busy[g_all.index].sum() + busy[base_all.index].sum())
             row: dict[str, Any] = {"label": label, **where, "n": len(g_ok), "n_base": len(base),
-                                   "n_contended": n_busy}
+                                   "n_contended": n_busy, "cost": cost}
             row.update(dict.fromkeys(ratio_cols, math.nan))
-            if g_ok.empty and n_busy and ok_mask(g).any():
+            if g_ok.empty and n_busy and not g_all.empty:
                 row["verdict"] = "every run contended (other processes took the CPU): left out"
             elif g_ok.empty:
                 row["verdict"] = failure_text(g["error"] if "error" in g.columns else [])
-            elif base.empty and (busy & is_base & ok).any():
+            elif base.empty and not base_all.empty:
                 row["verdict"] = f"every {baseline} run contended (other processes took the CPU): no ratio"
             elif base.empty:
                 row["verdict"] = (f"ran where {baseline} " + failure_text(base_failed.get("error", []))
@@ -342,12 +374,13 @@ def compression_pays(records: pd.DataFrame, baseline: str = "full", metrics: Seq
             else:
                 for m in metrics:
                     if m in cell.columns:
-                        r = ratio_ci(pd.to_numeric(g_ok[m], errors="coerce"),
-                                     pd.to_numeric(base[m], errors="coerce"), n_boot, level, seed)
+                        x, b = (g_quiet, base_quiet) if m in WALL_METRICS or m == "j_per_token" else (g_all, base_all)
+                        r = ratio_ci(pd.to_numeric(x[m], errors="coerce"),
+                                     pd.to_numeric(b[m], errors="coerce"), n_boot, level, seed)
                         row[f"{m}_ratio"], row[f"{m}_ratio_lo"], row[f"{m}_ratio_hi"] = r
-                row["verdict"] = pays_verdict(row.get("j_per_token_ratio", math.nan),
-                                              row.get("j_per_token_ratio_lo", math.nan),
-                                              row.get("j_per_token_ratio_hi", math.nan))
+                row["verdict"] = pays_verdict(row.get(f"{cost}_ratio", math.nan),
+                                              row.get(f"{cost}_ratio_lo", math.nan),
+                                              row.get(f"{cost}_ratio_hi", math.nan), COSTS[cost])
             rows.append(row)
     return reading_order(pd.DataFrame(rows, columns=cols))
 
@@ -361,38 +394,73 @@ def pays_table(pays: pd.DataFrame, metrics: dict[str, str] | None = None) -> pd.
                                                                                      strict=True)]})
     if "model" in pays.columns and pays["model"].nunique() > 1:
         out.insert(0, "model", pays["model"].to_numpy())
+    cpu = "cost" in pays.columns and not pays.empty and pays["cost"].eq("cpu_ms_per_token").all()
     for m, title in metrics.items():
+        if m == "j_per_token" and cpu:  # a CPU has no energy counter: an all-n/a column says nothing
+            continue
         if f"{m}_ratio" in pays.columns:
             out[f"{title} / full"] = [ci_text(r[f"{m}_ratio"], r[f"{m}_ratio_lo"], r[f"{m}_ratio_hi"])
                                       for r in pays.to_dict("records")]
     if "n_contended" in pays.columns and pays["n_contended"].fillna(0).astype(int).gt(0).any():
-        out["contended runs left out"] = pays["n_contended"].fillna(0).astype(int).to_numpy()
-    out["verdict (J/token)"] = pays["verdict"].to_numpy()
+        head = "contended runs (out of wall-time ratios)" if cpu else "contended runs left out"
+        out[head] = pays["n_contended"].fillna(0).astype(int).to_numpy()
+    costs = list(dict.fromkeys(pays["cost"])) if "cost" in pays.columns else ["j_per_token"]
+    if len(costs) == 1:
+        out[f"verdict ({COSTS.get(costs[0], costs[0])})"] = pays["verdict"].to_numpy()
+    else:
+        out["verdict"] = [f"{v} ({COSTS.get(c, c)})" for v, c in zip(pays["verdict"], pays["cost"], strict=True)]
     return out.sort_values(["ctx", "batch"], kind="stable").reset_index(drop=True)
 
 
 def energy_answer(pays: pd.DataFrame, pattern: str = "int4", baseline: str = "full",
                   why: str | None = None) -> list[str]:
     """The int4-vs-full-cache question in sentences, one per (ctx, batch) cell, from
-    :func:`compression_pays`: 'quanto int4 used +35% J/token vs full at 16k, batch 1 (95% CI +30%
-    to +41%, 3 vs 3 runs): more energy than the full cache'. ``pattern`` picks the labels."""
+    :func:`compression_pays`, on the cell's cost: 'quanto int4 used +35% J/token vs full at 16k,
+    batch 1 (95% CI +30% to +41%, 3 vs 3 runs): more energy than the full cache', or on a CPU '...
+    +80% CPU ms/token ...: more CPU time than the full cache'. ``pattern`` picks the labels."""
     rows = pays[pays["label"].astype(str).str.contains(pattern, regex=False)] if not pays.empty else pays
     if rows.empty:
         return [f"no '{pattern}' runs in this folder"]
     lines = []
     for r in rows.sort_values(["ctx", "batch"], kind="stable").to_dict("records"):
+        cost = r.get("cost") if isinstance(r.get("cost"), str) else "j_per_token"
+        title = COSTS.get(cost, cost)
         where = f"at {fmt_ctx(r['ctx'])}, batch {int(r['batch'])}"
-        ratio, lo, hi = r["j_per_token_ratio"], r["j_per_token_ratio_lo"], r["j_per_token_ratio_hi"]
+        ratio, lo, hi = r[f"{cost}_ratio"], r[f"{cost}_ratio_lo"], r[f"{cost}_ratio_hi"]
         if ratio is None or math.isnan(ratio):
-            reason = r["verdict"] if r["verdict"] != "no J/token data" else (why or "no J/token recorded")
+            reason = r["verdict"] if r["verdict"] != f"no {title} data" else (why or f"no {title} recorded")
             lines.append(f"{r['label']} {where}: {reason}")
             continue
         runs = f"{int(r['n'])} vs {int(r['n_base'])} runs"
         ci = (f"95% CI {(lo - 1) * 100:+.0f}% to {(hi - 1) * 100:+.0f}%, {runs}" if not math.isnan(lo)
               else f"{runs}, no CI")
-        tail = f": {VERDICT_WORDS[r['verdict']]}" if r["verdict"] in VERDICT_WORDS else ""
-        lines.append(f"{r['label']} used {(ratio - 1) * 100:+.0f}% J/token vs {baseline} {where} ({ci}){tail}")
+        words = VERDICT_WORDS.get(r["verdict"], "").format(what=COST_WORDS.get(cost, title))
+        tail = f": {words}" if words else ""
+        lines.append(f"{r['label']} used {(ratio - 1) * 100:+.0f}% {title} vs {baseline} {where} ({ci}){tail}")
     return lines
+
+
+def cpu_cost_note(records: pd.DataFrame, rapl: str | None = None) -> str | None:
+    """One sentence on why CPU time is the cost of CPU-only records, and the steal and contention
+    measured during their decodes; None when some record ran on a GPU (energy is the cost there).
+    ``rapl``: the machine's RAPL status as the manifest recorded it (:func:`kvlab.hostload.rapl_status`)."""
+    perf = perf_records(records)
+    if perf.empty or not cpu_only(perf) or "cpu_ms_per_token" not in perf.columns:
+        return None
+    counter = f"RAPL {rapl}" if rapl else "no energy counter read"
+    text = ("On a CPU the cost is the process's CPU time (user + system, all threads) per generated token: "
+            "it counts the work the method made the CPU do, which steal and other processes barely "
+            f"change while they stretch wall time, and kvlab reads no CPU energy ({counter})")
+    if {"decode_host_steal_ms", "decode_s"} <= set(perf.columns):
+        share = (pd.to_numeric(perf["decode_host_steal_ms"], errors="coerce")
+                 / (pd.to_numeric(perf["decode_s"], errors="coerce") * 10.0)).dropna()
+        if not share.empty:
+            text += (f"; during these {len(share)} decodes the hypervisor took {share.median():.0f}% of a CPU as "
+                     f"steal (median; up to {share.max():.0f}%)")
+    busy = int(contended_mask(perf).sum())
+    text += (f", and {busy} of {len(perf)} runs were flagged contended: their wall times are context, "
+             f"left out of the wall-time ratios." if busy else ".")
+    return text
 
 
 def tenhz_gap(records: pd.DataFrame, **boot) -> tuple[pd.DataFrame, str]:
