@@ -31,15 +31,18 @@ import pandas as pd
 from kvlab.errors import UserError
 
 GAP = "CPU/launch gap"
-CATEGORIES = ("weight GEMMs", "attention", "cache update/concat", "quantize", "dequantize", "other ops", GAP)
+CATEGORIES = ("weight GEMMs", "attention", "page selection", "cache update/concat", "quantize", "dequantize",
+              "other ops", GAP)
 
 SCOPE_ATTENTION = "kvlab::attention"
 SCOPE_CACHE = "kvlab::cache_update"
 SCOPE_QUANTIZE = "kvlab::quantize"
 SCOPE_DEQUANTIZE = "kvlab::dequantize"
+SCOPE_SELECT = "kvlab::quest_select"  # a sparse read's page selection (kvlab.engine.kvstore_reads)
 
 # Checked in order against each name of an op's chain (the op first, then its parents).
 RULES: tuple[tuple[re.Pattern, str], ...] = (
+    (re.compile(r"^kvlab::quest_select$"), "page selection"),
     (re.compile(r"^kvlab::dequantize$|dequant|unpack", re.I), "dequantize"),
     (re.compile(r"^kvlab::quantize$|quantize", re.I), "quantize"),
     (re.compile(r"^kvlab::cache_update$"), "cache update/concat"),

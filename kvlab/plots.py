@@ -24,9 +24,9 @@ BASELINE_COLOR = "#555555"
 PALETTE = qualitative.Plotly + qualitative.D3
 
 # Anatomy categories, bottom to top of a stacked bar (kvlab.anatomy produces these names).
-ANATOMY_ORDER = ("weight GEMMs", "attention", "cache update/concat", "quantize", "dequantize",
+ANATOMY_ORDER = ("weight GEMMs", "attention", "page selection", "cache update/concat", "quantize", "dequantize",
                  "other ops", "CPU/launch gap")
-ANATOMY_COLORS = dict(zip(ANATOMY_ORDER, ("#4c78a8", "#f58518", "#54a24b", "#e45756", "#b279a2",
+ANATOMY_COLORS = dict(zip(ANATOMY_ORDER, ("#4c78a8", "#f58518", "#ffbf79", "#54a24b", "#e45756", "#b279a2",
                                           "#9d9d9d", "#e8e8e8"), strict=True))
 
 

@@ -364,6 +364,19 @@ CASES = [
     ("params-kvq-group-not-dividing", SWEEP, params_file({"models": "smollm2-135m",
                                                           "methods": [{"method": "kvq-int4", "q_group_size": 128}]}),
      "head_dim 64 is not a multiple of group 128; pick a group (q_group_size) from 32, 64"),
+    # --- issue #29's reads (kivi, quest) ----------------------------------------------------------------
+    ("params-kivi-value-group-not-dividing", SWEEP, params_file({"methods": [{"method": "kivi", "value_group": 32}]}),
+     "value_group=32 does not divide tiny-llama's head_dim 16"),
+    ("params-kivi-bits-3", SWEEP, params_file({"methods": [{"method": "kivi", "bits": [3], "key_bits": 4}]}),
+     "nbits=3"),
+    ("params-kivi-residual-negative", SWEEP, params_file({"methods": [{"method": "kivi", "residual_length": -1}]}),
+     "residual_length"),
+    ("params-quest-dense-layers-above-layers", SWEEP, params_file({"methods": [{"method": "quest", "dense_layers": 9}]}),
+     "dense_layers=9 exceeds"),
+    ("params-quest-budget-one-page", SWEEP, params_file({"methods": [{"method": "quest", "page": 32, "budget": 32}]}),
+     "budget=32 tokens must hold two pages of 32"),
+    ("params-quest-group-reduce", SWEEP, params_file({"methods": [{"method": "quest", "group_reduce": "head"}]}),
+     "group_reduce='head'"),
     # --- issue #27's methods: each parameter refused with its name and range ----------------------------
     ("params-ea-future-zero", SWEEP, params_file({"methods": [{"method": "expected_attention", "n_future_positions": 0}]}),
      "n_future_positions must be >= 1, got 0"),
@@ -401,6 +414,22 @@ CASES = [
     ("generate-axis-key", "generate --model smollm2-135m --prompt hi --method quanto --axis-key 2", None, "axis_key"),
     ("generate-axis-value", "generate --model smollm2-135m --prompt hi --method quanto --axis-value 2", None,
      "axis_value"),
+    ("generate-kivi-key-bits", "generate --model smollm2-135m --prompt hi --method kivi --key-bits 3", None,
+     "key_bits=3"),
+    ("generate-kivi-value-group", "generate --model smollm2-135m --prompt hi --method kivi --value-group 48", None,
+     "value_group=48"),
+    ("generate-kivi-group-size", "generate --model smollm2-135m --prompt hi --method kivi --group-size 24", None,
+     "q_group_size=24"),
+    ("generate-quest-page", "generate --model smollm2-135m --prompt hi --method quest --page 12", None,
+     "page must be a power of two"),
+    ("generate-quest-token-budget", "generate --model smollm2-135m --prompt hi --method quest --token-budget 16", None,
+     "budget=16 tokens must hold two pages"),
+    ("generate-quest-group-reduce", "generate --model smollm2-135m --prompt hi --method quest --group-reduce mean",
+     None, "group_reduce='mean'"),
+    ("generate-quest-dense-layers", "generate --model smollm2-135m --prompt hi --method quest --dense-layers -1", None,
+     "dense_layers must be >= 0"),
+    ("generate-quest-flag-on-full", "generate --model smollm2-135m --prompt hi --page 16", None,
+     "unknown parameter(s) page for full"),
     ("generate-engine-unknown", "generate --model smollm2-135m --prompt hi --engine turbo", None,
      "argument --engine: invalid choice"),
     ("quality-engine-unknown", "quality -o {tmp}/q --engine turbo", None, "argument --engine: invalid choice"),
@@ -486,7 +515,7 @@ def policy_params_covered(cases) -> set[str]:
     from kvlab.cli import generate_run
 
     flag_params = {f"--{flag.replace('_', '-')}": param for flags in (generate_run.EVICTION_FLAGS, generate_run.QUANT_FLAGS,
-                                                                     generate_run.DECODING_FLAGS)
+                                                                     generate_run.DECODING_FLAGS, generate_run.READ_FLAGS)
                    for flag, param in flags.items()}
     flag_params.update({"--backend": "quant", "--prefill-chunk": "prefill_chunk"})
     out = set()

@@ -305,7 +305,9 @@ def _every_method():
             out.append(make_policy(name, nbits=4))
         elif name == "decoding":  # a budget below the 1024-token items, so it evicts while answering
             out.append(make_policy(name, target=512, interval=16, score_params={"window_size": 16}))
-        elif issubclass(POLICIES[name], QuantizedPolicy):  # fp8, kvq-*: their defaults
+        elif name == "quest":  # a budget below the 1024-token items, so the read is sparse
+            out.append(make_policy(name, budget=256))
+        elif issubclass(POLICIES[name], QuantizedPolicy) or name == "kivi":  # fp8, kvq-*, kivi: their defaults
             out.append(make_policy(name))
         else:
             out.append(make_policy(name, keep=0.25))

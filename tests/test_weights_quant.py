@@ -113,7 +113,7 @@ KVQ = ("kvq-int4", "kvq-int2")  # groups of 32-128 elements: tiny-llama's head d
 
 
 def test_int4_weights_run_under_every_cache_policy_on_the_tiny_model():
-    knobs = {"keep": 0.5, "nbits": 4, "q_group_size": 16, "residual_length": 8, "window_size": 8}
+    knobs = {"keep": 0.5, "nbits": 4, "q_group_size": 16, "residual_length": 8, "window_size": 8, "value_group": 16}
     from kvlab.policies import POLICIES
 
     assert set(run_every_policy("tiny-llama", knobs, skip=KVQ)) == set(POLICIES) - set(KVQ)

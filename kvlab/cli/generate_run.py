@@ -15,6 +15,7 @@ from kvlab.engine.engines import generate_text, make_engine
 from kvlab.errors import UserError
 from kvlab.policies import POLICIES, PolicyError, QuantizedPolicy, make_policy
 from kvlab.policies.eviction import EvictionPolicy
+from kvlab.policies.kivi import KiviPolicy
 from kvlab.policies.quantized import BACKENDS, DEFAULT_BACKEND
 from kvlab.preflight import (
     compressions,
@@ -31,6 +32,8 @@ EVICTION_FLAGS = {"keep": "keep", "window_size": "window_size", "kernel_size": "
 QUANT_FLAGS = {"bits": "nbits", "group_size": "q_group_size", "residual": "residual_length",
                "axis_key": "axis_key", "axis_value": "axis_value"}
 DECODING_FLAGS = {"target": "target", "interval": "interval", "score": "score"}
+READ_FLAGS = {"key_bits": "key_bits", "value_group": "value_group", "page": "page", "token_budget": "budget",
+              "group_reduce": "group_reduce", "dense_layers": "dense_layers"}  # kivi, quest
 
 
 
@@ -48,7 +51,7 @@ def policy_from_args(args):
     if cls is not None and issubclass(cls, EvictionPolicy):
         if quant or args.backend:
             params["quant"] = {"backend": args.backend or DEFAULT_BACKEND, **quant}
-    elif cls is not None and issubclass(cls, QuantizedPolicy):
+    elif cls is not None and issubclass(cls, (QuantizedPolicy, KiviPolicy)):
         if args.backend and args.backend != args.method:
             raise PolicyError(f"--backend {args.backend} contradicts --method {args.method}: drop --backend")
         params.update(quant)
@@ -58,6 +61,7 @@ def policy_from_args(args):
                           f"use --method {' / '.join(BACKENDS)} (or an eviction method with --bits to evict then "
                           f"quantize)")
     params.update(_given(args, DECODING_FLAGS))  # make_policy names them if the method takes none
+    params.update(_given(args, READ_FLAGS))
     return make_policy(args.method, **params)
 
 

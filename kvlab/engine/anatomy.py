@@ -28,6 +28,7 @@ from kvlab.anatomy import (
     SCOPE_CACHE,
     SCOPE_DEQUANTIZE,
     SCOPE_QUANTIZE,
+    SCOPE_SELECT,
     Anatomy,
     StepProfiler,
     anatomy_table,
@@ -39,9 +40,13 @@ from kvlab.policies import make_policy
 from kvlab.policies.cache import profiler_scopes
 
 KERNEL_RULES: tuple[tuple[re.Pattern, str], ...] = (
-    (re.compile(r"quantize_write|index_copy|scatter|_put_slots", re.I), "cache update/concat"),
+    # a graph replay has no scopes: of a Quest step's page selection only topk's kernels are known by name
+    # (its bound products are batched GEMMs, counted as weight GEMMs there; eager steps use the scope)
+    (re.compile(r"quest_select|gatherTopK|radixSort|bitonicSort", re.I), "page selection"),
+    (re.compile(r"quantize_write|_kivi_append|index_copy|scatter|_put_slots", re.I), "cache update/concat"),
     (re.compile(r"dequant|unpack", re.I), "dequantize"),
-    (re.compile(r"flash|fmha|attention|_decode_(split|fold|reduce)_kernel|scaled_dot_product", re.I), "attention"),
+    (re.compile(r"flash|fmha|attention|_decode_(split|fold|reduce)_kernel|_(kivi|quest)_split_kernel|"
+                r"merge_partials|scaled_dot_product", re.I), "attention"),
     (re.compile(r"gemm|gemv|cutlass|xmma|nvjet|cublas|^aten::(linear|mm|addmm|bmm|matmul)$", re.I),
      "weight GEMMs"),
 )
@@ -50,6 +55,8 @@ KERNEL_RULES: tuple[tuple[re.Pattern, str], ...] = (
 def classify_kernel(name: str, chain: tuple[str, ...] = ()) -> str:
     """Category of a kernel by its name (on CPU: of an op by its name, then its parents' names,
     so matmuls inside the store's attention scope count as attention)."""
+    if SCOPE_SELECT in chain:
+        return "page selection"
     if SCOPE_ATTENTION in chain:
         return "attention"
     for what in (name, *chain):

@@ -30,6 +30,7 @@ from kvlab.engine import EngineError, prefill_rows
 from kvlab.engine.anatomy import fast_anatomy
 from kvlab.engine.generation import chunk_bounds, prefill
 from kvlab.engine.kvstore import ATTENTION, DenseStore, Layout, QuantizedStore
+from kvlab.engine.kvstore_reads import read_store
 from kvlab.engine.llama import LlamaFamilyStep, check_model
 from kvlab.policies.base import hf_model
 from kvlab.policies.cache import layer_tensors
@@ -172,7 +173,7 @@ class FastDecoder:
         logical = getattr(self, "logical_tokens", None)
         return {"logical_tokens": None if logical is None else logical + max(0, new_tokens - 1),
                 "physical_tokens": sum(held) // len(held) if len(set(held)) == 1 else sum(held) / len(held),
-                "bytes": sum(held) * self.layout.batch * self.store.bytes_per_slot(),
+                "bytes": self.store.held_bytes(held),
                 "bytes_allocated": self.store.bytes_allocated(),
                 "kv_format": self.store.kv_format, "attention": self.store.attention,
                 "graph": self.replays,
@@ -271,7 +272,10 @@ class FastEngine:
         self._decoders[key] = decoder
         return decoder
 
-    def _store(self, layout: Layout, kv_format: str):
+    def _store(self, layout: Layout, kv_format):
+        if not isinstance(kv_format, str):  # issue 29's reads: a KIVI spec or a Quest read
+            return read_store(layout, kv_format, self.step.num_heads, self.dtype, self.device, self.step.scaling,
+                              "auto" if self.attention == "triton" else self.attention)
         if kv_format == "model" and self.attention == "triton":  # bf16 read by kvlab's split-K kernel
             if self.dtype != torch.bfloat16:
                 raise EngineError("attention='triton' stores the cache in bf16: load the model in bfloat16")

@@ -171,6 +171,10 @@ class SlotStore:
     def advance(self) -> None:
         self.slots.advance()
 
+    def held_bytes(self, held: list[int]) -> int:
+        """Bytes holding ``held[l]`` tokens in each layer ``l``, every sequence (what ``stats`` reports)."""
+        return sum(held) * self.layout.batch * self.bytes_per_slot()
+
     def _load_layer(self, layer: int, rows: slice, k: torch.Tensor, v: torch.Tensor) -> None:
         raise NotImplementedError
 

@@ -18,7 +18,7 @@ from kvlab.kernels.jit_constants import FMT_BF16, FMT_FP8, FP8_MAX
 
 
 @triton.jit
-def _f16_step(value, up: tl.constexpr):
+def f16_step(value, up: tl.constexpr):
     """The next float16 above (``up``) or below ``value``, as torch.nextafter does."""
     bits = value.to(tl.int16, bitcast=True)
     if up:  # only used for scales, which are >= 0
@@ -30,7 +30,7 @@ def _f16_step(value, up: tl.constexpr):
 
 
 @triton.jit
-def _bf16_bits(x):
+def bf16_bits(x):
     """float32 -> bfloat16 bits, rounding to nearest even (finite inputs), as torch's cast does."""
     bits = x.to(tl.uint32, bitcast=True)
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16).to(tl.int16, bitcast=True)
@@ -75,7 +75,7 @@ def quantize_write_kernel(
     x = tl.load(x_ptr + b.to(tl.int64) * x_sb + h * x_sh + t * x_st + offs_d).to(tl.float32)
 
     if FMT == FMT_BF16:
-        tl.store(codes_ptr + row * D + offs_d, _bf16_bits(x))
+        tl.store(codes_ptr + row * D + offs_d, bf16_bits(x))
     elif FMT == FMT_FP8:
         amax = tl.max(tl.abs(x), 0)
         scale = tl.math.div_rn(tl.maximum(amax, 1e-30), tl.full([], FP8_MAX, tl.float32))
@@ -91,10 +91,10 @@ def quantize_write_kernel(
         high = tl.max(xg, 1)
         if SCALE_F16:
             zero = low.to(tl.float16)
-            zero = tl.where(zero.to(tl.float32) > low, _f16_step(zero, False), zero).to(tl.float32)
+            zero = tl.where(zero.to(tl.float32) > low, f16_step(zero, False), zero).to(tl.float32)
             exact = tl.math.div_rn(high - zero, tl.full([NG], LEVELS, tl.float32))
             scale = exact.to(tl.float16)
-            scale = tl.where(scale.to(tl.float32) < exact, _f16_step(scale, True), scale).to(tl.float32)
+            scale = tl.where(scale.to(tl.float32) < exact, f16_step(scale, True), scale).to(tl.float32)
         else:
             zero = low
             scale = tl.math.div_rn(high - zero, tl.full([NG], LEVELS, tl.float32))

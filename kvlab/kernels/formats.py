@@ -382,8 +382,8 @@ class IntFormat(KVFormat):
         self.check_head_dim(x.shape[-1])
         xg = x.float().unflatten(-1, (x.shape[-1] // self.group, self.group))
         low, high = xg.amin(-1), xg.amax(-1)
-        zero = _round_toward(low, self.scale_dtype, down=True)
-        scale = _round_toward((high - zero.float()) / self.levels, self.scale_dtype, down=False)
+        zero = round_toward(low, self.scale_dtype, down=True)
+        scale = round_toward((high - zero.float()) / self.levels, self.scale_dtype, down=False)
         inv = torch.where(scale > 0, 1.0 / scale.float(), torch.zeros_like(scale, dtype=torch.float32))
         # floor(v + 0.5), not round-half-even: the same steps as the Triton write kernel
         codes = ((xg - zero.float().unsqueeze(-1)) * inv.unsqueeze(-1) + 0.5).floor().clamp(0, self.levels)
@@ -412,7 +412,7 @@ class Int2Format(IntFormat):
     bits = 2
 
 
-def _round_toward(x: torch.Tensor, dtype: torch.dtype, down: bool) -> torch.Tensor:
+def round_toward(x: torch.Tensor, dtype: torch.dtype, down: bool) -> torch.Tensor:
     """``x`` (float32) cast to ``dtype`` rounding down (or up) instead of to nearest."""
     y = x.to(dtype)
     if dtype == torch.float32:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlab.kernels import packing
-from kvlab.kernels.formats import FormatError
+from kvlab.kernels.formats import FormatError, round_toward
 
 SCALE_DTYPE = torch.float16
 RESIDUAL_DTYPE = torch.bfloat16
@@ -60,7 +60,8 @@ class KiviSpec:
     @property
     def label(self) -> str:
         bits = f"{self.bits}" if self.k_bits == self.v_bits else f"-k{self.k_bits}v{self.v_bits}"
-        return f"kivi{bits}-g{self.group}-r{self.residual}"
+        vg = "" if self.value_group == 32 else f"-vg{self.value_group}"
+        return f"kivi{bits}-g{self.group}-r{self.residual}{vg}"
 
     @property
     def k_bits(self) -> int:
@@ -166,13 +167,6 @@ def alloc(spec: KiviSpec, batch: int, kv_heads: int, capacity: int, head_dim: in
 
 
 # -- quantization ------------------------------------------------------------------------------------
-def round_toward(x: torch.Tensor, dtype: torch.dtype, down: bool) -> torch.Tensor:
-    """``x`` (float32) cast to ``dtype`` rounding down (or up) instead of to nearest."""
-    y = x.to(dtype)
-    wrong = y.float() > x if down else y.float() < x
-    return torch.where(wrong, torch.nextafter(y, torch.full_like(y, float("-inf") if down else float("inf"))), y)
-
-
 def _asymmetric(x: torch.Tensor, dim: int, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Codes (float, in ``[0, levels]``), scale and zero of ``x`` with the range taken along ``dim``."""
     low, high = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)

@@ -61,12 +61,17 @@ def make_kivi_workspace(q_heads: int, store: kivi.KiviStore, num_splits: int | N
                          torch.empty(shape, dtype=torch.float32, device=device))
 
 
-def kernel_supports(store: kivi.KiviStore) -> str | None:
-    """Why the kernel cannot read this store, or None."""
-    d, pack = store.head_dim, 8 // min(store.spec.k_bits, store.spec.v_bits)
+def kernel_problem(spec: kivi.KiviSpec, head_dim: int) -> str | None:
+    """Why the kernel cannot read a store of ``spec`` at ``head_dim``, or None (no store needed)."""
+    d, pack = head_dim, 8 // min(spec.k_bits, spec.v_bits)
     if d & (d - 1) or d // pack < 16:
         return f"head_dim {d} must be a power of two with head_dim / {pack} >= 16"
     return None
+
+
+def kernel_supports(store: kivi.KiviStore) -> str | None:
+    """Why the kernel cannot read this store, or None."""
+    return kernel_problem(store.spec, store.head_dim)
 
 
 def kivi_decode_attention(q: torch.Tensor, store: kivi.KiviStore, lengths: torch.Tensor, scale: float, *,

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvlab.kernels.append_kernel import bf16_bits, f16_step  # the rounding steps kvlab's int formats use
 from kvlab.kernels.merge_triton import merge_partials
 
 
@@ -196,25 +197,6 @@ def launch_kivi(q, store, lengths, scale, workspace, out):
 
 # -- append: write the ring slot, quantize the group that just filled (one launch per layer) ---------
 @triton.jit
-def _f16_step(value, up: tl.constexpr):
-    """The next float16 above (``up``) or below ``value``, as torch.nextafter does (kivi.round_toward)."""
-    bits = value.to(tl.int16, bitcast=True)
-    if up:  # only used for scales, which are >= 0
-        stepped = bits + 1
-    else:
-        stepped = tl.where(bits < 0, bits + 1, bits - 1)
-        stepped = tl.where(bits == 0, tl.full(bits.shape, -32767, tl.int16), stepped)  # +0 -> 0x8001
-    return stepped.to(tl.int16).to(tl.float16, bitcast=True)
-
-
-@triton.jit
-def _bf16_bits(x):
-    """float32 -> bfloat16 bits (int16), rounding to nearest even as torch's cast does."""
-    bits = x.to(tl.uint32, bitcast=True)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16).to(tl.int16, bitcast=True)
-
-
-@triton.jit
 def _bf16_value(bits):
     return ((bits.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
 
@@ -223,10 +205,10 @@ def _bf16_value(bits):
 def _scale_zero(low, high, LEVELS: tl.constexpr):
     """float16 zero (rounded down) and scale (rounded up) as float32, and the scale's inverse."""
     zero = low.to(tl.float16)
-    zero = tl.where(zero.to(tl.float32) > low, _f16_step(zero, False), zero).to(tl.float32)
+    zero = tl.where(zero.to(tl.float32) > low, f16_step(zero, False), zero).to(tl.float32)
     exact = tl.math.div_rn(high - zero, tl.full(low.shape, LEVELS, tl.float32))
     scale = exact.to(tl.float16)
-    scale = tl.where(scale.to(tl.float32) < exact, _f16_step(scale, True), scale).to(tl.float32)
+    scale = tl.where(scale.to(tl.float32) < exact, f16_step(scale, True), scale).to(tl.float32)
     inv = tl.where(scale > 0, tl.math.div_rn(tl.full(low.shape, 1.0, tl.float32), tl.where(scale > 0, scale, 1.0)),
                    0.0)
     return zero, scale, inv
@@ -244,8 +226,8 @@ def _kivi_append_kernel(
     h = bh % Hkv
     pos = tl.load(pos_ptr).to(tl.int64)
     offs_d = tl.arange(0, D)
-    kb = _bf16_bits(tl.load(k_ptr + b.to(tl.int64) * ksb + h * ksh + offs_d).to(tl.float32))
-    vb = _bf16_bits(tl.load(v_ptr + b.to(tl.int64) * vsb + h * vsh + offs_d).to(tl.float32))
+    kb = bf16_bits(tl.load(k_ptr + b.to(tl.int64) * ksb + h * ksh + offs_d).to(tl.float32))
+    vb = bf16_bits(tl.load(v_ptr + b.to(tl.int64) * vsb + h * vsh + offs_d).to(tl.float32))
     ring = bh.to(tl.int64) * W + pos % W
     tl.store(rk_ptr + ring * D + offs_d, kb)
     tl.store(rv_ptr + ring * D + offs_d, vb)

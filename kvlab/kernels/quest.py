@@ -62,6 +62,20 @@ class QuestSpec:
         return min(self.pages(capacity), self.pages_per_step)
 
 
+@dataclass(frozen=True)
+class QuestRead:
+    """What the fast engine's Quest store needs: the page spec and how many leading layers read densely
+    (Quest keeps the first two layers dense)."""
+
+    spec: QuestSpec
+    dense_layers: int = 2
+
+    @property
+    def label(self) -> str:
+        s = self.spec
+        return f"quest p{s.page}-b{s.budget}-{s.group_reduce}-d{self.dense_layers}"
+
+
 @dataclass
 class PageBounds:
     """``kmin``/``kmax [B, H, pages, D]`` (the keys' dtype) of a cache of ``pages * page`` slots."""

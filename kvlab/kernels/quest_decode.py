@@ -57,6 +57,13 @@ def make_quest_workspace(q_heads: int, batch: int, kv_heads: int, selected: int,
                           torch.empty(shape, dtype=torch.float32, device=device))
 
 
+def kernel_problem(head_dim: int, page: int) -> str | None:
+    """Why the sparse kernel cannot read pages of ``page`` tokens at ``head_dim``, or None."""
+    if head_dim & (head_dim - 1) or head_dim < 16 or page < 16:
+        return f"the kernel needs a power-of-two head_dim >= 16 and pages of >= 16 tokens (got {head_dim}, {page})"
+    return None
+
+
 def quest_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pages: torch.Tensor,
                            lengths: torch.Tensor, scale: float, page: int, *, token_dim: int = 2,
                            out: torch.Tensor | None = None, workspace: QuestWorkspace | None = None,
@@ -80,9 +87,9 @@ def quest_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
             keys, values = keys.transpose(1, 2), values.transpose(1, 2)
         result = quest.sparse_attend(q, keys, values, pages, lengths, scale, page)
         return result if out is None else out.copy_(result)
-    if head_dim & (head_dim - 1) or head_dim < 16 or page < 16:
-        raise FormatError(f"the kernel needs a power-of-two head_dim >= 16 and pages of >= 16 tokens "
-                          f"(got {head_dim}, {page}); use backend='reference'")
+    why = kernel_problem(head_dim, page)
+    if why:
+        raise FormatError(why + "; use backend='reference'")
     from kvlab.kernels.quest_triton import launch_quest  # imports triton
 
     if workspace is None:

@@ -27,6 +27,7 @@ from kvlab.policies.decoding import DecodingPolicy
 from kvlab.policies.eviction import EvictionPolicy
 from kvlab.policies.expected_attention import ExpectedAttentionPolicy
 from kvlab.policies.full import FullPolicy
+from kvlab.policies.kivi import KiviPolicy
 from kvlab.policies.knorm import KnormPolicy
 from kvlab.policies.kvzip import KVzipPolicy
 from kvlab.policies.pyramidkv import PyramidKVPolicy
@@ -39,6 +40,7 @@ from kvlab.policies.quantized.policies import (
     KVQInt4Policy,
     QuantoPolicy,
 )
+from kvlab.policies.quest import QuestPolicy
 from kvlab.policies.random import RandomPolicy
 from kvlab.policies.snapkv import SnapKVPolicy
 from kvlab.policies.streamingllm import StreamingLLMPolicy
@@ -50,6 +52,7 @@ POLICIES: dict[str, type[Policy]] = {
                 RandomPolicy, QuantoPolicy, HQQPolicy, FP8Policy, KVQFp8Policy, KVQInt4Policy, KVQInt2Policy,
                 DecodingPolicy, ExpectedAttentionPolicy, KVzipPolicy, AdaKVPolicy)
 }
+POLICIES.update({cls.name: cls for cls in (KiviPolicy, QuestPolicy)})  # issue 29's reads
 
 
 def make_policy(method: str, **params: Any) -> Policy:

@@ -7,6 +7,10 @@ kernel (bit-identical to it) and, only for a layer that asked for queries during
 ``update``, gives that layer the post-RoPE query tensor and the mask; the layer computes the
 ``window x n`` attention rows itself (:func:`window_attention`), never the ``n x n`` matrix.
 
+A decode-time sparse read uses the same hand-off: a cache layer with ``sparse`` set (Quest,
+:mod:`kvlab.policies.quest_layer`) that asked for the query of a one-token step attends it itself
+(``layer.attend``) instead of the stock kernel.
+
 The hand-off is a per-thread slot keyed by layer index: the cache layer's ``update`` runs right
 before the attention call of the same layer, so no reference from model to cache is needed; the
 slot matches only the very key tensor the layer returned.
@@ -193,12 +197,15 @@ def lower_right_chunks(model) -> Iterator[None]:
 def _wrap(base: Callable) -> Callable:
     def attention(module, query, key, value, attention_mask, *args, **kwargs):
         scaling = kwargs.get("scaling", getattr(module, "scaling", None))
+        layer = _take_layer(getattr(module, "layer_idx", None), key)
+        if layer is not None and getattr(layer, "sparse", False) and query.shape[-2] == 1:
+            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+            return layer.attend(query, scale), None  # a sparse read (Quest) of one decode query
         if _chunks_lower_right() and query.shape[-2] > 1:
             output = chunk_attention(query, key, value, scaling)
         else:
             attention_mask = fit_mask(attention_mask, key.shape[-2])
             output = base(module, query, key, value, attention_mask, *args, **kwargs)
-        layer = _take_layer(getattr(module, "layer_idx", None), key)
         if layer is not None:
             layer.receive_queries(query, attention_mask, scaling)
         return output

@@ -326,13 +326,15 @@ def _physical_tokens(layer) -> int:
         return layer.physical_length
     if hasattr(layer, "_quantized_keys"):  # quantized: all tokens are stored (packed or residual)
         return layer.get_seq_length()
-    if hasattr(layer, "key_store"):  # kvlab formats (kvlab.policies.quantized.kvq_layers)
+    if hasattr(layer, "key_store") or hasattr(layer, "codes"):  # kvlab formats (kvq_layers, kivi_layer)
         return layer.stored_tokens
     keys = getattr(layer, "keys", None)
     return keys.shape[-2] if isinstance(keys, torch.Tensor) and keys.dim() == 4 else 0
 
 
 def _layer_bytes(layer) -> int:
+    if callable(getattr(layer, "nbytes", None)):  # a layer that counts its own storage (KIVI, Quest's bounds)
+        return layer.nbytes()
     seen: set = set()
     return sum(tensor_bytes(getattr(layer, name, None), seen)
                for name in ("keys", "values", "_quantized_keys", "_quantized_values", "key_store", "value_store"))

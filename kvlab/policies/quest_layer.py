@@ -15,6 +15,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from kvlab.kernels import quest
+from kvlab.policies import attention
 
 
 class QuestLayer(DynamicLayer):
@@ -23,7 +24,9 @@ class QuestLayer(DynamicLayer):
     def __init__(self, spec: quest.QuestSpec | None = None, layer_idx: int = 0, dense_layers: int = 2):
         super().__init__()
         self.spec = spec or quest.QuestSpec()
+        self.layer_idx = layer_idx
         self.sparse = layer_idx >= dense_layers
+        self._returned: torch.Tensor | None = None  # the keys a decode update returned, for the attention hook
         self.kmin: torch.Tensor | None = None  # [B, H, pages, D]
         self.kmax: torch.Tensor | None = None
 
@@ -31,7 +34,18 @@ class QuestLayer(DynamicLayer):
         start = self.get_seq_length() if self.is_initialized else 0
         keys, values = super().update(key_states, value_states, *args, **kwargs)
         self._fold(key_states, start)
+        if self.sparse and key_states.shape[-2] == 1:  # a decode step: kvlab's attention hands us the query
+            self._returned = keys
+            attention.expect_queries(self.layer_idx, self)
         return keys, values
+
+    def awaits(self, key: torch.Tensor) -> bool:
+        """Whether ``key`` is the tensor this layer's last decode update returned."""
+        return self._returned is not None and self._returned is key
+
+    def receive_queries(self, query: torch.Tensor, attention_mask, scaling) -> None:
+        """Called only for queries the wrapper did not hand to :meth:`attend` (more than one token)."""
+        self._returned = None
 
     def _fold(self, new: torch.Tensor, start: int) -> None:
         """Fold keys at positions ``start ..`` into the bounds: the pages they touch are recomputed
@@ -58,14 +72,23 @@ class QuestLayer(DynamicLayer):
     def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """Quest's read for one decode query ``[B, Hq, 1, D]`` -> ``[B, 1, Hq, D]`` (the layout
         transformers' attention functions return), in the query's dtype."""
+        self._returned = None
         b, hq, _, d = query.shape
         lengths = torch.full((b,), self.get_seq_length(), device=query.device)
         out = quest.quest_attend(query[:, :, 0], self.keys, self.values, self.bounds(), lengths, scaling)
         return out.to(query.dtype).view(b, 1, hq, d)
 
+    def nbytes(self) -> int:
+        """K/V and the bounds of the pages holding tokens (``cache_stats`` counts this)."""
+        if not self.is_initialized or self.kmin is None:
+            return 0
+        pages = -(-self.get_seq_length() // self.spec.page)
+        kv = (self.keys.numel() + self.values.numel()) * self.keys.element_size()
+        return kv + 2 * self.kmin[:, :, :pages].numel() * self.kmin.element_size()
+
     def reset(self) -> None:
         super().reset()
-        self.kmin = self.kmax = None
+        self.kmin = self.kmax = self._returned = None
 
 
 def quest_cache(num_layers: int, spec: quest.QuestSpec | None = None, dense_layers: int = 2) -> Cache:

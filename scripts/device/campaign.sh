@@ -33,6 +33,9 @@
 #   engines-b32       batch 32 at 16k on the fast engine: full, fp8, int4 (#13)
 #   engines-b16-profile  the fast step at batch 16 for full, fp8 and int4, 2 repeats, and its kernels (#13)
 #   engines-b1-fold   batch 1 on the fast engine with the fold kernels, and fast-vs-hf agreement (#12, #13)
+#   quality-reads     KIVI-style and Quest-style reads on SmolLM2's needle and fidelity, on cuda (#29;
+#                     params/quality-reads.yaml; carry .model1/.model2 like quality)
+#   anatomy-reads     the fast step's anatomy at 16k for full, kivi (K2V2) and quest (budget 2048) (#29)
 set -uo pipefail
 out=outputs/h200
 mkdir -p "$out" "${OUT:-/tmp/out}"
@@ -203,6 +206,17 @@ step_engines_b1_fold() {
   mkdir -p "$out/engines"
   timeout "$(left)" python3 benchmarks/engines.py --batch 1 --ctx 16384 --new-tokens 128 --repeats 3 --max-decoders 1 \
     --methods full fp8 quanto4 --engines fast --compare-steps 32 --out "$out/engines/engines-b1-fold.json"
+}
+
+step_quality_reads() {  # issue #29's quality bar: the sweep's quality pass on the joined GGUF
+  join_smollm2 || return 1
+  step_sweep "quality-reads@models=[$smollm2]"
+}
+step_anatomy_reads() {  # graph replays name kernels only: topk's are "page selection", the bound GEMMs are not
+  mkdir -p "$out/anatomy"
+  timeout "$(left)" python3 -m kvlab anatomy --model llama-3.1-8b --weights synthetic --device cuda --ctx 16384 \
+    --engine fast --methods full kivi quest --params '{"quest": {"budget": 2048}}' --steps 8 --warmup 3 \
+    --sdpa-backend flash --json > "$out/anatomy/anatomy_reads_16k.json"
 }
 
 for s in "$@"; do

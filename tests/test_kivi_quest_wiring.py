@@ -1,0 +1,180 @@
+"""Issue 29's reads wired in: the kivi and quest policies on both engines (CPU: the fast engine runs
+eagerly with the torch references), their stats, validation, anatomy and byte arithmetic."""
+
+import pytest
+import torch
+from tiny_models import load_tiny_d32
+
+from kvlab.engine.compare import compare_engines
+from kvlab.engine.fast import FastEngine
+from kvlab.engine.generation import greedy_decode, prefill
+from kvlab.engine.kvstore_reads import KiviSlotStore, QuestStore
+from kvlab.policies import POLICIES, PolicyError, cache_stats, make_policy
+
+# small groups and residuals so that groups flush inside the prompt and during decode; small pages
+# and budgets so that the read really is sparse at 100 tokens
+SETTINGS = [
+    ("kivi", {"residual_length": 16, "q_group_size": 16, "value_group": 16}),
+    ("kivi", {"key_bits": 4, "residual_length": 32}),
+    ("kivi", {"nbits": 4, "residual_length": 0, "q_group_size": 16}),
+    ("quest", {"page": 4, "budget": 32, "dense_layers": 0}),
+    ("quest", {"page": 16, "budget": 32, "group_reduce": "sum", "dense_layers": 1}),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny32():
+    return load_tiny_d32()
+
+
+def ids(batch=2, n=100, seed=1):
+    return torch.randint(3, 500, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def run_both(loaded, policy, prompt, n_new):
+    model = loaded.model
+    with policy.attach(loaded, warm=False):
+        cache = policy.make_cache(model)
+        first = prefill(model, prompt, cache)[:, -1].argmax(-1)
+        ref = greedy_decode(model, cache, first, n_new, prompt.shape[1])
+        decoder = FastEngine(loaded).decoder(policy, prompt.shape[0], prompt.shape[1], n_new)
+        prefilled = decoder.prefill_cache()
+        first = prefill(model, prompt, prefilled)[:, -1].argmax(-1)
+        decoder.load(prefilled)
+        fast = decoder.decode(first, n_new, prompt.shape[1])
+    return ref, fast, decoder, cache
+
+
+@pytest.mark.parametrize("method,params", SETTINGS, ids=[f"{m}-{i}" for i, (m, _) in enumerate(SETTINGS)])
+def test_fast_equals_hf_token_for_token(tiny32, method, params):
+    policy = make_policy(method, **params)
+    ref, fast, decoder, cache = run_both(tiny32, policy, ids(), 40)
+    assert torch.equal(ref, fast), f"first difference at step {(ref != fast).nonzero()[0].tolist()}"
+    assert isinstance(decoder.store, KiviSlotStore if method == "kivi" else QuestStore)
+    stats = cache_stats(cache)
+    assert stats["logical_tokens"] == 100 + 39 and stats["bytes"] > 0
+    assert decoder.stats(40)["bytes"] == stats["bytes"]  # both engines count the same bytes
+    assert decoder.columns()["kv_format"] == decoder.store.kv_format
+
+
+@pytest.mark.parametrize("method,params", [SETTINGS[0], SETTINGS[3]], ids=["kivi", "quest"])
+def test_fast_and_hf_logits_agree(tiny32, method, params):
+    policy = make_policy(method, **params)
+    with policy.attach(tiny32, warm=False):
+        out = compare_engines(tiny32, policy, ids(batch=1), 16)
+    assert out["top1_agree"] == 1.0
+    assert out["max_abs_logit_err"] < 1e-3
+
+
+def test_quest_reads_sparsely_on_both_engines(tiny32, monkeypatch):
+    """A budget below the context changes the tokens (on this random model), and hf's decode steps
+    go through the layer's sparse read, not the stock kernel."""
+    from kvlab.policies import quest_layer
+
+    calls = []
+    real = quest_layer.QuestLayer.attend
+    monkeypatch.setattr(quest_layer.QuestLayer, "attend", lambda self, q, s: calls.append(1) or real(self, q, s))
+    policy = make_policy("quest", page=4, budget=8, dense_layers=0)
+    ref, fast, _, _ = run_both(tiny32, policy, ids(), 12)
+    assert torch.equal(ref, fast)
+    assert len(calls) == 11 * tiny32.spec.num_layers  # every decode step of every layer
+    full, *_ = run_both(tiny32, make_policy("full"), ids(), 12)
+    assert not torch.equal(full, ref)
+
+
+def test_a_budget_covering_the_context_is_the_full_cache(tiny32):
+    ref, fast, *_ = run_both(tiny32, make_policy("quest", page=16, budget=256, dense_layers=0), ids(), 12)
+    full, *_ = run_both(tiny32, make_policy("full"), ids(), 12)
+    assert torch.equal(ref, full) and torch.equal(fast, full)
+
+
+def test_kivi_bytes_match_the_budget_arithmetic(tiny32):
+    from kvlab.budget import kivi_cache_bytes, kv_bytes_per_token
+
+    spec = tiny32.spec
+    policy = make_policy("kivi", residual_length=16, q_group_size=16, value_group=16)
+    ref, fast, decoder, cache = run_both(tiny32, policy, ids(), 40)
+    s = policy.spec
+    want = kivi_cache_bytes(spec, 100, 2, bits=2, group=16, residual=16, value_group=16, new_tokens=39)
+    assert cache_stats(cache)["bytes"] < want  # hf holds only the ring's filled part
+    store = decoder.store
+    allocated = kivi_cache_bytes(spec, 100, 2, bits=2, group=16, residual=16, value_group=16, new_tokens=40)
+    # the store adds one spare ("trash") group and rounds its capacity up to groups
+    assert allocated <= store.bytes_allocated() <= allocated + 2 * spec.num_layers * spec.num_kv_heads * 2 * s.group * (
+        kv_bytes_per_token(spec, 16) / spec.num_layers / spec.num_kv_heads)
+    assert kivi_cache_bytes(spec, 4096, bits=2) < kivi_cache_bytes(spec, 4096, bits=2, key_bits=4)
+
+
+def test_kivi_and_quest_parameters_are_validated():
+    for method, params, match in [
+        ("kivi", {"nbits": 3}, "nbits=3"), ("kivi", {"key_bits": 8}, "key_bits=8"),
+        ("kivi", {"q_group_size": 48}, "q_group_size=48"), ("kivi", {"value_group": 8}, "value_group=8"),
+        ("kivi", {"residual_length": -1}, "residual_length"), ("quest", {"page": 12}, "power of two"),
+        ("quest", {"budget": 16}, "two pages of 16"), ("quest", {"group_reduce": "head"}, "group_reduce"),
+        ("quest", {"dense_layers": -1}, "dense_layers"),
+    ]:
+        with pytest.raises(PolicyError, match=match):
+            make_policy(method, **params)
+    from kvlab.models import get_spec
+
+    with pytest.raises(PolicyError, match="value_group=32 does not divide"):
+        make_policy("kivi").check(get_spec("tiny-llama"))  # head_dim 16
+    with pytest.raises(PolicyError, match="dense_layers=40 exceeds"):
+        make_policy("quest", dense_layers=40).check(get_spec("llama-3.1-8b"))
+    make_policy("kivi").check(get_spec("llama-3.1-8b"))
+    assert make_policy("kivi").label == "kivi k2v2" and make_policy("kivi", key_bits=4).label == "kivi k4v2"
+    assert make_policy("kivi", key_bits=4).bits == 3 and make_policy("quest", budget=512).label == "quest 512"
+    assert {"kivi", "quest"} <= set(POLICIES)
+
+
+def test_the_anatomy_shows_the_page_selection(tiny32):
+    from kvlab.engine.anatomy import classify_kernel
+
+    a = FastEngine(tiny32).anatomy(make_policy("quest", page=4, budget=16, dense_layers=0), ctx=64, steps=3, warmup=1)
+    assert a.by_category["page selection"] > 0 and a.by_category["attention"] > 0
+    assert classify_kernel("_quest_split_kernel") == "attention"
+    assert classify_kernel("_kivi_split_kernel") == "attention"
+    assert classify_kernel("merge_partials_kernel") == "attention"
+    assert classify_kernel("_kivi_append_kernel") == "cache update/concat"
+    assert classify_kernel("void at::native::sbtopk::gatherTopK<float>") == "page selection"
+
+
+def test_generate_runs_kivi_and_quest_on_both_engines(capsys):
+    import json
+
+    from kvlab.cli import main
+
+    base = ["generate", "--model", "tiny-llama", "--weights", "synthetic", "--prompt-tokens", "40",
+            "--max-new-tokens", "6", "--json"]
+    answers = []
+    for extra in (["--method", "kivi", "--value-group", "16", "--group-size", "16", "--residual", "8"],
+                  ["--method", "quest", "--page", "4", "--token-budget", "16", "--dense-layers", "1"]):
+        for engine in ("hf", "fast"):
+            assert main(base + extra + ["--engine", engine]) == 0
+            answers.append(capsys.readouterr().out)
+
+    tokens = [json.loads(a)["token_ids"] for a in answers]
+    assert tokens[0] == tokens[1] and tokens[2] == tokens[3]
+
+
+@pytest.mark.parametrize("method,params", [
+    ("kivi", {"nbits": 4, "residual_length": 16, "q_group_size": 16, "value_group": 16}),
+    ("quest", {"page": 16, "budget": 32, "dense_layers": 1}),
+], ids=["kivi", "quest"])
+def test_the_stores_give_the_reference_tokens_through_the_triton_kernels(tiny32, method, params, monkeypatch):
+    """The CUDA path's plumbing (workspaces, lengths, layouts) on CPU: the kernels interpreted
+    (tests/conftest.py sets TRITON_INTERPRET=1) give the reference's tokens."""
+    import functools
+    import os
+
+    from kvlab.engine import fast, kvstore_reads
+
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and TRITON_INTERPRET is not 1")
+    policy = make_policy(method, **params)
+    ref, *_ = run_both(tiny32, policy, ids(), 12)
+    monkeypatch.setattr(fast, "read_store", functools.partial(kvstore_reads.read_store, backend="triton"))
+    _, kernels, decoder, _ = run_both(tiny32, policy, ids(), 12)
+    assert decoder.store.backend == "triton"
+    assert torch.equal(ref, kernels)
