@@ -62,6 +62,7 @@ class FastDecoder:
         self.token = torch.zeros(bsz, 1, dtype=torch.long, device=device)
         self.position = torch.zeros(bsz, 1, dtype=torch.long, device=device)
         self.tokens = torch.zeros(bsz, layout.new_tokens + 1, dtype=torch.long, device=device)
+        self.fed = 0  # tokens fed through the store since the load (:meth:`feed`); decode goes on after them
         self.graph = None
         self._compiled = None
         if capture and step.compile == "reduce-overhead":
@@ -121,6 +122,39 @@ class FastDecoder:
         into batch rows ``rows`` when the cache holds a group of the batch's sequences."""
         self.store.load(layer_tensors(cache), rows)
         self.logical_tokens = int(cache.get_seq_length())
+        self.fed = 0
+
+    @torch.no_grad()
+    def feed(self, input_ids: torch.Tensor, start_position: int | torch.Tensor) -> torch.Tensor:
+        """Teacher forcing through the store: ``input_ids [B, n]`` one step at a time at positions
+        ``start_position, ...``, each written into the store in its format (quantized on write, as a
+        decoded token is) and attending what the store holds; the logits ``[B, n, V]`` (float32).
+
+        A question appended after the context, or a gold answer, so sees the same stored context as
+        the greedy reply does (the transformers prefill cache is exact; the store is the format).
+        Eager steps (no graph); :meth:`decode` goes on after the fed tokens."""
+        ids = torch.as_tensor(input_ids, device=self.device).reshape(self.layout.batch, -1)
+        n = ids.shape[1]
+        if self.fed + n > self.layout.new_tokens:
+            raise EngineError(f"this decoder has room for {self.layout.new_tokens} tokens after the prefill: "
+                              f"{self.fed} fed, {n} more asked")
+        start = torch.as_tensor(start_position, device=self.device).reshape(-1, 1).expand(self.layout.batch, 1)
+        out = []
+        for j in range(n):
+            self.store.step.fill_(self.fed)
+            out.append(self.step_fn(ids[:, j:j + 1], start + j, self.store).float())
+            self.fed += 1
+        self.store.step.fill_(self.fed)
+        return torch.stack(out, dim=1)
+
+    def checkpoint(self) -> int:
+        """A mark of what the store holds now (:meth:`restore` goes back to it): the tokens fed.
+        Slots past the mark are overwritten by what is fed or decoded next and never attended before."""
+        return self.fed
+
+    def restore(self, mark: int) -> None:
+        self.fed = mark
+        self.store.step.fill_(mark)
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, chunk: int | None = None, rows: int | None = None) -> torch.Tensor:
@@ -146,14 +180,17 @@ class FastDecoder:
     @torch.no_grad()
     def decode(self, first_token: torch.Tensor, n_new: int, start_position: int | torch.Tensor,
                on_step: Callable[[int], Any] | None = None) -> torch.Tensor:
-        """Greedy tokens ``[B, n_new]``: ``first_token`` then ``n_new - 1`` replays; EOS ignored."""
-        if not 1 <= n_new <= self.layout.new_tokens:
-            raise EngineError(f"this decoder was sized for {self.layout.new_tokens} new tokens, asked {n_new}")
+        """Greedy tokens ``[B, n_new]``: ``first_token`` then ``n_new - 1`` replays; EOS ignored.
+        They follow the prefill and any tokens :meth:`feed` wrote since."""
+        fed = self.fed
+        if not 1 <= n_new <= self.layout.new_tokens - fed:
+            raise EngineError(f"this decoder was sized for {self.layout.new_tokens} new tokens ({fed} fed), "
+                              f"asked {n_new}")
         self.token.copy_(first_token.reshape(-1, 1))
         self.position.copy_(torch.as_tensor(start_position, device=self.device).reshape(-1, 1)
                             .expand_as(self.position))
-        self.tokens[:, :1].copy_(self.token)
-        self.store.step.zero_()
+        self.tokens[:, fed:fed + 1].copy_(self.token)
+        self.store.step.fill_(fed)
         for i in range(n_new - 1):
             if self.graph is not None:
                 self.graph.replay()
@@ -163,7 +200,7 @@ class FastDecoder:
                 self._step()
             if on_step is not None:
                 on_step(i)
-        return self.tokens[:, :n_new].clone()
+        return self.tokens[:, fed:fed + n_new].clone()
 
     def stats(self, new_tokens: int = 0) -> dict[str, Any]:
         """Tokens held and their bytes, like ``policies.cache_stats`` (per layer mean): after the
@@ -241,8 +278,9 @@ class FastEngine:
     def decoder_for_cache(self, policy, cache, new_tokens: int,
                           prefill_stats: dict[str, Any] | None = None) -> FastDecoder:
         """A decoder holding whatever a prefilled cache (of :meth:`storage_policy`) holds, e.g. a
-        context, then a question appended uncompressed: sized from the cache and loaded from it. Its
-        stats are the store's, question included (``prefill_stats`` is for ``hf``, unused here)."""
+        context: sized from the cache, loaded from it, with room for ``new_tokens`` more (fed with
+        :meth:`FastDecoder.feed`, e.g. a question, or decoded). Its stats are the store's
+        (``prefill_stats`` is for ``hf``, unused here)."""
         prefill_policy, kv_format = policy.fast_storage()
         kv = layer_tensors(cache)
         layout = Layout(kv[0][0].shape[0], tuple(k.shape[-2] for k, _ in kv), new_tokens,
