@@ -2,9 +2,10 @@
 
     engine = FastEngine(loaded)                         # once per loaded model
     decoder = engine.decoder(policy, batch, ctx, n)     # sized and captured once per shape (warm-up)
-    cache = decoder.prefill_cache()                     # the policy's transformers cache, unquantized
+    cache = decoder.prefill_cache()                     # full/quantized: the store itself (StoreCache);
+                                                        # evicting: the policy's cache, unquantized
     logits = generation.prefill(model, ids, cache)      # eviction happens here, as on ``hf``
-    decoder.load(cache)                                 # kept K/V -> static buffers (slots 0..kept)
+    decoder.load(cache)                                 # kept K/V -> static buffers (a copy if evicting)
     tokens = decoder.decode(first, n, start_position=ctx, on_step=...)
 
     first = decoder.prefill(ids, chunk, rows=4)         # the three middle lines, 4 sequences at a time
@@ -31,8 +32,10 @@ from kvlab.engine.anatomy import fast_anatomy
 from kvlab.engine.generation import chunk_bounds, prefill
 from kvlab.engine.kvstore import ATTENTION, DenseStore, Layout, QuantizedStore
 from kvlab.engine.llama import LlamaFamilyStep, check_model
+from kvlab.engine.store_cache import StoreCache
 from kvlab.policies.base import hf_model
 from kvlab.policies.cache import layer_tensors
+from kvlab.policies.full import FullPolicy
 
 CAPTURE_WARMUP_STEPS = 3
 # How the step is compiled by default, per device type (:data:`kvlab.engine.llama.STEP_COMPILE`).
@@ -113,14 +116,35 @@ class FastDecoder:
         return self.graph is not None or self._compiled is not None
 
     # -- a generation ------------------------------------------------------------------------
-    def prefill_cache(self):
-        """A fresh transformers cache to prefill into: the policy's own, minus any quantization."""
+    @property
+    def prefills_into_store(self) -> bool:
+        """Whether the prefill writes straight into the store (:class:`StoreCache`): a policy that
+        keeps every prompt token (``full``, and the quantized formats, whose prefill policy is full)."""
+        return isinstance(self.prefill_policy, FullPolicy)
+
+    def prefill_cache(self, rows: slice | None = None):
+        """A fresh transformers cache to prefill (batch rows ``rows`` of the store; None: all) into:
+        a :class:`StoreCache` over the store itself when the policy keeps every token (no second copy
+        of the prompt's K/V at the peak), else the policy's own, minus any quantization (an evicting
+        policy selects from the whole prompt's K/V; :meth:`load` copies what it kept)."""
+        if self.prefills_into_store:
+            return StoreCache(self.store, rows)
         return self.prefill_policy.make_cache(self.model)
 
     def load(self, cache, rows: slice | None = None) -> None:
         """Move the prefilled cache's kept K/V into the static buffers (a copy, inside prefill):
-        into batch rows ``rows`` when the cache holds a group of the batch's sequences."""
-        self.store.load(layer_tensors(cache), rows)
+        into batch rows ``rows`` when the cache holds a group of the batch's sequences. A
+        :class:`StoreCache` already wrote them there: only its lengths are checked."""
+        if isinstance(cache, StoreCache):
+            if cache.store is not self.store:
+                raise EngineError("this StoreCache writes into another decoder's store")
+            got = [layer.get_seq_length() for layer in cache.layers]
+            if got != list(self.layout.kept):
+                raise ValueError(f"the prefill wrote {got[0]} tokens per layer, the store was sized for "
+                                 f"{self.layout.kept[0]}")
+            self.store.step.zero_()
+        else:
+            self.store.load(layer_tensors(cache), rows)
         self.logical_tokens = int(cache.get_seq_length())
         self.fed = 0
 
@@ -170,7 +194,7 @@ class FastDecoder:
         """
         firsts = []
         for start, stop in chunk_bounds(input_ids.shape[0], prefill_rows(rows, input_ids.shape[0])):
-            cache = self.prefill_cache()
+            cache = self.prefill_cache(slice(start, stop))
             logits = prefill(self.model, input_ids[start:stop], cache, chunk)
             firsts.append(logits[:, -1, :].argmax(dim=-1, keepdim=True))
             self.load(cache, slice(start, stop))
