@@ -228,10 +228,12 @@ class FastDecoder:
 
     def stats(self, new_tokens: int = 0) -> dict[str, Any]:
         """Tokens held and their bytes, like ``policies.cache_stats`` (per layer mean): after the
-        prefill, or after ``new_tokens`` generated (the last one is never written back)."""
-        held = [k + max(0, new_tokens - 1) for k in self.layout.kept]
+        prefill, or after ``new_tokens`` generated (the last one is never written back) following
+        the tokens fed (:meth:`feed`, e.g. a question), as ``hf`` reports its cache."""
+        extra = self.fed + new_tokens - 1 if new_tokens > 0 else 0
+        held = [k + extra for k in self.layout.kept]
         logical = getattr(self, "logical_tokens", None)
-        return {"logical_tokens": None if logical is None else logical + max(0, new_tokens - 1),
+        return {"logical_tokens": None if logical is None else logical + extra,
                 "physical_tokens": sum(held) // len(held) if len(set(held)) == 1 else sum(held) / len(held),
                 "bytes": sum(held) * self.layout.batch * self.store.bytes_per_slot(),
                 "bytes_allocated": self.store.bytes_allocated(),
