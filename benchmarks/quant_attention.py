@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kvlab.budget import bandwidth_fields  # noqa: E402
 from kvlab.kernels import (  # noqa: E402
     LaunchConfig,
     decode_attention,
@@ -209,25 +210,6 @@ def copy_same_bytes_ms(device, clock, nbytes, copies, iters, repeats):
     copy()
     clock.sync()
     return clock.median_ms(copy, iters, repeats) / copies
-
-
-def bandwidth_fields(kv_bytes, kernel_ms, copy_ms, copy_gbps=None):
-    """A kernel row's bandwidth columns from its best time and the same-bytes copy's time.
-
-    ``kernel_GBps``: KV bytes read per second. ``copy_same_bytes_GBps``: the copy's read + write per
-    second. ``of_copy_same_bytes``: the first over the second (1.0: the kernel reads at the copy's
-    bandwidth). ``floor_ms``: the bytes read at that bandwidth (half the copy). ``x_floor``: the kernel's
-    time as a multiple of that floor. ``of_copy_bw``: the same ratio against the large copy (``copy_gbps``)."""
-    out = {"kernel_GBps": kv_bytes / (kernel_ms * 1e-3) / 1e9}
-    if copy_ms:
-        copy_gbps_same = 2 * kv_bytes / (copy_ms * 1e-3) / 1e9
-        floor_ms = copy_ms / 2
-        out.update(copy_same_bytes_ms=copy_ms, copy_same_bytes_GBps=copy_gbps_same,
-                   of_copy_same_bytes=out["kernel_GBps"] / copy_gbps_same, floor_ms=floor_ms,
-                   x_floor=kernel_ms / floor_ms)
-    if copy_gbps:
-        out["of_copy_bw"] = out["kernel_GBps"] / copy_gbps
-    return out
 
 
 def l2_bytes(device):
