@@ -4,6 +4,7 @@
     decoder = engine.decoder(policy, batch, ctx, n)       # before a measured window opens
     first = decoder.prefill(ids, chunk, rows)             # [B, 1]
     tokens = decoder.decode(first, n, start_position=ctx, on_step=...)
+    logits = decoder.feed(ids, start)                     # teacher forcing through the decoder's storage
     decoder.stats(n), decoder.columns(rows)               # the cache it left, its record columns
 
 No caller asks which engine it has: what differs (the cache the prefill fills, where decode runs,

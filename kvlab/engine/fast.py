@@ -9,6 +9,7 @@
     tokens = decoder.decode(first, n, start_position=ctx, on_step=...)
 
     first = decoder.prefill(ids, chunk, rows=4)         # the three middle lines, 4 sequences at a time
+    logits = decoder.feed(question, start)              # teacher forcing through the store (eager steps)
 
 The decode loop (``FastDecoder.decode``) reads top to bottom: set the first token, then replay the
 graph ``n - 1`` times. The graph holds the whole step: embedding, every layer (the model's own
