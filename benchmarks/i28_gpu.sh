@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue #28's H200 measurements in one device call (< 10 min), each part under its own time limit,
 # in order of priority; every part writes its JSON and log under $OUT (default ./out-i28):
-#   quality   SmolLM2 gold NLL, hf vs fast, full/kvq-int4/kvq-fp8 at 1k/2k/4k (quality_engines.json)
+#   quality   SmolLM2 gold NLL, hf vs fast (and hf1, the noise yardstick), full/kvq-int4/kvq-fp8 at 1k/2k/4k
 #   engines   Llama-3.1-8B shape, 16k, batch 16: fast (full, quanto4 = int4-g64 fused, fp8); engines_hf: hf (full):
 #             ms/step, x_floor, peak memory (fast prefills into its store now), kernel_bw rows
 #             (one step's attention kernels as a fraction of a copy of the same bytes)
@@ -22,13 +22,13 @@ run() {  # name limit_s command...
   echo "=== $name rc=$? $(date -u +%T)"
   grep -v -i "warn" "$OUT/$name.log" | tail -n 45
 }
-run quality 130 $PY benchmarks/quality_engines.py --device cuda --lengths 1024 2048 4096 --depths 0.1 0.5 0.9 \
+run quality 150 $PY benchmarks/quality_engines.py --device cuda --lengths 1024 2048 4096 --depths 0.1 0.5 0.9 \
   --samples 1 --out "$OUT/quality_engines.json"
-run engines 170 $PY benchmarks/engines.py --batch 16 --ctx 16384 --new-tokens 32 --repeats 1 --max-decoders 1 \
+run engines 160 $PY benchmarks/engines.py --batch 16 --ctx 16384 --new-tokens 32 --repeats 1 --max-decoders 1 \
   --methods full quanto4 fp8 --engines fast --compare-steps 0 --out "$OUT/engines-b16-fast.json"
 run engines_hf 75 $PY benchmarks/engines.py --batch 16 --ctx 16384 --new-tokens 32 --repeats 1 \
   --methods full --engines hf --compare-steps 0 --no-kernel-bw --out "$OUT/engines-b16-hf.json"
 run minimal 130 $PY benchmarks/minimal_step.py --batch 1 16 --ctx 16384 --seconds 5 --steps 200 \
   --out "$OUT/minimal_step.json"
-run kernels 70 $PY benchmarks/quant_attention.py --skip correctness write --variants split fold \
+run kernels 55 $PY benchmarks/quant_attention.py --skip correctness write --variants fold_asm \
   --out "$OUT/quant_attention.json"
