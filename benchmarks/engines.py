@@ -53,22 +53,98 @@ METHODS = {
 }
 
 
-def copy_bandwidth(device: str, gib: int = 4) -> float:
-    """Device-to-device copy, bytes read + written per second (median of 10)."""
-    n = gib * 2**30
-    src = torch.empty(n, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
+def copy_bandwidth(device: str, gib: float = 4) -> float:
+    """Device-to-device copy, bytes read + written per second (median; on CPU a 64 MiB memcpy)."""
+    n = int((gib if device.startswith("cuda") else 1 / 16) * 2**30)
+    bufs = [torch.empty(n, dtype=torch.uint8, device=device) for _ in range(2)]
+    ms = median_ms(lambda: bufs[1].copy_(bufs[0]), device, iters=2, repeats=7)
+    bufs.clear()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return 2 * n / (ms * 1e-3)
+
+
+def median_ms(fn, device: str, iters: int = 20, repeats: int = 5) -> float:
+    """Median milliseconds of ``fn()``: CUDA events on a GPU (``fn`` replayed from a CUDA graph, so
+    launches do not count), perf_counter on CPU."""
+    if not device.startswith("cuda"):
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            times.append((time.perf_counter() - t0) * 1e3 / iters)
+        return statistics.median(times)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
     times = []
-    for _ in range(12):
+    for _ in range(repeats):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        dst.copy_(src)
+        for _ in range(iters):
+            graph.replay()
         b.record()
         torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / 1000)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * n / statistics.median(times[2:])
+        times.append(a.elapsed_time(b) / iters)
+    del graph
+    return statistics.median(times)
+
+
+def copy_same_bytes_ms(nbytes: float, device: str, cap_bytes: int = 2**31) -> float:
+    """Milliseconds of a device-to-device copy of ``nbytes`` in this run: a buffer of at most
+    ``cap_bytes`` copied (scaled per byte when ``nbytes`` is larger, so that a batch-16 bf16 cache is
+    not allocated twice more beside the store)."""
+    n = max(1, int(min(nbytes, cap_bytes)))
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return median_ms(lambda: dst.copy_(src), device, iters=10) * nbytes / n
+
+
+def attention_kernel_bandwidth(decoder, ctx: int, device: str, copy_gbps: float | None) -> dict:
+    """One step's attention kernels alone, over every layer of a fast decoder's store (each layer's
+    own buffers, so L2 cannot serve them), ``ctx`` slots per sequence: ms, the KV bytes they read, and
+    those bytes' GB/s as a fraction of a copy of the same bytes timed here (:func:`kvlab.budget.bandwidth_fields`).
+    The new token's write is not included; the store's content is whatever the last run left."""
+    from kvlab.budget import bandwidth_fields
+    from kvlab.engine.kvstore import DenseStore, flash_decode, sdpa_decode
+    from kvlab.kernels import decode_attention
+
+    store, layout, step = decoder.store, decoder.layout, decoder.step_fn
+    b, hq, d = layout.batch, step.num_heads, layout.head_dim
+    n = min(ctx, min(layout.capacity))
+    gen = torch.Generator(device=device).manual_seed(0)
+    dtype = next(decoder.model.parameters()).dtype
+    q = torch.randn(b, hq, d, device=device, generator=gen).to(dtype)
+    used = torch.full((b,), n, dtype=torch.int32, device=device)
+    length = torch.tensor([n], device=device)
+    layers = range(len(layout.kept))
+    if isinstance(store, DenseStore):
+        q4 = q.unsqueeze(2)
+        if store.attention == "flash":
+            def run():
+                for i in layers:
+                    flash_decode(q4, store.keys[i], store.values[i], used, store.scale, *store._offsets[i])
+        else:
+            def run():
+                for i in layers:
+                    sdpa_decode(q4, store.keys[i], store.values[i], length, store.scale)
+    else:
+        def run():
+            for i in layers:
+                decode_attention(q, store.keys[i], store.values[i], used, store.scale, workspace=store.workspaces[i])
+    nbytes = n * b * len(layout.kept) * store.bytes_per_slot()
+    kernel_ms = median_ms(run, device)
+    out = {"attention": store.attention, "kv_format": store.kv_format, "slots": n, "kv_bytes": nbytes,
+           "kernel_ms": kernel_ms, "kernel_ms_per_layer": kernel_ms / len(layout.kept)}
+    out.update(bandwidth_fields(nbytes, kernel_ms, copy_same_bytes_ms(nbytes, device), copy_gbps))
+    return out
 
 
 def force_kernel_variant(variant: str) -> None:
@@ -142,6 +218,9 @@ def main() -> int:
     ap.add_argument("--prefill-rows", type=int, default=None, metavar="N",
                     help="fast engines: prefill N sequences at a time into the static buffers (one group's "
                          "prefill cache at a time; default: the whole batch at once); hf refuses a batch above N")
+    ap.add_argument("--kernel-bw", action=argparse.BooleanOptionalAction, default=True,
+                    help="per method and fast variant, time one step's attention kernels alone against a copy of "
+                         "the same bytes (kernel_bw rows: of_copy_same_bytes, x_floor)")
     ap.add_argument("--compare-steps", type=int, default=32, help="teacher-forced steps for the logit check")
     ap.add_argument("--kernel-variant", choices=["split", "fold", "fold_asm"], default=None,
                     help="fused quantized attention's split kernel for every format (default: kvlab's "
@@ -164,6 +243,7 @@ def main() -> int:
     if args.launch_configs:
         load_launch_configs(args.launch_configs, args.kernel_variant)
 
+    from kvlab.budget import DecodeBytes
     from kvlab.energy import make_sampler
     from kvlab.engine.compare import compare_engines
     from kvlab.engine.engines import make_engine
@@ -179,9 +259,9 @@ def main() -> int:
                     "tuned_configs": {k: vars(c) for k, c in formats.TUNED_CONFIGS.items()}}
     cuda = args.device.startswith("cuda")
     result["gpu"] = torch.cuda.get_device_name() if cuda else None
-    bw = copy_bandwidth(args.device) if cuda else None
+    bw = copy_bandwidth(args.device)
     result["copy_bandwidth_Bps"] = bw
-    print(f"copy bandwidth {bw / 1e12:.2f} TB/s (read + write)" if bw else "no GPU: no floor", flush=True)
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s (read + write)", flush=True)
 
     sampler = make_sampler(args.device)
     for batch in args.batch:
@@ -228,11 +308,12 @@ def main() -> int:
                                            prefill_rows=None if engine == "hf" else args.prefill_rows)
                     r = m.record
                     kv_bytes = r.get("cache_bytes") or 0
-                    floor_ms = (weight_bytes + kv_bytes) / bw * 1000 if bw else None
+                    floor_ms = DecodeBytes(weight_bytes, kv_bytes).floor_s(bw) * 1000 if bw else None
                     row.update(status="ok", ms_step=r["itl_median_ms"], itl_mean_ms=r["itl_mean_ms"],
                                decode_j_per_token=r.get("decode_j_per_token"), prefill_s=r["prefill_s"],
                                peak_mem_bytes=r.get("peak_mem_bytes"), cache_bytes=kv_bytes,
                                weight_bytes=weight_bytes, floor_ms=floor_ms,
+                               x_floor=r["itl_median_ms"] / floor_ms if floor_ms else None,
                                kv_format=r.get("kv_format"), fast_attention=r.get("fast_attention"),
                                prefill_rows=r.get("prefill_rows"),
                                cuda_graph=r.get("cuda_graph"), energy_source=r.get("energy_source"),
@@ -254,6 +335,8 @@ def main() -> int:
                           f"[{time.time() - t_start:.0f}s]", flush=True)
                 else:
                     print(f"b{batch} {label} {name} {engine}: {row['error']}", flush=True)
+        if args.kernel_bw:
+            kernel_bandwidths(result, policies, engines, args, batch, bw)
         if args.profile:
             profile_variants(result, loaded, policies, engines, args, batch)
         if "fast" in args.engines and args.compare_steps:
@@ -274,6 +357,27 @@ def main() -> int:
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     return 0
+
+
+def kernel_bandwidths(result: dict, policies: dict, engines: dict, args, batch: int, bw: float | None) -> None:
+    """Per (method, fast variant) at this batch: the attention kernels of one step alone, as a
+    fraction of copy bandwidth (:func:`attention_kernel_bandwidth`), in ``result["kernel_bw"]``."""
+    for engine in [e for e in args.engines if e in FAST_VARIANTS]:
+        for method, policy in policies.items():
+            row = {"batch": batch, "method": method, "engine": engine, "ctx": args.ctx}
+            try:
+                decoder = engines[engine].decoder(policy, batch, args.ctx, args.new_tokens)
+                row.update(attention_kernel_bandwidth(decoder, args.ctx, args.device,
+                                                      bw / 1e9 if bw else None), status="ok")
+                print(f"kernel b{batch} {method:12s} {engine:10s} {row['kv_format']:>11s} {row['attention']:>8s} "
+                      f"{row['kernel_ms']:7.3f} ms/step {row['kernel_GBps']:6.0f} GB/s "
+                      f"{row['of_copy_same_bytes']:.2f} of copy, {row['x_floor']:.2f}x floor", flush=True)
+            except Exception as err:  # noqa: BLE001
+                row.update(status="failed", error=f"{type(err).__name__}: {err}")
+                print(f"kernel b{batch} {method} {engine}: {row['error']}", flush=True)
+            result.setdefault("kernel_bw", []).append(row)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
 
 
 def profile_variants(result: dict, loaded, policies: dict, engines: dict, args, batch: int) -> None:
@@ -322,6 +426,13 @@ def summarize(result: dict) -> None:
         print(f"{batch:5d} {method:12s} {engine:6s} {ms:8.2f} {floor or 0:6.2f} {ms / floor if floor else 0:7.2f}  "
               f"{j if j is None else f'{j:.3f} ({lo:.3f}-{hi:.3f})'}")
     result["summary"] = summary
+    kernel = [r for r in result.get("kernel_bw", []) if r.get("status") == "ok"]
+    if kernel:
+        print("\nattention kernels alone (one step, every layer): batch method engine format  ms  GB/s  "
+              "of copy (same bytes)  x floor")
+        for r in kernel:
+            print(f"{r['batch']:5d} {r['method']:12s} {r['engine']:10s} {r['kv_format']:>11s} {r['kernel_ms']:7.3f} "
+                  f"{r['kernel_GBps']:6.0f} {r['of_copy_same_bytes']:6.2f} {r['x_floor']:7.2f}")
     print("\nratios (J/token, 95% CI over repeats)")
     ratios = []
     for batch in sorted({r["batch"] for r in rows}):

@@ -17,7 +17,9 @@ that falls back to another on a format, fold_asm off int4, is not repeated).
 (b) Performance at the Llama-3.1-8B attention shape (Hq 32, Hkv 8, D 128), 16k tokens, batch
     1/16/32: median kernel time by CUDA events (eager launches, and replays of a captured CUDA
     graph), GB/s on the KV bytes read (codes + scales + zeros of K and V), the ratio to a 4 GiB
-    device-to-device copy measured here (read + write counted), the error against the reference,
+    device-to-device copy measured here (read + write counted), and against a copy of the same bytes
+    timed in the same case (``of_copy_same_bytes``; ``floor_ms`` = half that copy, the time to read
+    the bytes at copy bandwidth; ``x_floor`` = the kernel's time over it), the error against the reference,
     and against bf16 SDPA (``F.scaled_dot_product_attention(..., enable_gqa=True)``) and
     dequantize-then-SDPA (what transformers' quantized caches do); then fold/split time per case.
     Inputs rotate over enough copies to exceed the L2 cache.
@@ -52,6 +54,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kvlab.budget import bandwidth_fields  # noqa: E402
 from kvlab.kernels import (  # noqa: E402
     LaunchConfig,
     decode_attention,
@@ -192,6 +195,23 @@ def copy_bandwidth(device, clock, gib):
     return 2 * n / (ms * 1e-3) / 1e9
 
 
+def copy_same_bytes_ms(device, clock, nbytes, copies, iters, repeats):
+    """Milliseconds of a device-to-device copy of ``nbytes`` (the bytes one kernel call reads), in the
+    same run as the kernel; like the kernel's inputs, ``copies`` buffers rotate so that L2 cannot serve
+    them. The kernel's byte floor is half of it: the copy reads and writes the bytes, the kernel reads."""
+    n = max(1, int(nbytes))
+    src = [torch.randint(0, 255, (n,), dtype=torch.uint8, device=device) for _ in range(copies)]
+    dst = [torch.empty_like(t) for t in src]
+
+    def copy():
+        for d, t in zip(dst, src, strict=True):
+            d.copy_(t)
+
+    copy()
+    clock.sync()
+    return clock.median_ms(copy, iters, repeats) / copies
+
+
 def l2_bytes(device):
     """The L2 cache size (50 MiB when torch does not say; 0 on CPU, where nothing rotates)."""
     if not device.startswith("cuda"):
@@ -257,9 +277,9 @@ def time_kernel(data, config, device, backend, clock, iters, repeats, copy_gbps,
                split_len=spaces[0].split_len)
     time_both(kernel, device, clock, iters, repeats, row, "kernel", copies)
     best = min(row["kernel_ms"], row.get("kernel_graph_ms", math.inf))
-    row["kernel_GBps"] = data["kv_bytes"] / (best * 1e-3) / 1e9
-    if copy_gbps:
-        row["of_copy_bw"] = row["kernel_GBps"] / copy_gbps
+    if "copy_ms" not in data:  # once per case: the copy of the same bytes, same run
+        data["copy_ms"] = copy_same_bytes_ms(device, clock, data["kv_bytes"], copies, iters, repeats)
+    row.update(bandwidth_fields(data["kv_bytes"], best, data["copy_ms"], copy_gbps))
     k, v = sets[0]
     out.fill_(float("nan"))
     decode_attention(q, k, v, lengths, scale, out=out, workspace=spaces[0], backend=backend)
@@ -541,16 +561,20 @@ def print_correctness(rows):
 def print_performance(rows, copy_gbps):
     print(f"\n(b) decode attention, Hq/Hkv/D = 32/8/128 (copy bandwidth {copy_gbps or 0:.0f} GB/s, read + write)")
     print(f"{'format':<10} {'B':>3} {'kern':<5} {'len/cap':>11} {'MB read':>8} {'kernel':>8} {'graph':>8} {'GB/s':>6} "
-          f"{'of copy':>7} {'rel err':>8} {'sdpa':>8} {'sdpa gr':>8} {'deq+sdpa':>8} {'splits':>6}")
+          f"{'of copy':>7} {'same B':>6} {'x floor':>7} {'rel err':>8} {'sdpa':>8} {'sdpa gr':>8} {'deq+sdpa':>8} "
+          f"{'splits':>6}")
     for r in rows:
         if r["status"] != "ok":
             print(f"{r['format']:<10} {r['batch']:>3} {r.get('variant', '-'):<5} FAILED {r['error'][:120]}")
             continue
         print(f"{r['label']:<10} {r['batch']:>3} {r['variant']:<5} {r['length']:>5}/{r['capacity']:<5} "
               f"{r['kv_bytes'] / 1e6:8.1f} {fmt_ms(r.get('kernel_ms'))} {fmt_ms(r.get('kernel_graph_ms'))} "
-              f"{r['kernel_GBps']:6.0f} {r.get('of_copy_bw', 0):7.2f} {r['rel_err']:8.1e} {fmt_ms(r.get('sdpa_ms'))} "
+              f"{r['kernel_GBps']:6.0f} {r.get('of_copy_bw', 0):7.2f} {r.get('of_copy_same_bytes', 0):6.2f} "
+              f"{r.get('x_floor', 0):7.2f} {r['rel_err']:8.1e} {fmt_ms(r.get('sdpa_ms'))} "
               f"{fmt_ms(r.get('sdpa_graph_ms'))} {fmt_ms(r.get('dequant_sdpa_ms'))} {r['num_splits']:>6}")
-    print("times in ms per call; GB/s from the faster of eager and graph; sdpa = bf16 SDPA on the bf16 row's "
+    print("times in ms per call; GB/s from the faster of eager and graph; of copy = GB/s over the large copy's; "
+          "same B = over a copy of the same bytes in this case; x floor = time over half that copy; "
+          "sdpa = bf16 SDPA on the bf16 row's "
           "buffers; deq+sdpa = dequantize the prefix to bf16, then SDPA")
     pairs = {}
     for r in rows:

@@ -270,6 +270,26 @@ class DecodeBytes:
         return self.total / bandwidth_bytes_per_s
 
 
+def bandwidth_fields(nbytes: float, kernel_ms: float, copy_ms: float | None = None,
+                     copy_gbps: float | None = None) -> dict[str, float]:
+    """A kernel's bandwidth against a device-to-device copy, for benchmark rows.
+
+    ``nbytes``: what the kernel reads in ``kernel_ms``; ``copy_ms``: a copy of the same ``nbytes`` (read
+    and written) timed in the same run; ``copy_gbps``: a large copy's GB/s, read + write counted.
+    ``kernel_GBps``: bytes read per second. ``copy_same_bytes_GBps``: the copy's read + write per second.
+    ``of_copy_same_bytes``: the first over the second (1.0: the kernel reads at copy bandwidth).
+    ``floor_ms``: the bytes read at that bandwidth (half the copy); ``x_floor``: the kernel's time over
+    it. ``of_copy_bw``: ``kernel_GBps`` over ``copy_gbps``."""
+    out = {"kernel_GBps": nbytes / (kernel_ms * 1e-3) / 1e9}
+    if copy_ms:
+        same = 2 * nbytes / (copy_ms * 1e-3) / 1e9
+        out.update(copy_same_bytes_ms=copy_ms, copy_same_bytes_GBps=same, of_copy_same_bytes=out["kernel_GBps"] / same,
+                   floor_ms=copy_ms / 2, x_floor=kernel_ms / (copy_ms / 2))
+    if copy_gbps:
+        out["of_copy_bw"] = out["kernel_GBps"] / copy_gbps
+    return out
+
+
 def decode_bytes(spec: ModelSpec, ctx: int, batch: int = 1, **cache_kwargs) -> DecodeBytes:
     return DecodeBytes(weight_bytes(spec), cache_bytes(spec, ctx, batch=batch, **cache_kwargs))
 

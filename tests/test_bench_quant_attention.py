@@ -42,3 +42,25 @@ def test_winner_is_best_over_all_batches_and_within_error(bench):
     split_only = bench.pick_winners(rows, variant="split")
     assert split_only["int4-g64"]["config"] == vars(partial)  # the only split config within error
     assert "fp8" not in split_only  # no split config measured ok for fp8
+
+
+def test_bandwidth_fields_against_a_copy_of_the_same_bytes(bench):
+    # 100 MB read in 0.1 ms = 1000 GB/s; the copy of the same 100 MB (read + write) took 0.05 ms = 4000 GB/s
+    f = bench.bandwidth_fields(100e6, 0.1, 0.05, copy_gbps=4000.0)
+    assert f["kernel_GBps"] == pytest.approx(1000.0)
+    assert f["copy_same_bytes_GBps"] == pytest.approx(4000.0)
+    assert f["of_copy_same_bytes"] == pytest.approx(0.25) and f["of_copy_bw"] == pytest.approx(0.25)
+    assert f["floor_ms"] == pytest.approx(0.025) and f["x_floor"] == pytest.approx(4.0)
+
+
+def test_performance_rows_carry_the_copy_fields_on_cpu(bench, monkeypatch):
+    """The CPU path with the float32 reference and a fake clock: every row has the fields."""
+    times = iter([0.2, 0.1] * 10)  # kernel (eager), then the same-bytes copy
+    monkeypatch.setattr(bench.Clock, "median_ms", lambda self, fn, iters, repeats: next(times))
+    case = {"format": "int4", "group": 64, "batch": 1, "q_heads": 4, "kv_heads": 2, "length": 40, "capacity": 40}
+    rows = bench.run_performance(case, [LaunchConfig(variant="split")], "cpu", "reference", bench.Clock("cpu"),
+                                 copy_gbps=None, seed=0, l2_bytes=0, iters=1, repeats=1, baselines=False)
+    assert [r["status"] for r in rows] == ["ok"], rows
+    r = rows[0]
+    assert r["kernel_ms"] == 0.2 and r["copy_same_bytes_ms"] == 0.1
+    assert r["of_copy_same_bytes"] == pytest.approx(0.25) and r["x_floor"] == pytest.approx(4.0)

@@ -4,6 +4,7 @@
     decoder = engine.decoder(policy, batch, ctx, n)       # before a measured window opens
     first = decoder.prefill(ids, chunk, rows)             # [B, 1]
     tokens = decoder.decode(first, n, start_position=ctx, on_step=...)
+    logits = decoder.feed(ids, start)                     # teacher forcing through the decoder's storage
     decoder.stats(n), decoder.columns(rows)               # the cache it left, its record columns
 
 No caller asks which engine it has: what differs (the cache the prefill fills, where decode runs,
@@ -39,6 +40,18 @@ class Decoder(Protocol):
     def decode(self, first_token: torch.Tensor, n_new: int, start_position: int | torch.Tensor,
                on_step: Callable[[int], Any] | None = None) -> torch.Tensor:
         """Greedy tokens ``[B, n_new]`` (EOS ignored); ``on_step(i)`` after decode step ``i``."""
+
+    def feed(self, input_ids: torch.Tensor, start_position: int | torch.Tensor) -> torch.Tensor:
+        """Teacher forcing through the decoder's own storage: ``input_ids [B, n]`` appended at
+        ``start_position, ...``; logits ``[B, n, V]`` float32. A question after a context, or a gold
+        answer, sees the context as decode does (on ``fast``: the store's format, not the exact
+        prefill cache)."""
+
+    def checkpoint(self) -> Any:
+        """A mark of the state now, for :meth:`restore` (None: cannot be kept; rebuild instead)."""
+
+    def restore(self, mark: Any) -> None:
+        """Go back to a :meth:`checkpoint` (e.g. teacher-force the gold after the greedy reply)."""
 
     def stats(self, new_tokens: int = 0) -> dict[str, Any]:
         """``logical_tokens``, ``physical_tokens``, ``bytes``, ...: after the prefill, or after ``new_tokens``."""
@@ -142,13 +155,16 @@ def generate_text(loaded, prompt_ids, policy, max_new_tokens: int, question_ids=
         cache = engine.storage_policy(policy).make_cache(model)
         logits = prefill(model, ids, cache, getattr(policy, "prefill_chunk", None))
         after_prefill = cache_stats(cache)
-        if question_ids is not None:
-            question = as_batch(question_ids, ids.device).expand(ids.shape[0], -1)
-            logits = prefill(model, question, cache)
-        first = logits[:, -1].argmax(dim=-1)
-        decoder = engine.decoder_for_cache(policy, cache, max_new_tokens, after_prefill)
         start = cache.get_seq_length()
+        question = None if question_ids is None else as_batch(question_ids, ids.device).expand(ids.shape[0], -1)
+        room = max_new_tokens + (0 if question is None else question.shape[1])
+        decoder = engine.decoder_for_cache(policy, cache, room, after_prefill)
         del cache  # the fast engine's store holds the decode; hf's decoder keeps the cache
+        if question is not None:  # through the decoder's storage (fast: the store's format), as decode
+            with torch.no_grad():
+                logits = decoder.feed(question, start)
+            start += question.shape[1]
+        first = logits[:, -1].argmax(dim=-1)
         tokens = decoder.decode(first, max_new_tokens, start)
     texts = tokenizer.batch_decode(tokens, skip_special_tokens=True) if tokenizer is not None else None
     return Generation(tokens.cpu(), texts, ids.shape[1], decoder.stats(), decoder.stats(max_new_tokens),

@@ -2,12 +2,14 @@
 
     engine = FastEngine(loaded)                         # once per loaded model
     decoder = engine.decoder(policy, batch, ctx, n)     # sized and captured once per shape (warm-up)
-    cache = decoder.prefill_cache()                     # the policy's transformers cache, unquantized
+    cache = decoder.prefill_cache()                     # full/quantized: the store itself (StoreCache);
+                                                        # evicting: the policy's cache, unquantized
     logits = generation.prefill(model, ids, cache)      # eviction happens here, as on ``hf``
-    decoder.load(cache)                                 # kept K/V -> static buffers (slots 0..kept)
+    decoder.load(cache)                                 # kept K/V -> static buffers (a copy if evicting)
     tokens = decoder.decode(first, n, start_position=ctx, on_step=...)
 
     first = decoder.prefill(ids, chunk, rows=4)         # the three middle lines, 4 sequences at a time
+    logits = decoder.feed(question, start)              # teacher forcing through the store (eager steps)
 
 The decode loop (``FastDecoder.decode``) reads top to bottom: set the first token, then replay the
 graph ``n - 1`` times. The graph holds the whole step: embedding, every layer (the model's own
@@ -32,8 +34,10 @@ from kvlab.engine.generation import chunk_bounds, prefill
 from kvlab.engine.kvstore import ATTENTION, DenseStore, Layout, QuantizedStore
 from kvlab.engine.kvstore_reads import read_store
 from kvlab.engine.llama import LlamaFamilyStep, check_model
+from kvlab.engine.store_cache import StoreCache
 from kvlab.policies.base import hf_model
 from kvlab.policies.cache import layer_tensors
+from kvlab.policies.full import FullPolicy
 
 CAPTURE_WARMUP_STEPS = 3
 # How the step is compiled by default, per device type (:data:`kvlab.engine.llama.STEP_COMPILE`).
@@ -63,6 +67,7 @@ class FastDecoder:
         self.token = torch.zeros(bsz, 1, dtype=torch.long, device=device)
         self.position = torch.zeros(bsz, 1, dtype=torch.long, device=device)
         self.tokens = torch.zeros(bsz, layout.new_tokens + 1, dtype=torch.long, device=device)
+        self.fed = 0  # tokens fed through the store since the load (:meth:`feed`); decode goes on after them
         self.graph = None
         self._compiled = None
         if capture and step.compile == "reduce-overhead":
@@ -113,15 +118,69 @@ class FastDecoder:
         return self.graph is not None or self._compiled is not None
 
     # -- a generation ------------------------------------------------------------------------
-    def prefill_cache(self):
-        """A fresh transformers cache to prefill into: the policy's own, minus any quantization."""
+    @property
+    def prefills_into_store(self) -> bool:
+        """Whether the prefill writes straight into the store (:class:`StoreCache`): a policy that
+        keeps every prompt token (``full``, and the quantized formats, whose prefill policy is full)."""
+        return isinstance(self.prefill_policy, FullPolicy)
+
+    def prefill_cache(self, rows: slice | None = None):
+        """A fresh transformers cache to prefill (batch rows ``rows`` of the store; None: all) into:
+        a :class:`StoreCache` over the store itself when the policy keeps every token (no second copy
+        of the prompt's K/V at the peak), else the policy's own, minus any quantization (an evicting
+        policy selects from the whole prompt's K/V; :meth:`load` copies what it kept)."""
+        if self.prefills_into_store:
+            return StoreCache(self.store, rows)
         return self.prefill_policy.make_cache(self.model)
 
     def load(self, cache, rows: slice | None = None) -> None:
         """Move the prefilled cache's kept K/V into the static buffers (a copy, inside prefill):
-        into batch rows ``rows`` when the cache holds a group of the batch's sequences."""
-        self.store.load(layer_tensors(cache), rows)
+        into batch rows ``rows`` when the cache holds a group of the batch's sequences. A
+        :class:`StoreCache` already wrote them there: only its lengths are checked."""
+        if isinstance(cache, StoreCache):
+            if cache.store is not self.store:
+                raise EngineError("this StoreCache writes into another decoder's store")
+            got = [layer.get_seq_length() for layer in cache.layers]
+            if got != list(self.layout.kept):
+                raise ValueError(f"the prefill wrote {got[0]} tokens per layer, the store was sized for "
+                                 f"{self.layout.kept[0]}")
+            self.store.step.zero_()
+        else:
+            self.store.load(layer_tensors(cache), rows)
         self.logical_tokens = int(cache.get_seq_length())
+        self.fed = 0
+
+    @torch.no_grad()
+    def feed(self, input_ids: torch.Tensor, start_position: int | torch.Tensor) -> torch.Tensor:
+        """Teacher forcing through the store: ``input_ids [B, n]`` one step at a time at positions
+        ``start_position, ...``, each written into the store in its format (quantized on write, as a
+        decoded token is) and attending what the store holds; the logits ``[B, n, V]`` (float32).
+
+        A question appended after the context, or a gold answer, so sees the same stored context as
+        the greedy reply does (the transformers prefill cache is exact; the store is the format).
+        Eager steps (no graph); :meth:`decode` goes on after the fed tokens."""
+        ids = torch.as_tensor(input_ids, device=self.device).reshape(self.layout.batch, -1)
+        n = ids.shape[1]
+        if self.fed + n > self.layout.new_tokens:
+            raise EngineError(f"this decoder has room for {self.layout.new_tokens} tokens after the prefill: "
+                              f"{self.fed} fed, {n} more asked")
+        start = torch.as_tensor(start_position, device=self.device).reshape(-1, 1).expand(self.layout.batch, 1)
+        out = []
+        for j in range(n):
+            self.store.step.fill_(self.fed)
+            out.append(self.step_fn(ids[:, j:j + 1], start + j, self.store).float())
+            self.fed += 1
+        self.store.step.fill_(self.fed)
+        return torch.stack(out, dim=1)
+
+    def checkpoint(self) -> int:
+        """A mark of what the store holds now (:meth:`restore` goes back to it): the tokens fed.
+        Slots past the mark are overwritten by what is fed or decoded next and never attended before."""
+        return self.fed
+
+    def restore(self, mark: int) -> None:
+        self.fed = mark
+        self.store.step.fill_(mark)
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, chunk: int | None = None, rows: int | None = None) -> torch.Tensor:
@@ -137,7 +196,7 @@ class FastDecoder:
         """
         firsts = []
         for start, stop in chunk_bounds(input_ids.shape[0], prefill_rows(rows, input_ids.shape[0])):
-            cache = self.prefill_cache()
+            cache = self.prefill_cache(slice(start, stop))
             logits = prefill(self.model, input_ids[start:stop], cache, chunk)
             firsts.append(logits[:, -1, :].argmax(dim=-1, keepdim=True))
             self.load(cache, slice(start, stop))
@@ -147,14 +206,17 @@ class FastDecoder:
     @torch.no_grad()
     def decode(self, first_token: torch.Tensor, n_new: int, start_position: int | torch.Tensor,
                on_step: Callable[[int], Any] | None = None) -> torch.Tensor:
-        """Greedy tokens ``[B, n_new]``: ``first_token`` then ``n_new - 1`` replays; EOS ignored."""
-        if not 1 <= n_new <= self.layout.new_tokens:
-            raise EngineError(f"this decoder was sized for {self.layout.new_tokens} new tokens, asked {n_new}")
+        """Greedy tokens ``[B, n_new]``: ``first_token`` then ``n_new - 1`` replays; EOS ignored.
+        They follow the prefill and any tokens :meth:`feed` wrote since."""
+        fed = self.fed
+        if not 1 <= n_new <= self.layout.new_tokens - fed:
+            raise EngineError(f"this decoder was sized for {self.layout.new_tokens} new tokens ({fed} fed), "
+                              f"asked {n_new}")
         self.token.copy_(first_token.reshape(-1, 1))
         self.position.copy_(torch.as_tensor(start_position, device=self.device).reshape(-1, 1)
                             .expand_as(self.position))
-        self.tokens[:, :1].copy_(self.token)
-        self.store.step.zero_()
+        self.tokens[:, fed:fed + 1].copy_(self.token)
+        self.store.step.fill_(fed)
         for i in range(n_new - 1):
             if self.graph is not None:
                 self.graph.replay()
@@ -164,14 +226,16 @@ class FastDecoder:
                 self._step()
             if on_step is not None:
                 on_step(i)
-        return self.tokens[:, :n_new].clone()
+        return self.tokens[:, fed:fed + n_new].clone()
 
     def stats(self, new_tokens: int = 0) -> dict[str, Any]:
         """Tokens held and their bytes, like ``policies.cache_stats`` (per layer mean): after the
-        prefill, or after ``new_tokens`` generated (the last one is never written back)."""
-        held = [k + max(0, new_tokens - 1) for k in self.layout.kept]
+        prefill, or after ``new_tokens`` generated (the last one is never written back) following
+        the tokens fed (:meth:`feed`, e.g. a question), as ``hf`` reports its cache."""
+        extra = self.fed + new_tokens - 1 if new_tokens > 0 else 0
+        held = [k + extra for k in self.layout.kept]
         logical = getattr(self, "logical_tokens", None)
-        return {"logical_tokens": None if logical is None else logical + max(0, new_tokens - 1),
+        return {"logical_tokens": None if logical is None else logical + extra,
                 "physical_tokens": sum(held) // len(held) if len(set(held)) == 1 else sum(held) / len(held),
                 "bytes": self.store.held_bytes(held),
                 "bytes_allocated": self.store.bytes_allocated(),
@@ -242,8 +306,9 @@ class FastEngine:
     def decoder_for_cache(self, policy, cache, new_tokens: int,
                           prefill_stats: dict[str, Any] | None = None) -> FastDecoder:
         """A decoder holding whatever a prefilled cache (of :meth:`storage_policy`) holds, e.g. a
-        context, then a question appended uncompressed: sized from the cache and loaded from it. Its
-        stats are the store's, question included (``prefill_stats`` is for ``hf``, unused here)."""
+        context: sized from the cache, loaded from it, with room for ``new_tokens`` more (fed with
+        :meth:`FastDecoder.feed`, e.g. a question, or decoded). Its stats are the store's
+        (``prefill_stats`` is for ``hf``, unused here)."""
         prefill_policy, kv_format = policy.fast_storage()
         kv = layer_tensors(cache)
         layout = Layout(kv[0][0].shape[0], tuple(k.shape[-2] for k, _ in kv), new_tokens,

@@ -12,7 +12,7 @@ import torch
 from kvlab.anatomy import Anatomy
 from kvlab.columns import engine_columns
 from kvlab.engine.anatomy import hf_anatomy
-from kvlab.engine.generation import greedy_decode, prefill
+from kvlab.engine.generation import fork_cache, forward, greedy_decode, positions, prefill
 from kvlab.policies import cache_stats
 from kvlab.policies.base import hf_model
 
@@ -32,6 +32,28 @@ class HFDecoder:
         first = prefill(self.model, input_ids, self.cache, chunk)[:, -1, :].argmax(dim=-1, keepdim=True)
         self._prefill_stats = None
         return first
+
+    @torch.no_grad()
+    def feed(self, input_ids: torch.Tensor, start_position: int | torch.Tensor) -> torch.Tensor:
+        """Teacher forcing: ``input_ids [B, n]`` appended to the cache in one forward at positions
+        ``start_position, ...``; the logits ``[B, n, V]`` (float32). Each token attends what the
+        cache returns for the tokens before it and itself (a quantized layer: the stored codes)."""
+        ids = torch.as_tensor(input_ids, device=next(self.model.parameters()).device)
+        ids = ids.reshape(-1, ids.shape[-1])
+        seen = self.cache.get_seq_length()
+        if isinstance(start_position, int) and seen != start_position:
+            raise RuntimeError(f"the cache reports {seen} tokens seen, feeding at {start_position}: its "
+                               f"get_seq_length() must count every token, evicted or not")
+        pos = positions(start_position, ids.shape[1], ids.shape[0], ids.device)
+        return forward(self.model, ids, self.cache, pos, logits_to_keep=0).logits.float()
+
+    def checkpoint(self):
+        """A copy of the cache as it is now (:meth:`restore` goes back to it); None when the cache
+        cannot be copied (then the caller rebuilds it)."""
+        return fork_cache(self.cache, self.model)
+
+    def restore(self, mark) -> None:
+        self.cache = mark
 
     def decode(self, first_token: torch.Tensor, n_new: int, start_position: int | torch.Tensor,
                on_step: Callable[[int], Any] | None = None) -> torch.Tensor:

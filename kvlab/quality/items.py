@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from kvlab.engine.generation import fork_cache, forward_at, model_device, prefill_ids
+from kvlab.engine.generation import as_batch, model_device, prefill_ids
 from kvlab.policies import cache_stats
 from kvlab.tasks import Encoder, TaskItem
 from kvlab.tasks.prompt import TaskError
@@ -43,43 +43,54 @@ def _informative(stats) -> dict[str, Any] | None:
 
 def run_item(loaded, policy, item: TaskItem, enc: Encoder, engine, query_aware: bool = False,
              max_new_tokens: int | None = None) -> ItemRun:
-    """Prefill the compressed part, forward the rest, decode greedily and teacher-force the gold.
+    """Prefill the compressed part, feed the rest, decode greedily and teacher-force the gold.
 
-    The prefill fills the cache of ``engine.storage_policy(policy)``; the greedy reply comes from
-    ``engine``'s decoder (:mod:`kvlab.engine.engines`). The teacher-forced pass runs transformers'
-    forward through the policy's own cache: a fork of the prefilled one when that is the policy's own
-    (so both passes see the same compressed state), else one rebuilt by a second prefill (same
-    result, more time), as for a cache that cannot be copied.
+    The prefill fills the cache of ``engine.storage_policy(policy)`` (exact attention); then
+    everything after it goes through ``engine``'s decoder (:mod:`kvlab.engine.engines`) and so
+    through the same storage on either engine: the question (``Decoder.feed``, whose last logits
+    pick the first reply token and score the first gold token), the greedy reply, and the gold
+    answer teacher-forced from the state after the question (``checkpoint``/``restore``; a decoder
+    whose state cannot be kept is rebuilt by a second prefill: same result, more time). On ``fast``
+    the question and the gold so attend the context in the store's format, as the reply does, not
+    the exact prefill cache (issue #28: kvq-int4's gold NLL differed between engines by that).
     """
     model = loaded.model
     first, second = segments(item, query_aware)
     if not second:
         raise TaskError(f"item {item.task}: nothing after the compressed part; the answer prefix is empty")
     storage = engine.storage_policy(policy)
-    cache = storage.make_cache(model)
-    prefill_ids(model, first, cache, policy.prefill_chunk)
-    prefilled = _informative(partial(cache_stats, cache))  # hf reports the cache before the question
-    logits = forward_at(model, second, cache, len(first))
-    start = len(first) + len(second)
+    device = model_device(model)
     answer = list(item.answer_ids)
-    tf_cache = fork_cache(cache, model) if len(answer) > 1 and storage is policy else None
-    last = logits[-1]
     n_new = max(1, max_new_tokens or item.max_new_tokens)
-    decoder = engine.decoder_for_cache(policy, cache, n_new, prefilled)
+    room = len(second) + max(n_new, len(answer))
+
+    def prefilled_decoder(stats: bool):
+        cache = storage.make_cache(model)
+        prefill_ids(model, first, cache, policy.prefill_chunk)
+        prefilled = _informative(partial(cache_stats, cache)) if stats else None  # before the question
+        decoder = engine.decoder_for_cache(policy, cache, room, prefilled)
+        with torch.inference_mode():
+            last = decoder.feed(as_batch(list(second), device), len(first))[0, -1]
+        return decoder, last
+
+    decoder, last = prefilled_decoder(stats=True)
     stats = {f"cache_{k}": v for k, v in (_informative(decoder.stats) or {}).items()}
-    first_token = torch.tensor([int(last.argmax())], dtype=torch.long, device=model_device(model))
+    start = len(first) + len(second)
+    mark = decoder.checkpoint() if len(answer) > 1 else None
+    first_token = last.argmax().reshape(1).to(device)
     with torch.inference_mode():
         tokens = decoder.decode(first_token, n_new, start)
     generated = [int(t) for t in tokens[0].tolist()]
     if len(answer) > 1:
-        if tf_cache is None:  # rebuild the same compressed state
-            tf_cache = policy.make_cache(model)
-            prefill_ids(model, first, tf_cache, policy.prefill_chunk)
-            forward_at(model, second, tf_cache, len(first))
-        rest = forward_at(model, answer[:-1], tf_cache, start)
-        tf_logits = torch.cat([last[None], rest], dim=0)
+        if mark is None:  # rebuild the same state
+            decoder, _ = prefilled_decoder(stats=False)
+        else:
+            decoder.restore(mark)
+        with torch.inference_mode():
+            rest = decoder.feed(as_batch(answer[:-1], device), start)[0]
+        tf_logits = torch.cat([last[None], rest], dim=0).float().cpu()
     else:
-        tf_logits = last[None]
+        tf_logits = last[None].float().cpu()
     return ItemRun(generated=generated, prediction=reply_text(enc, generated), tf_logits=tf_logits, cache=stats)
 
 

@@ -1,0 +1,340 @@
+"""kvlab's fast decode step beside a minimal graph-captured step built from the same weights (issue #28).
+
+The minimal step is the gpt-fast-style yardstick of shared/reference/h200-measurements.md: bf16
+weights as plain tensors (the very tensors kvlab's step uses: its fused q/k/v and gate/up), per layer
+``F.rms_norm`` in the model dtype, one QKV matmul, RoPE from a precomputed table, the new K/V written
+into static ``[B, Hkv, C, D]`` buffers in place, SDPA with ``enable_gqa=True`` over all ``C`` slots (no
+mask, so the flash backend runs; C = ctx + new tokens), one gate/up matmul, SiLU, down matmul; the
+LM head in bf16 and argmax into a static token tensor. The whole step is captured once in a CUDA
+graph and replayed. kvlab's step is ``FastEngine``'s default (layers compiled inside kvlab's graph,
+flash varlen over the static store, float32 norms, ``StepSlots`` lengths, token bookkeeping).
+
+Per batch: ms/step from CUDA events over replays, J/token from the NVML counter over a steady
+window of ``--seconds`` (each engine in turn, same process), then torch.profiler's kernel table of
+``--profile-steps`` replays of each step (kernels per step, µs per step, side by side), and of one
+eager step of each (the ops, with the host's share), so the extra work per step shows.
+
+On the H200 (Llama-3.1-8B shape, synthetic weights, 16k, batch 1 and 16; ~4 min):
+
+    python benchmarks/minimal_step.py --batch 1 16 --ctx 16384 --seconds 8 --out $OUT/minimal_step.json
+
+The store is not prefilled (zeros): a step's kernels read the same bytes whatever the K/V hold.
+``--device cpu --model tiny-llama --ctx 32`` smoke-tests the script (no graph, no energy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+class MinimalStep:
+    """One decode step, gpt-fast style, over the weights of a :class:`kvlab.engine.llama.LlamaFamilyStep`.
+
+    ``kv_keys``/``kv_values``: per layer ``[B, Hkv, C, D]`` static buffers; ``token [B, 1]``; ``pos
+    [1]`` (the slot and position of the token, the same for every row). ``step()`` writes the next
+    token into ``token`` and advances ``pos``; it returns the logits ``[B, V]`` (model dtype)."""
+
+    def __init__(self, fam, batch: int, capacity: int, device, dtype):
+        self.fam = fam
+        inner = fam.layers
+        self.hq, self.hkv, self.d = fam.heads
+        self.hidden = fam.embed.weight.shape[1]
+        self.embed_w = fam.embed.weight
+        self.ln1 = [la.input_layernorm.weight for la in inner]
+        self.ln2 = [la.post_attention_layernorm.weight for la in inner]
+        self.wo = [la.self_attn.o_proj.weight for la in inner]
+        self.wdown = [la.mlp.down_proj.weight for la in inner]
+        self.wqkv = [w for w, _ in fam.qkv]
+        self.wgu = [w for w, _ in fam.gate_up]
+        if any(b is not None for _, b in fam.qkv + fam.gate_up):
+            raise ValueError("the minimal step has no biases: use a model without q/k/v or MLP biases")
+        self.eps = fam.eps
+        self.norm_w, self.norm_eps = fam.norm.weight, fam.eps[-1][1]
+        self.head_w = fam.lm_head.weight
+        self.scale = fam.scaling
+        shape = (batch, self.hkv, capacity, self.d)
+        self.kv_keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in inner]
+        self.kv_values = [torch.zeros(shape, dtype=dtype, device=device) for _ in inner]
+        positions = torch.arange(capacity, device=device)
+        dummy = torch.zeros(1, 1, self.hidden, dtype=dtype, device=device)
+        cos, sin = fam.rotary(dummy, positions[None])  # [1, C, D], the model's own RoPE (scaling included)
+        self.cos, self.sin = cos[0].to(dtype), sin[0].to(dtype)
+        self.token = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.pos = torch.zeros(1, dtype=torch.long, device=device)
+
+    @staticmethod
+    def _rope(x, cos, sin):
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+    def step(self) -> torch.Tensor:
+        b = self.token.shape[0]
+        x = F.embedding(self.token, self.embed_w)  # [B, 1, H]
+        cos = self.cos.index_select(0, self.pos).view(1, 1, 1, self.d)
+        sin = self.sin.index_select(0, self.pos).view(1, 1, 1, self.d)
+        for i in range(len(self.wqkv)):
+            h = F.rms_norm(x, (self.hidden,), self.ln1[i], self.eps[i][0])
+            q, k, v = F.linear(h, self.wqkv[i]).split((self.hq * self.d, self.hkv * self.d, self.hkv * self.d), -1)
+            q = self._rope(q.view(b, 1, self.hq, self.d).transpose(1, 2), cos, sin)
+            k = self._rope(k.view(b, 1, self.hkv, self.d).transpose(1, 2), cos, sin)
+            self.kv_keys[i].index_copy_(2, self.pos, k)
+            self.kv_values[i].index_copy_(2, self.pos, v.view(b, 1, self.hkv, self.d).transpose(1, 2))
+            o = F.scaled_dot_product_attention(q, self.kv_keys[i], self.kv_values[i], scale=self.scale,
+                                               enable_gqa=True)
+            x = x + F.linear(o.transpose(1, 2).reshape(b, 1, -1), self.wo[i])
+            h = F.rms_norm(x, (self.hidden,), self.ln2[i], self.eps[i][1])
+            gate, up = F.linear(h, self.wgu[i]).chunk(2, -1)
+            x = x + F.linear(F.silu(gate) * up, self.wdown[i])
+        logits = F.linear(F.rms_norm(x[:, -1], (self.hidden,), self.norm_w, self.norm_eps), self.head_w)
+        self.token.copy_(logits.argmax(-1, keepdim=True))
+        self.pos.add_(1)
+        return logits
+
+
+def capture(fn, device):
+    """``fn`` captured in a CUDA graph after 3 warm-up calls on a side stream (None on CPU)."""
+    if not str(device).startswith("cuda"):
+        return None
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return graph
+
+
+class Runner:
+    """``run(n)``: n decode steps of one engine, from its first slot (steps beyond its room wrap)."""
+
+    def __init__(self, name, one_step, reset, room, graph=None):
+        self.name, self.one_step, self.reset, self.room, self.graph = name, one_step, reset, room, graph
+
+    def run(self, n: int) -> None:
+        done = 0
+        while done < n:
+            self.reset()
+            k = min(self.room, n - done)
+            for _ in range(k):
+                self.graph.replay() if self.graph is not None else self.one_step()
+            done += k
+
+
+def kvlab_runner(loaded, batch, ctx, new_tokens):
+    from kvlab.engine.engines import make_engine
+    from kvlab.policies import make_policy
+
+    engine = make_engine("fast", loaded)
+    decoder = engine.decoder(make_policy("full"), batch, ctx, new_tokens)  # captured here on CUDA
+
+    def reset():
+        decoder.store.step.zero_()
+        decoder.position.fill_(ctx)
+
+    step = decoder._step
+    return engine, decoder, Runner("kvlab fast", step, reset, new_tokens - 1, decoder.graph)
+
+
+def minimal_runner(engine, batch, ctx, new_tokens, device, dtype):
+    m = MinimalStep(engine.step, batch, ctx + new_tokens, device, dtype)
+
+    def reset():
+        m.pos.fill_(ctx)
+
+    with torch.no_grad():
+        graph = capture(m.step, device)
+    return m, Runner("minimal", m.step, reset, new_tokens - 1, graph)
+
+
+def time_ms(runner: Runner, steps: int, device) -> float:
+    """ms per step over ``steps`` steps (CUDA events; perf_counter on CPU)."""
+    runner.run(min(steps, 8))  # warm
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        runner.run(steps)
+        b.record()
+        torch.cuda.synchronize()
+        return a.elapsed_time(b) / steps
+    t0 = time.perf_counter()
+    runner.run(steps)
+    return (time.perf_counter() - t0) * 1e3 / steps
+
+
+def energy(runner: Runner, sampler, ms_step: float, seconds: float, batch: int) -> dict:
+    """J/token over a steady window of about ``seconds`` (None where there is no counter)."""
+    steps = max(1, int(seconds * 1e3 / max(ms_step, 1e-3)))
+    with sampler.window() as w:
+        runner.run(steps)
+    res = w.result
+    j = res.energy_j
+    return {"window_steps": steps, "window_s": res.seconds, "energy_j": j, "energy_source": res.source,
+            "j_per_token": None if j is None else j / (steps * batch),
+            "mean_power_w": None if j is None else j / res.seconds}
+
+
+def kernel_table(runner: Runner, steps: int, device) -> dict[str, dict[str, float]]:
+    """Per kernel name: calls and µs per step over ``steps`` profiled steps (graph replays on CUDA)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if str(device).startswith("cuda") else [])
+    runner.run(2)
+    with profile(activities=acts) as prof:
+        runner.run(steps)
+        if str(device).startswith("cuda"):
+            torch.cuda.synchronize()
+    table: dict[str, dict[str, float]] = defaultdict(lambda: {"calls": 0.0, "us": 0.0})
+    for e in prof.events():
+        if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA or not str(device).startswith("cuda"):
+            if not str(device).startswith("cuda") and e.cpu_parent is not None:
+                continue  # CPU: top-level ops only
+            t = table[e.name]
+            t["calls"] += 1 / steps
+            t["us"] += e.time_range.elapsed_us() / steps
+    return dict(table)
+
+
+def eager_ops(runner: Runner, device, rows: int) -> str:
+    """torch.profiler's op table of one eager (not captured) step: the host's view of the work."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if str(device).startswith("cuda") else [])
+    runner.reset()
+    runner.one_step()
+    with profile(activities=acts) as prof:
+        runner.reset()
+        runner.one_step()
+        if str(device).startswith("cuda"):
+            torch.cuda.synchronize()
+    sort = "cuda_time_total" if str(device).startswith("cuda") else "cpu_time_total"
+    return prof.key_averages().table(sort_by=sort, row_limit=rows)
+
+
+def print_kernels(tables: dict[str, dict], rows: int) -> list[dict]:
+    names = list(tables)
+    print(f"\n  kernels per step ({' | '.join(names)}): calls, µs")
+    totals = {n: (sum(t["calls"] for t in tables[n].values()), sum(t["us"] for t in tables[n].values()))
+              for n in names}
+    for n in names:
+        print(f"    {n:12s} {totals[n][0]:7.1f} kernels  {totals[n][1] / 1e3:8.3f} ms busy")
+    keys = sorted({k for t in tables.values() for k in t}, key=lambda k: -max(t.get(k, {}).get("us", 0)
+                                                                           for t in tables.values()))
+    out = []
+    for k in keys[:rows]:
+        cells = [tables[n].get(k, {"calls": 0.0, "us": 0.0}) for n in names]
+        print("    " + "  ".join(f"{c['calls']:6.1f}x {c['us']:9.1f}" for c in cells) + f"   {k[:100]}")
+        out.append({"kernel": k, **{n: c for n, c in zip(names, cells, strict=True)}})
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--weights", default="synthetic")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--ctx", type=int, default=16384)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--new-tokens", type=int, default=256, help="room per decoder (steps wrap around it)")
+    ap.add_argument("--steps", type=int, default=200, help="steps timed by CUDA events")
+    ap.add_argument("--seconds", type=float, default=8.0, help="steady energy window per engine and batch")
+    ap.add_argument("--profile-steps", type=int, default=10)
+    ap.add_argument("--rows", type=int, default=25, help="rows of each profiler table")
+    ap.add_argument("--out", default="minimal_step.json")
+    args = ap.parse_args()
+
+    from kvlab.budget import DecodeBytes
+    from kvlab.energy import make_sampler
+    from kvlab.models import load_model
+
+    t0 = time.time()
+    loaded = load_model(args.model, weights=args.weights, device=args.device)
+    model = loaded.model
+    param = next(model.parameters())
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    sampler = make_sampler(args.device)
+    result = {"args": vars(args), "torch": torch.__version__,
+              "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None, "batches": []}
+    print(f"{args.model} on {result['gpu'] or 'cpu'}, torch {torch.__version__} [{time.time() - t0:.0f}s]", flush=True)
+    for batch in args.batch:
+        with torch.no_grad():
+            engine, decoder, fast = kvlab_runner(loaded, batch, args.ctx, args.new_tokens)
+            m, minimal = minimal_runner(engine, batch, args.ctx, args.new_tokens, param.device, param.dtype)
+            kv_bytes = 2 * batch * args.ctx * len(m.kv_keys) * m.hkv * m.d * param.element_size()
+            row = {"batch": batch, "ctx": args.ctx, "weight_bytes": weight_bytes, "kv_bytes": kv_bytes,
+                   "kvlab_cuda_graph": decoder.graph is not None, "minimal_cuda_graph": minimal.graph is not None}
+            for r in (fast, minimal):
+                key = "kvlab" if r is fast else "minimal"
+                ms = time_ms(r, args.steps, args.device)
+                row[f"{key}_ms_step"] = ms
+                row.update({f"{key}_{k}": v for k, v in energy(r, sampler, ms, args.seconds, batch).items()})
+                print(f"b{batch} {r.name:10s} {ms:7.3f} ms/step  "
+                      f"{row[f'{key}_j_per_token'] if row[f'{key}_j_per_token'] is None else round(row[f'{key}_j_per_token'], 4)}"
+                      f" J/token  {row[f'{key}_mean_power_w'] or 0:.0f} W [{time.time() - t0:.0f}s]", flush=True)
+            if args.device.startswith("cuda"):
+                bw = copy_bandwidth(args.device)
+                floor = DecodeBytes(weight_bytes, kv_bytes).floor_s(bw) * 1e3
+                row.update(copy_bandwidth_Bps=bw, floor_ms=floor, kvlab_x_floor=row["kvlab_ms_step"] / floor,
+                           minimal_x_floor=row["minimal_ms_step"] / floor)
+                print(f"b{batch} byte floor {floor:.2f} ms (weights + KV at the copy bandwidth); kvlab "
+                      f"{row['kvlab_ms_step'] / floor:.2f}x, minimal {row['minimal_ms_step'] / floor:.2f}x", flush=True)
+            tables = {"kvlab": kernel_table(fast, args.profile_steps, args.device),
+                      "minimal": kernel_table(minimal, args.profile_steps, args.device)}
+            row["kernels"] = print_kernels(tables, args.rows)
+            row["kernel_totals"] = {n: {"kernels": sum(t["calls"] for t in tab.values()),
+                                        "busy_ms": sum(t["us"] for t in tab.values()) / 1e3}
+                                    for n, tab in tables.items()}
+            for name, r in (("kvlab", fast), ("minimal", minimal)):
+                text = eager_ops(r, args.device, args.rows)
+                row[f"{name}_eager_ops"] = text
+                print(f"\n  one eager step, {name}:\n{text}", flush=True)
+        result["batches"].append(row)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        del engine, decoder, fast, m, minimal
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    print("\nbatch  kvlab ms  minimal ms  kvlab J/tok  minimal J/tok  kvlab W  minimal W")
+    for r in result["batches"]:
+        def f(x, p=3):
+            return "-" if x is None else f"{x:.{p}f}"
+        print(f"{r['batch']:5d} {f(r['kvlab_ms_step']):>9} {f(r['minimal_ms_step']):>11} {f(r['kvlab_j_per_token'], 4):>12} "
+              f"{f(r['minimal_j_per_token'], 4):>14} {f(r['kvlab_mean_power_w'], 0):>8} {f(r['minimal_mean_power_w'], 0):>10}")
+    print(f"wrote {args.out} [{time.time() - t0:.0f}s]")
+    return 0
+
+
+def copy_bandwidth(device, gib: int = 2) -> float:
+    """Bytes read + written per second by a ``gib`` GiB device-to-device copy (mean of 5)."""
+    bufs = [torch.empty(gib * 2**30, dtype=torch.uint8, device=device) for _ in range(2)]
+    for _ in range(2):
+        bufs[1].copy_(bufs[0])
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(5):
+        bufs[1].copy_(bufs[0])
+    b.record()
+    torch.cuda.synchronize()
+    ms = a.elapsed_time(b) / 5
+    bufs.clear()
+    torch.cuda.empty_cache()
+    return 2 * gib * 2**30 / (ms * 1e-3)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
