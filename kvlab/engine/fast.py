@@ -121,8 +121,10 @@ class FastDecoder:
     @property
     def prefills_into_store(self) -> bool:
         """Whether the prefill writes straight into the store (:class:`StoreCache`): a policy that
-        keeps every prompt token (``full``, and the quantized formats, whose prefill policy is full)."""
-        return isinstance(self.prefill_policy, FullPolicy)
+        keeps every prompt token (``full``, and the quantized formats, whose prefill policy is full)
+        into a store :class:`StoreCache` can write (dense or kvlab-format; the KIVI and Quest stores
+        keep their own layouts and load from a prefill cache)."""
+        return isinstance(self.prefill_policy, FullPolicy) and type(self.store) in (DenseStore, QuantizedStore)
 
     def prefill_cache(self, rows: slice | None = None):
         """A fresh transformers cache to prefill (batch rows ``rows`` of the store; None: all) into:
