@@ -194,3 +194,26 @@ def test_kvzip_reconstruction_runs_inside_the_prefill_call(lm):
     finally:
         hook.remove()
     assert calls[4:] == [1, 1]
+
+
+def test_kvzip_repeat_forwards_may_use_a_masked_sdpa_backend_under_a_flash_pin(lm):
+    """A sweep with sdpa_backend: flash pins SDPA to flash for the whole prefill; KVzip's repeat
+    forwards attend with an explicit mask, which CUDA's flash kernel cannot take ("No available
+    kernel" on the H200, 2026-12-03f; CPU's flash takes masks, so the failure does not show here):
+    the repeat forwards re-open the backends that take a mask, the prompt's forward stays pinned."""
+    from kvlab.measure import sdpa_context
+
+    seen = []
+    hook = lm.model.model.register_forward_pre_hook(
+        lambda m, a, k: seen.append((k["input_ids"].shape[1], torch.backends.cuda.math_sdp_enabled(),
+                                     torch.backends.cuda.mem_efficient_sdp_enabled())), with_kwargs=True)
+    policy = make_policy("kvzip", keep=0.25, chunk_size=32)
+    try:
+        with policy.attach(lm, warm=False), sdpa_context("flash"):
+            cache = policy.make_cache(lm.model)
+            prefill(lm.model, prompt(n=80), cache)
+    finally:
+        hook.remove()
+    assert seen[0] == (80, False, False)  # the prompt: flash only, as the run asked
+    assert seen[1:] and all(math and efficient for _, math, efficient in seen[1:])  # the repeats
+    assert cache_stats(cache)["physical_tokens"] == 20

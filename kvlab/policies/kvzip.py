@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from functools import cache as memoize
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.cache_utils import DynamicLayer
 
 from kvlab.policies import attention
@@ -45,6 +46,7 @@ from kvlab.policies.mixed import mixed_cache
 
 FIRST_PROMPT = "\n\nRepeat the previous context exactly."
 LATER_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
+RECONSTRUCTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 ROW_BLOCK = 512  # repeat queries scored at a time (bounds the attention transient)
 
 
@@ -193,7 +195,10 @@ def score_by_reconstruction(base_model, cache, ids: torch.Tensor, policy, cache_
             for layer in layers:
                 layer._span = (start, end)
             positions = torch.arange(n, n + repeat.shape[1], device=ids.device).expand(ids.shape[0], -1)
-            with torch.no_grad():
+            # the repeat attends the cached prompt and itself causally: an explicit mask, which a run
+            # pinned to flash SDPA (sdpa_backend: flash) cannot take ("No available kernel", H200
+            # 2026-12-03f); the scoring forwards may use any backend that takes a mask
+            with torch.no_grad(), sdpa_kernel(RECONSTRUCTION_BACKENDS):
                 base_model(input_ids=repeat, position_ids=positions, use_cache=True, **{cache_key: cache})
             missing = [layer.layer_idx for layer in layers if layer._scoring_keys is not None]
             if missing:
