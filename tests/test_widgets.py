@@ -16,8 +16,8 @@ def test_formats_full_first_then_widest(llama8b):
     formats = widgets.cache_formats(llama8b, bits=(2, 4, 8), group_size=64, residual=128)
     assert [f.name for f in formats] == ["bfloat16 (full)", "int8 g64 r128", "int4 g64 r128", "int2 g64 r128"]
     assert formats[0].bits == 16 and formats[0].residual == 0
-    with pytest.raises(budget.BudgetError, match="bits=3"):
-        widgets.cache_formats(llama8b, bits=(3,))
+    with pytest.raises(budget.BudgetError, match="bits: 5 is not a stored width"):
+        widgets.cache_formats(llama8b, bits=(5,))
 
 
 def test_context_grid():
