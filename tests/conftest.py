@@ -38,3 +38,31 @@ def ray_fake_gpus():
              runtime_env={"env_vars": {"PYTHONPATH": f"{repo}:{repo / 'tests'}"}})
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def smollm2_needle(smollm2):
+    """The ~2k-token needle prompt of tests/test_policies_smollm2.py, built once per session."""
+    from test_policies_smollm2 import needle_prompt
+
+    return needle_prompt(smollm2.tokenizer)
+
+
+@pytest.fixture(scope="session")
+def smollm2_answer(smollm2, smollm2_needle):
+    """``answer(method, **params)``: SmolLM2's 12-token reply to the needle prompt under that policy,
+    generated once per session (a 2k-token prefill on real weights is the cost) and shared by every
+    test that reads the same (method, params): (generate_text's result, the needle's value)."""
+    from kvlab.engine.engines import generate_text
+    from kvlab.policies import make_policy
+
+    done = {}
+
+    def answer(method, **params):
+        key = (method, tuple(sorted(params.items())))
+        if key not in done:
+            context, question, _, _ = smollm2_needle
+            done[key] = generate_text(smollm2, context, make_policy(method, **params), 12, question_ids=question)
+        return done[key], smollm2_needle[2]
+
+    return answer

@@ -252,7 +252,7 @@ def test_variant_of_a_config_defaults_to_the_module_constant(monkeypatch):
     assert make_format("fp8").launch_config == LaunchConfig()
 
 
-@pytest.mark.slow  # a fresh interpreter importing torch: several seconds on a loaded machine
+@pytest.mark.slow(reason="a fresh interpreter importing torch: several seconds on a loaded machine")
 def test_kernels_import_and_run_on_cpu_without_triton():
     code = ("import sys; sys.modules['triton'] = None\n"
             "import torch\n"

@@ -78,7 +78,9 @@ def test_kernel_matches_reference(variant, name, group):
           variant=variant)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="the Triton CPU interpreter over the full format x group x shape grid "
+                         "(test_kernel_matches_reference covers every format per kernel in the "
+                         "fast suite)")
 @decode_kernel
 @pytest.mark.parametrize("variant", ["split", "fold"])
 @pytest.mark.parametrize("name,group", [("bf16", None), ("fp8", None), ("int4", 32), ("int4", 64),

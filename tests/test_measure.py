@@ -150,7 +150,7 @@ def test_energy_fields_from_a_fake_nvml(tiny):
     sampler.close()
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="loads SmolLM2's tokenizer and weights")
 def test_real_model_gets_an_exact_length_haystack_through_its_tokenizer(smollm2):
     ids = make_prompt(smollm2, ctx=300, batch=2, prompt_id=0)
     assert ids.shape == (2, 300)

@@ -75,7 +75,7 @@ def test_local_folder_loads_offline(tmp_path, tiny):
     assert torch.allclose(loaded.model(ids).logits, tiny.model(ids).logits, atol=1e-5)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="loads SmolLM2's real weights and generates")
 def test_smollm2_answers_offline(smollm2):
     tok = smollm2.tokenizer
     msgs = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
@@ -95,7 +95,7 @@ def test_cache_root_follows_kvlab_cache_then_xdg(monkeypatch, tmp_path):
     assert cache_root() == tmp_path / "x" / "kvlab"
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="converts SmolLM2's GGUF to safetensors and loads it both ways")
 def test_the_converted_gguf_holds_exactly_what_transformers_reads_from_the_gguf(monkeypatch, tmp_path):
     """SmolLM2 loads from a safetensors copy after its first load: same weights, same tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -91,7 +91,7 @@ def test_the_device_script_parses():
 
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="starts a local Ray cluster and runs a sweep on its workers")
 def test_ray_places_every_window_on_its_gpu(tmp_path, ray_fake_gpus):
     from sweep_workers import cpu_loader, fake_gpu_sampler
 

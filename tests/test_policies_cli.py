@@ -95,7 +95,7 @@ def test_generate_text_prompt_needs_a_tokenizer(capsys, tmp_path):
     assert "does not exist" in capsys.readouterr().err
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="the CLI loads SmolLM2's real weights and generates")
 def test_generate_smollm2_prompt_file(capsys, tmp_path):
     prompt = tmp_path / "p.txt"
     prompt.write_text("What is the capital of France? Answer in one word.")

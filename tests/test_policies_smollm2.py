@@ -9,10 +9,10 @@ import random
 
 import pytest
 
-from kvlab.engine.engines import generate_text
-from kvlab.policies import kept_positions, make_policy
+from kvlab.policies import kept_positions
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow(reason="real SmolLM2 weights: a 2k-token prefill and 12 decode steps per "
+                                     "answer")
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 KEYS = ["brave-otter", "silent-maple", "golden-river", "quiet-falcon"]
@@ -38,14 +38,14 @@ def needle_prompt(tokenizer, n_tokens=2000, depth=0.5, seed=1):
 
 
 @pytest.fixture(scope="module")
-def needle(smollm2):
-    return needle_prompt(smollm2.tokenizer)
+def needle(smollm2_needle):
+    return smollm2_needle
 
 
-def answer(smollm2, needle, method, **params):
-    context, question, value, _ = needle
-    result = generate_text(smollm2, context, make_policy(method, **params), 12, question_ids=question)
-    return result, value
+@pytest.fixture(scope="module")
+def answer(smollm2_answer):
+    """Each (method, params) generated once per session: tests/conftest.py's smollm2_answer."""
+    return smollm2_answer
 
 
 def test_prompt_is_about_2k_tokens_with_the_needle_in_the_middle(needle):
@@ -54,19 +54,19 @@ def test_prompt_is_about_2k_tokens_with_the_needle_in_the_middle(needle):
     assert 0.4 < span.start / len(context) < 0.6
 
 
-def test_full_cache_finds_the_needle(smollm2, needle):
-    result, value = answer(smollm2, needle, "full")
+def test_full_cache_finds_the_needle(answer, needle):
+    result, value = answer("full")
     assert value in result.text
 
 
-def test_tova_half_cache_finds_the_needle(smollm2, needle):
-    result, value = answer(smollm2, needle, "tova", keep=0.5)
+def test_tova_half_cache_finds_the_needle(answer, needle):
+    result, value = answer("tova", keep=0.5)
     assert result.cache_after_prefill["physical_tokens"] == len(needle[0]) // 2
     assert value in result.text
 
 
-def test_streamingllm_tenth_loses_a_needle_in_the_middle(smollm2, needle):
-    result, value = answer(smollm2, needle, "streamingllm", keep=0.1)
+def test_streamingllm_tenth_loses_a_needle_in_the_middle(answer, needle):
+    result, value = answer("streamingllm", keep=0.1)
     kept = set(kept_positions(result.cache)[0][0, 0].tolist())
     assert not kept & set(needle[3])  # the needle left the cache...
     assert value not in result.text  # ...and with it the answer
@@ -78,18 +78,18 @@ def test_streamingllm_tenth_loses_a_needle_in_the_middle(smollm2, needle):
     "the whole prompt and evict them (test_snapkv_evicts_the_needle_digits_in_early_layers), so the copy "
     "breaks: it fails even at keep 0.9, and with the question inside the window too (2026-12-02: keep 0.99 "
     "answers 2058 for 2058756). The evicted cache equals a per-head-masked full cache, so this is the method."))
-def test_snapkv_half_cache_finds_the_needle(smollm2, needle):
-    result, value = answer(smollm2, needle, "snapkv", keep=0.5)
+def test_snapkv_half_cache_finds_the_needle(answer, needle):
+    result, value = answer("snapkv", keep=0.5)
     assert value in result.text
 
 
-def test_snapkv_evicts_the_needle_digits_in_early_layers(smollm2, needle):
+def test_snapkv_evicts_the_needle_digits_in_early_layers(smollm2, answer, needle):
     """Why SnapKV loses the needle that TOVA keeps: per-head top-k on window attention drops digits."""
     context, _, value, span = needle
     sentence = range(span.start, span.stop + 8)  # the span's 20 tokens end one digit early
     digits = [p for p in sentence if smollm2.tokenizer.decode([context[p]]).strip().isdigit()]
     assert "".join(smollm2.tokenizer.decode([context[p]]).strip() for p in digits) == value
-    result, _ = answer(smollm2, needle, "snapkv", keep=0.5)
+    result, _ = answer("snapkv", keep=0.5)
     kept = kept_positions(result.cache)
     lost = {(layer, head) for layer in range(3) for head in range(kept[layer].shape[1])
             if set(digits) - set(kept[layer][0, head].tolist())}

@@ -285,7 +285,7 @@ def test_cli_refuses_a_model_without_tokenizer(tmp_path, capsys):
 # ------------------------------------------------------------------ SmolLM2 (real weights)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="real SmolLM2 weights: 12 needle prompts of 1k and 2k tokens")
 def test_smollm2_niah_single_full_cache_at_1k_and_2k(smollm2):
     spec = TaskSpec(tasks=["niah_single"], lengths=[1024, 2048], depths=[0.1, 0.5, 0.9], samples=2)
     records = run_quality(smollm2, [make_policy("full")], spec)
@@ -314,7 +314,7 @@ def _every_method():
     return out
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="real SmolLM2 weights: a quality pass for every method")
 def test_smollm2_every_method_has_scores_and_fidelity(smollm2, tmp_path):
     from kvlab.records import RecordWriter, load_records
 
@@ -335,7 +335,7 @@ def test_smollm2_every_method_has_scores_and_fidelity(smollm2, tmp_path):
     assert len(records) == len(df)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="real SmolLM2 weights: continuation scores over 1k-token texts, three methods")
 def test_smollm2_continuation_on_python_text(smollm2):
     spec = TaskSpec(tasks=["continuation"], lengths=[1024], samples=2, continuation_tokens=128)
     records = run_quality(smollm2, [make_policy("full"), make_policy("streamingllm", keep=0.1),

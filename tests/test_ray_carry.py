@@ -34,7 +34,7 @@ def test_the_prune_list_names_real_packages_and_keeps_the_core():
     assert not any(n == k for n in names for k in kept)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="starts a local Ray cluster in a fresh interpreter")
 def test_a_ray_sweep_runs_without_the_pruned_packages(tmp_path):
     blocked = pruned_modules()
     site = tmp_path / "site"

@@ -132,7 +132,7 @@ def test_executor_keys_are_validated_and_the_ray_extra_is_named(monkeypatch, cap
 # --- the process executor ----------------------------------------------------------------------
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="two spawned worker processes, each importing torch and loading a model")
 def test_process_executor_matches_local_and_resumes_a_local_sweep(tmp_path):
     local, mixed = tmp_path / "local", tmp_path / "mixed"
     assert run_sweep(small(), local, progress=False, log=quiet).complete
@@ -172,7 +172,7 @@ def test_a_killed_process_worker_costs_its_run_and_the_sweep_goes_on(tmp_path):
 
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="starts a local Ray cluster and three sweeps on its workers")
 def test_ray_executor_matches_local_survives_a_killed_worker_and_resumes(tmp_path, ray_fake_gpus):
     local, mixed = tmp_path / "local", tmp_path / "mixed"
     run_sweep(small(), local, progress=False, log=quiet)
@@ -191,7 +191,7 @@ def test_ray_executor_matches_local_survives_a_killed_worker_and_resumes(tmp_pat
     assert all(w["executor"] == "ray" and w["host"] for w in inv[1]["workers"])
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="starts a local Ray cluster and runs a sweep on its workers")
 def test_ray_gives_each_task_a_gpu_and_its_sampler_binds_that_gpu(tmp_path, ray_fake_gpus):
     p = small(executor="ray", device="cuda")
     s = run_sweep(p, tmp_path, progress=False, check_device=False, loader=cpu_loader,

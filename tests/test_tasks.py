@@ -155,7 +155,7 @@ def test_synthetic_model_without_tokenizer_is_a_clear_error():
         Encoder(None)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="every task at three lengths through SmolLM2's tokenizer")
 def test_exact_lengths_with_the_smollm2_tokenizer(smollm2):
     enc = Encoder(smollm2.tokenizer)
     for task in TASKS:

@@ -65,7 +65,7 @@ def test_a_sweep_stacks_weights_under_every_cache_policy(tmp_path):
         ("int4", "full · w-int4"), ("int4", "quanto int4 · w-int4"), ("none", "full"), ("none", "quanto int4")]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="quantizes SmolLM2's weights and answers needle prompts at 1k")
 @pytest.mark.parametrize("scheme, method, kw", [
     ("int8", "full", {}), ("int8", "quanto", {"nbits": 4}), ("int4", "full", {})])
 def test_weight_quantized_smollm2_still_finds_the_needle_at_1k(scheme, method, kw):
@@ -119,7 +119,7 @@ def test_int4_weights_run_under_every_cache_policy_on_the_tiny_model():
     assert set(run_every_policy("tiny-llama", knobs, skip=KVQ)) == set(POLICIES) - set(KVQ)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="SmolLM2's shape under kvq's int4/int2 stores: minutes on CPU")
 def test_int4_weights_run_under_kvq_on_smollm2_shape():
     """kvq's int4/int2 stores need head dim >= 32: SmolLM2's shape with synthetic weights (minutes on CPU)."""
     from kvlab.policies import POLICIES
