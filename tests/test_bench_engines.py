@@ -24,7 +24,7 @@ def bench():
 def test_rows_carry_the_floor_and_the_kernel_fraction_of_copy(bench, monkeypatch, tmp_path):
     monkeypatch.setattr(bench, "copy_bandwidth", lambda device, gib=4: 2e9)  # 2 GB/s read + write
     # every timed callable "takes" 0.5 ms: the kernels and the copy of the same bytes alike
-    monkeypatch.setattr(bench, "median_ms", lambda fn, device, iters=20, repeats=5: (fn(), 0.5)[1])
+    monkeypatch.setattr(bench, "median_ms", lambda fn, device, iters=20, repeats=5, graph=True: (fn(), 0.5)[1])
     out = tmp_path / "engines.json"
     monkeypatch.setattr(sys, "argv", ["engines.py", "--model", "tiny-llama", "--device", "cpu", "--ctx", "32",
                                       "--new-tokens", "3", "--repeats", "1", "--methods", "full", "fp8",
