@@ -178,3 +178,14 @@ def test_the_stores_give_the_reference_tokens_through_the_triton_kernels(tiny32,
     _, kernels, decoder, _ = run_both(tiny32, policy, ids(), 12)
     assert decoder.store.backend == "triton"
     assert torch.equal(ref, kernels)
+
+
+@pytest.mark.parametrize("method,params", [SETTINGS[0], SETTINGS[3]], ids=["kivi", "quest"])
+def test_a_store_that_cannot_go_back_gives_no_checkpoint(tiny32, method, params):
+    """Quality items teacher-force the gold after the greedy reply by going back to a checkpoint; the
+    KIVI ring and Quest's page bounds follow every token written, so their decoders give no mark and
+    the item rebuilds the prefilled state instead (a dense store can go back)."""
+    _, _, decoder, _ = run_both(tiny32, make_policy(method, **params), ids(), 8)
+    assert decoder.checkpoint() is None
+    _, _, dense, _ = run_both(tiny32, make_policy("full"), ids(), 8)
+    assert dense.checkpoint() == dense.fed

@@ -175,10 +175,11 @@ class FastDecoder:
         self.store.step.fill_(self.fed)
         return torch.stack(out, dim=1)
 
-    def checkpoint(self) -> int:
+    def checkpoint(self) -> int | None:
         """A mark of what the store holds now (:meth:`restore` goes back to it): the tokens fed.
-        Slots past the mark are overwritten by what is fed or decoded next and never attended before."""
-        return self.fed
+        Slots past the mark are overwritten by what is fed or decoded next and never attended before.
+        None for a store that cannot go back (KIVI's ring, Quest's page bounds): the caller rebuilds."""
+        return self.fed if self.store.rewinds else None
 
     def restore(self, mark: int) -> None:
         self.fed = mark

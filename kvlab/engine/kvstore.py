@@ -139,6 +139,7 @@ class SlotStore:
     :mod:`kvlab.engine.anatomy` sets on eager steps so that attention's ops are named as such."""
 
     profile_scope: str | None = None
+    rewinds = True  # slots past a step are rewritten before they are read: a decoder can go back to it
     layout: Layout
     slots: StepSlots
 

@@ -31,6 +31,8 @@ from kvlab.kernels.quest_decode import make_quest_workspace, quest_decode_attent
 class KiviSlotStore(SlotStore):
     """Per-layer :class:`kvlab.kernels.kivi.KiviStore` s sized for ``capacity_l`` tokens."""
 
+    rewinds = False  # the ring and the flushed groups follow every token written
+
     attention = "kivi"
 
     def __init__(self, layout: Layout, spec: kivi.KiviSpec, num_heads: int, device, scale: float,
@@ -76,6 +78,8 @@ class KiviSlotStore(SlotStore):
 
 class QuestStore(DenseStore):
     """A dense store whose layers from ``read.dense_layers`` on read only the selected pages."""
+
+    rewinds = False  # a page's key bounds widen with every token written, and never shrink back
 
     def __init__(self, layout: Layout, read: quest.QuestRead, num_heads: int, dtype, device, scale: float,
                  attention: str = "auto", backend: str = "auto"):
