@@ -80,35 +80,30 @@ def median_ms(fn, device: str, iters: int = 20, repeats: int = 5, graph: bool = 
         return statistics.median(times)
     if not graph:
         fn()
-        times = []
-        for _ in range(repeats):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(iters):
-                fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b) / iters)
-        return statistics.median(times)
+        return _event_median_ms(fn, iters, repeats)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(2):
             fn()
     torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    captured = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(captured):
         fn()
+    return _event_median_ms(captured.replay, iters, repeats)
+
+
+def _event_median_ms(run, iters: int, repeats: int) -> float:
+    """Median over ``repeats`` of ``iters`` back-to-back ``run()`` calls between two CUDA events."""
     times = []
     for _ in range(repeats):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         for _ in range(iters):
-            graph.replay()
+            run()
         b.record()
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b) / iters)
-    del graph
     return statistics.median(times)
 
 

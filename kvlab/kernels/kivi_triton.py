@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from kvlab.kernels.append_kernel import bf16_bits, f16_step  # the rounding steps kvlab's int formats use
+from kvlab.kernels.decode_reduce import split_state
 from kvlab.kernels.merge_triton import merge_partials
 
 
@@ -118,12 +119,7 @@ def _kivi_split_kernel(
         q2 = _q_plane(q_rows, offs_k, mask_h, 2, KPACK)
         q3 = _q_plane(q_rows, offs_k, mask_h, 3, KPACK)
 
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc0 = tl.zeros([BLOCK_H, VDP], tl.float32)
-    acc1 = tl.zeros([BLOCK_H, VDP], tl.float32)
-    acc2 = tl.zeros([BLOCK_H, VDP], tl.float32)
-    acc3 = tl.zeros([BLOCK_H, VDP], tl.float32)
+    m_i, l_i, acc0, acc1, acc2, acc3 = split_state(BLOCK_H, VDP)
     row_t = bh.to(tl.int64) * TQ
     row_g = bh.to(tl.int64) * NKG
 
