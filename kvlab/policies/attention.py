@@ -229,19 +229,27 @@ def install(model) -> str:
     flash_attention_2, ...); eager attention (not in the registry) is replaced by SDPA, which
     computes the same output. Returns the implementation name now in use.
     """
+    return install_wrapped(model, PREFIX, _wrap, _mask_wrap)
+
+
+def install_wrapped(model, prefix: str, wrap, mask_wrap=None) -> str:
+    """Register ``<prefix><base>``, ``wrap(attention of base)`` and ``mask_wrap(mask function of
+    base)`` (None: the base's own), for the model's current attention ``base`` (eager: SDPA) and
+    switch the model to it. Idempotent; returns the implementation name now in use."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     current = model.config._attn_implementation
-    if current and current.startswith(PREFIX):
+    if current and current.startswith(prefix):
         return current
     base = current if current in ALL_ATTENTION_FUNCTIONS._global_mapping else "sdpa"
-    name = PREFIX + base
+    name = prefix + base
     if name not in ALL_ATTENTION_FUNCTIONS._global_mapping:
-        AttentionInterface.register(name, _wrap(ALL_ATTENTION_FUNCTIONS[base]))
+        AttentionInterface.register(name, wrap(ALL_ATTENTION_FUNCTIONS[base]))
     if name not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
         mask_base = base if base in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping else "sdpa"
-        AttentionMaskInterface.register(name, _mask_wrap(ALL_MASK_ATTENTION_FUNCTIONS[mask_base]))
+        mask = ALL_MASK_ATTENTION_FUNCTIONS[mask_base]
+        AttentionMaskInterface.register(name, mask_wrap(mask) if mask_wrap else mask)
     model.set_attn_implementation(name)
     return name

@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvlab.policies.attention import fit_mask
+from kvlab.policies.attention import fit_mask, install_wrapped
 from kvlab.policies.cache import EvictionError, tensor_bytes
 
 PREFIX = "kvlab_heads_"
@@ -114,22 +114,7 @@ def _wrap(base: Callable) -> Callable:
 def install_head_masks(model) -> str:
     """Register ``kvlab_heads_<current>`` over the model's current attention implementation and
     switch to it (idempotent; :meth:`Policy.attach` restores the original on exit)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    current = model.config._attn_implementation
-    if current.startswith(PREFIX):
-        return current
-    base = current if current in ALL_ATTENTION_FUNCTIONS._global_mapping else "sdpa"
-    name = PREFIX + base
-    if name not in ALL_ATTENTION_FUNCTIONS._global_mapping:
-        AttentionInterface.register(name, _wrap(ALL_ATTENTION_FUNCTIONS[base]))
-    if name not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
-        mask_base = base if base in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping else "sdpa"
-        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[mask_base])
-    model.set_attn_implementation(name)
-    return name
+    return install_wrapped(model, PREFIX, _wrap)
 
 
 class HeadBudgetMixin:
