@@ -88,13 +88,19 @@ def decode_reduce_kernel(
     b = bq // Hq
     length = tl.minimum(tl.maximum(tl.load(len_ptr + b).to(tl.int32), 0), T)
     n_valid = tl.cdiv(length, split_len)  # splits that saw at least one token
-    offs_s = tl.arange(0, SPLITS_P2)
+    merge_splits(part_out_ptr, part_lse_ptr, out_ptr, bq, n_valid, bq.to(tl.int64) * num_splits, D, SPLITS_P2)
+
+
+@triton.jit
+def merge_splits(part_out_ptr, part_lse_ptr, out_ptr, bq, n, base, D: tl.constexpr, S_P2: tl.constexpr):
+    """Query head ``bq``'s output from its first ``n`` splits' normalized partials (rows ``base ...``),
+    weighted by their log-sum-exps (base 2); a split with ``lse = -inf`` saw no token and weighs 0."""
+    offs_s = tl.arange(0, S_P2)
     offs_d = tl.arange(0, D)
-    mask_s = offs_s < n_valid
-    base = bq.to(tl.int64) * num_splits
+    mask_s = offs_s < n
     lse = tl.load(part_lse_ptr + base + offs_s, mask=mask_s, other=float("-inf"))
     m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)  # length 0: no split saw a token; keep exp2 finite
+    m = tl.where(m == float("-inf"), 0.0, m)  # no split saw a token (length 0): keep exp2 finite
     w = tl.where(mask_s, tl.exp2(lse - m), 0.0)
     parts = tl.load(part_out_ptr + (base + offs_s)[:, None] * D + offs_d[None, :], mask=mask_s[:, None], other=0.0)
     total = tl.sum(w, 0)
