@@ -9,8 +9,8 @@ from kvlab.policies import POLICIES, PolicyError, cache_stats, kept_positions, m
 from kvlab.policies.headwise import adakv_keep_mask, head_stats, ragged_layout
 from kvlab.policies.kvzip import kvzip_chunk_scores, reconstruction_inputs
 from kvlab.policies.snapkv import snapkv_scores
-from tests import kvpress_reference as ref
-from tests.tiny_models import load_tiny_d32
+import kvpress_reference as ref
+from tiny_models import load_tiny_d32
 
 N = 96
 

@@ -8,8 +8,8 @@ from transformers import DynamicCache
 from kvlab.engine.generation import cache_kwarg, greedy_decode, prefill
 from kvlab.policies import PolicyError, cache_stats, kept_positions, make_policy
 from kvlab.policies.expected_attention import mean_rotation, unrotate
-from tests import kvpress_reference as ref
-from tests.tiny_models import load_tiny_d32
+import kvpress_reference as ref
+from tiny_models import load_tiny_d32
 
 N = 96
 

@@ -32,7 +32,7 @@ def test_layer_matches_the_static_store_at_every_length():
 
 
 def test_tiny_model_generates_through_the_cache():
-    from tests.tiny_models import load_tiny_d32
+    from tiny_models import load_tiny_d32
 
     loaded = load_tiny_d32()
     model = loaded.model

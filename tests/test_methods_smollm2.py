@@ -11,7 +11,7 @@ import pytest
 from kvlab.engine.engines import generate_text
 from kvlab.policies import kept_positions, make_policy
 from kvlab.policies.headwise import head_stats
-from tests.test_policies_smollm2 import needle_prompt
+from test_policies_smollm2 import needle_prompt
 
 pytestmark = pytest.mark.slow
 
