@@ -46,6 +46,17 @@ def flash_available(device, dtype) -> bool:
     return torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16)
 
 
+def dense_attention(attention: str, device, dtype) -> str:
+    """A model-dtype store's kernel: ``attention`` checked, ``auto`` resolved (flash where it runs)."""
+    if attention not in ATTENTION:
+        raise ValueError(f"attention={attention!r}: use one of {', '.join(ATTENTION)}")
+    if attention == "auto":
+        return "flash" if flash_available(device, dtype) else "sdpa"
+    if attention == "flash" and not flash_available(device, dtype):
+        raise ValueError("attention='flash' needs a CUDA device and bf16/fp16: use 'sdpa'")
+    return attention
+
+
 def sdpa_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: torch.Tensor,
                 scale: float) -> torch.Tensor:
     """Attention of one query per sequence over the first ``length`` slots; ``[B, Hq, D]``.
@@ -189,14 +200,8 @@ class DenseStore(SlotStore):
     kv_format = "model dtype"
 
     def __init__(self, layout: Layout, dtype, device, scale: float, attention: str = "auto"):
-        if attention not in ATTENTION:
-            raise ValueError(f"attention={attention!r}: use one of {', '.join(ATTENTION)}")
-        if attention == "auto":
-            attention = "flash" if flash_available(device, dtype) else "sdpa"
-        elif attention == "flash" and not flash_available(device, dtype):
-            raise ValueError("attention='flash' needs a CUDA device and bf16/fp16: use 'sdpa'")
         self.layout = layout
-        self.attention = attention
+        self.attention = dense_attention(attention, device, dtype)
         self.scale = scale
         shape = (layout.batch, 0, layout.kv_heads, layout.head_dim)
         self.keys = [torch.zeros(shape[0], c, *shape[2:], dtype=dtype, device=device) for c in layout.capacity]
