@@ -125,8 +125,8 @@ def test_adakv_refuses_what_it_cannot_do():
         make_policy("adakv", scorer_params={"keep": 0.1})
     with pytest.raises(PolicyError, match="only the kvzip"):
         make_policy("adakv", scope="model")
-    with pytest.raises(PolicyError, match="fast engine"):
-        make_policy("adakv").fast_storage()
+    with pytest.raises(PolicyError, match="fast engine"):  # scope 'layer' runs there (tests/test_adakv_fast.py)
+        make_policy("adakv", scorer="kvzip", scope="model").fast_storage()
     assert "adakv" in POLICIES and "kvzip" in POLICIES
 
 

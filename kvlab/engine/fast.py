@@ -32,12 +32,14 @@ from kvlab.engine import EngineError, prefill_rows
 from kvlab.engine.anatomy import fast_anatomy
 from kvlab.engine.generation import chunk_bounds, prefill
 from kvlab.engine.kvstore import ATTENTION, DenseStore, Layout, QuantizedStore
+from kvlab.engine.kvstore_ragged import RaggedStore, per_head_budget
 from kvlab.engine.kvstore_reads import read_store
 from kvlab.engine.llama import LlamaFamilyStep, check_model
 from kvlab.engine.store_cache import StoreCache
 from kvlab.policies.base import hf_model
 from kvlab.policies.cache import layer_tensors
 from kvlab.policies.full import FullPolicy
+from kvlab.policies.headwise import RaggedHeads, head_tensors
 
 CAPTURE_WARMUP_STEPS = 3
 # How the step is compiled by default, per device type (:data:`kvlab.engine.llama.STEP_COMPILE`).
@@ -147,6 +149,8 @@ class FastDecoder:
                 raise ValueError(f"the prefill wrote {got[0]} tokens per layer, the store was sized for "
                                  f"{self.layout.kept[0]}")
             self.store.step.zero_()
+        elif isinstance(self.store, RaggedStore):  # each (row, KV head)'s kept rows, without the padding
+            self.store.load(head_tensors(cache), rows)
         else:
             self.store.load(layer_tensors(cache), rows)
         self.logical_tokens = int(cache.get_seq_length())
@@ -313,9 +317,13 @@ class FastEngine:
         :meth:`FastDecoder.feed`, e.g. a question, or decoded). Its stats are the store's
         (``prefill_stats`` is for ``hf``, unused here)."""
         prefill_policy, kv_format = policy.fast_storage()
-        kv = layer_tensors(cache)
-        layout = Layout(kv[0][0].shape[0], tuple(k.shape[-2] for k, _ in kv), new_tokens,
-                        self.step.num_kv_heads, self.step.head_dim)
+        if isinstance(kv_format, RaggedHeads):  # a layer's budget: its kept rows per row over the KV heads
+            kv = head_tensors(cache)
+            kept = tuple(per_head_budget(lengths) for _, _, lengths in kv)
+        else:
+            kv = layer_tensors(cache)
+            kept = tuple(k.shape[-2] for k, _ in kv)
+        layout = Layout(kv[0][0].shape[0], kept, new_tokens, self.step.num_kv_heads, self.step.head_dim)
         decoder = self._decoder(layout, kv_format, prefill_policy)
         decoder.load(cache)
         return decoder
@@ -341,6 +349,11 @@ class FastEngine:
         return decoder
 
     def _store(self, layout: Layout, kv_format):
+        if isinstance(kv_format, RaggedHeads):  # per-KV-head budgets (adakv): flash varlen or masked SDPA
+            if self.attention == "triton":
+                raise EngineError("attention='triton' reads kvlab's bf16 format, which holds one length per layer; "
+                                  "per-KV-head budgets (adakv) need the ragged store: use attention auto, flash or sdpa")
+            return RaggedStore(layout, self.dtype, self.device, self.step.scaling, self.attention)
         if not isinstance(kv_format, str):  # issue 29's reads: a KIVI spec or a Quest read
             return read_store(layout, kv_format, self.step.num_heads, self.dtype, self.device, self.step.scaling,
                               "auto" if self.attention == "triton" else self.attention)

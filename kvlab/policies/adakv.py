@@ -11,10 +11,12 @@ default; ``scope='layer'`` with kvzip and ``alpha_safeguard=0`` is its ``layerwi
 
 Storage (:mod:`kvlab.policies.headwise`): on ``hf``, each head's kept positions padded to the
 layer's longest head, the padding masked out of attention (exact); :func:`head_stats` gives the
-logical kept tokens and the padded tokens/bytes. The fast engine needs a ragged store (per batch
-row and KV head lengths) and decode kernels that read it; until then it refuses this policy. With
-scope 'layer' a layer keeps exactly ``Hkv x budget`` rows per sequence, so such a store has static
-size per layer and only its per-(row, head) offsets and lengths change: it stays graph-capturable.
+logical kept tokens and the padded tokens/bytes. On ``fast`` (scope 'layer'), a ragged store
+(:mod:`kvlab.engine.kvstore_ragged`): a layer keeps exactly ``Hkv x budget`` rows per sequence, so
+its buffer has a static size (graph-capturable) and only the per-(row, head) offsets and lengths,
+device tensors filled after the prefill, change; nothing is allocated for padding. Scope 'model'
+moves budget between layers after the prefill, which a fixed size per layer cannot hold: fast
+refuses it.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 
 from kvlab.policies.base import Policy, PolicyError, check_keep
 from kvlab.policies.expected_attention import ExpectedAttentionPolicy, rotary_of
-from kvlab.policies.headwise import HeadBudgetMixin, adakv_keep_mask, install_head_masks
+from kvlab.policies.headwise import RAGGED_HEADS, HeadBudgetMixin, adakv_keep_mask, install_head_masks
 from kvlab.policies.knorm import KnormPolicy
 from kvlab.policies.kvzip import KVzipPolicy
 from kvlab.policies.mixed import mixed_cache
@@ -119,8 +121,12 @@ class AdaKVPolicy(Policy):
         return self.inner.kept_tokens(n, num_layers)
 
     def fast_storage(self):
-        raise PolicyError("adakv keeps a different number of positions per KV head, and the fast engine's store "
-                          "holds one length per layer: run it on the hf engine (padded + masked)")
+        """Itself (its prefill selects per head) and the ragged per-head store, for scope 'layer'."""
+        if self.scope == "model":
+            raise PolicyError("adakv scope='model' moves budget between layers after the prefill, and the fast "
+                              "engine's ragged store has a fixed size per layer: use scope='layer' (kvpress's "
+                              "layerwise=True) on the fast engine, or engine hf for scope='model'")
+        return self, RAGGED_HEADS
 
 
 def _select(scores, n_kept, alpha):
