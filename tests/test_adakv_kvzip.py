@@ -1,16 +1,16 @@
 """AdaKV (head-adaptive budgets, padded + masked on transformers' cache) and KVzip (reconstruction
 scores) on a tiny random Llama, against kvpress's rules restated in tests/kvpress_reference.py."""
 
+import kvpress_reference as ref
 import pytest
 import torch
+from tiny_models import load_tiny_d32
 
 from kvlab.engine.generation import greedy_decode, prefill
 from kvlab.policies import POLICIES, PolicyError, cache_stats, kept_positions, make_policy
 from kvlab.policies.headwise import adakv_keep_mask, head_stats, ragged_layout
 from kvlab.policies.kvzip import kvzip_chunk_scores, reconstruction_inputs
 from kvlab.policies.snapkv import snapkv_scores
-import kvpress_reference as ref
-from tiny_models import load_tiny_d32
 
 N = 96
 

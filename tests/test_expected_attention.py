@@ -1,15 +1,15 @@
 """Expected Attention: kvlab's policy keeps what kvpress's rule (restated in tests/kvpress_reference.py,
 from hidden states and q_proj) keeps, on a tiny random Llama."""
 
+import kvpress_reference as ref
 import pytest
 import torch
+from tiny_models import load_tiny_d32
 from transformers import DynamicCache
 
 from kvlab.engine.generation import cache_kwarg, greedy_decode, prefill
 from kvlab.policies import PolicyError, cache_stats, kept_positions, make_policy
 from kvlab.policies.expected_attention import mean_rotation, unrotate
-import kvpress_reference as ref
-from tiny_models import load_tiny_d32
 
 N = 96
 

@@ -7,11 +7,11 @@ context, keeps the needle; Expected Attention (per head or head-adaptive) answer
 2058756, as question-agnostic SnapKV loses it (test_policies_smollm2)."""
 
 import pytest
+from test_policies_smollm2 import needle_prompt
 
 from kvlab.engine.engines import generate_text
 from kvlab.policies import kept_positions, make_policy
 from kvlab.policies.headwise import head_stats
-from test_policies_smollm2 import needle_prompt
 
 pytestmark = pytest.mark.slow
 
