@@ -189,3 +189,46 @@ def test_a_store_that_cannot_go_back_gives_no_checkpoint(tiny32, method, params)
     assert decoder.checkpoint() is None
     _, _, dense, _ = run_both(tiny32, make_policy("full"), ids(), 8)
     assert dense.checkpoint() == dense.fed
+
+
+def fed(loaded, engine_name, policy, prompt, chunk, one_by_one=False):
+    """Logits of ``chunk`` teacher-forced after ``prompt`` through ``engine_name``'s decoder."""
+    from kvlab.engine.engines import make_engine
+
+    engine = make_engine(engine_name, loaded)
+    cache = engine.storage_policy(policy).make_cache(loaded.model)
+    prefill(loaded.model, prompt, cache)
+    decoder = engine.decoder_for_cache(policy, cache, chunk.shape[1])
+    n = prompt.shape[1]
+    with torch.no_grad():
+        if one_by_one:
+            return torch.cat([decoder.feed(chunk[:, j:j + 1], n + j) for j in range(chunk.shape[1])], dim=1)
+        return decoder.feed(chunk, n)
+
+
+@pytest.mark.parametrize("method,params", SETTINGS, ids=[f"{m}-{i}" for i, (m, _) in enumerate(SETTINGS)])
+def test_a_fed_chunk_reads_as_its_tokens_fed_one_by_one(tiny32, method, params):
+    """A question or a teacher-forced answer goes through hf as one chunk: each of its tokens must read
+    the cache as it would decoded alone (Quest: its own pages; KIVI: the groups quantized by then),
+    else teacher-forced KL measures another read. The fast engine feeds token by token: the same."""
+    policy = make_policy(method, **params)
+    prompt, chunk = ids(batch=1, n=100), ids(batch=1, n=40, seed=2)
+    with policy.attach(tiny32, warm=False):
+        whole = fed(tiny32, "hf", policy, prompt, chunk)
+        alone = fed(tiny32, "hf", policy, prompt, chunk, one_by_one=True)
+        fast = fed(tiny32, "fast", policy, prompt, chunk)
+    exact = fed(tiny32, "hf", make_policy("full"), prompt, chunk)
+    torch.testing.assert_close(whole, alone, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(fast, alone, atol=1e-3, rtol=1e-3)
+    assert (whole - exact).abs().max() > 1e-2  # the read is not the exact cache's
+
+
+def test_a_chunked_prefill_under_quest_attends_densely(tiny32):
+    """Quest's prefill is dense (its own code, and the fast engine's prefill cache): prompt chunks are
+    not read sparsely, only what comes after the prompt."""
+    prompt = ids(batch=1, n=100)
+    policy = make_policy("quest", page=4, budget=8, dense_layers=0, prefill_chunk=32)
+    with policy.attach(tiny32, warm=False):
+        got = prefill(tiny32.model, prompt, policy.make_cache(tiny32.model), 32, logits_to_keep=0)
+    want = prefill(tiny32.model, prompt, make_policy("full").make_cache(tiny32.model), 32, logits_to_keep=0)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

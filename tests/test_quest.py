@@ -129,3 +129,24 @@ def test_append_keeps_the_bounds_of_a_fresh_load():
         pages = -(-(t + 1) // 16)
         assert torch.equal(bounds.kmin[:, :, :pages], ref.kmin[:, :, :pages])
         assert torch.equal(bounds.kmax[:, :, :pages], ref.kmax[:, :, :pages])
+
+
+@pytest.mark.parametrize("reduce", ["max", "sum", "head"])
+def test_a_chunk_reads_each_row_as_its_own_decode_step(reduce):
+    """Teacher forcing feeds tokens as one chunk: row i must select its pages and attend exactly as the
+    decode step of its token does, from the bounds and tokens up to itself (not the whole chunk's)."""
+    k, v = cache(n=120, seed=5)
+    spec = quest.QuestSpec(page=8, budget=32, group_reduce=reduce)
+    n = 37  # rows from position 83 on: page edges crossed inside the chunk
+    q = torch.randn(2, 4, n, 32, generator=torch.Generator().manual_seed(6))
+    bounds = quest.alloc_bounds(spec, 2, 2, 120, 32, dtype=torch.float32)
+    quest.load_bounds(bounds, k)
+    got = quest.chunk_attend(q, k, v, bounds, 0.3)
+    for i in range(n):
+        length = 120 - n + i + 1
+        alone = quest.alloc_bounds(spec, 2, 2, length, 32, dtype=torch.float32)
+        quest.load_bounds(alone, k[:, :, :length])
+        want = quest.quest_attend(q[:, :, i], k[:, :, :length], v[:, :, :length], alone,
+                                  torch.tensor([length, length]), 0.3)
+        torch.testing.assert_close(got[:, :, i], want, msg=f"row {i}")
+    assert not torch.allclose(got[:, :, -1], dense(q[:, :, -1], k, v, 0.3, 120), atol=1e-3)  # really sparse

@@ -122,36 +122,48 @@ def append_bounds(bounds: PageBounds, key: torch.Tensor, position: torch.Tensor)
 
 
 def page_scores(q: torch.Tensor, bounds: PageBounds) -> torch.Tensor:
-    """Per query head and page, the bound ``sum_d max(q_d min_d, q_d max_d)``: float32 ``[B, Hq, pages]``.
+    """Per query head and page, the bound ``sum_d max(q_d min_d, q_d max_d)``: float32 ``[B, Hq, pages]``
+    for ``q [B, Hq, D]`` (one query per row), ``[B, Hq, n, pages]`` for ``q [B, Hq, n, D]`` (a chunk).
 
     As two products, ``relu(q) . max + min(q, 0) . min`` (Quest's sign trick), so no
     ``[B, Hq, pages, D]`` intermediate is made. Pages never written hold ``+-inf`` bounds and score
     NaN or ``+-inf``; :func:`select_pages` masks pages past the length."""
-    batch, q_heads, d = q.shape
+    chunk = q.dim() == 4
+    q4 = q if chunk else q.unsqueeze(2)
+    batch, q_heads, n, d = q4.shape
     kv_heads = bounds.kmin.shape[1]
-    qf = q.float().view(batch, kv_heads, q_heads // kv_heads, d)
-    upper = torch.einsum("bhgd,bhpd->bhgp", qf.clamp_min(0), bounds.kmax.float())
-    lower = torch.einsum("bhgd,bhpd->bhgp", qf.clamp_max(0), bounds.kmin.float())
-    return (upper + lower).view(batch, q_heads, -1)
+    qf = q4.float().view(batch, kv_heads, q_heads // kv_heads, n, d)
+    upper = torch.einsum("bhgnd,bhpd->bhgnp", qf.clamp_min(0), bounds.kmax.float())
+    lower = torch.einsum("bhgnd,bhpd->bhgnp", qf.clamp_max(0), bounds.kmin.float())
+    scores = (upper + lower).view(batch, q_heads, n, -1)
+    return scores if chunk else scores.squeeze(2)
 
 
 def select_pages(q: torch.Tensor, bounds: PageBounds, lengths: torch.Tensor) -> torch.Tensor:
     """Pages to read: int64 ``[B, Hsel, k]`` (``Hsel`` = KV heads, or query heads for ``"head"``),
     ``k = spec.selected(capacity)``; the first and the latest page of each row, then the top bounds;
-    ``-1`` where a row has fewer pages than ``k``. Fixed shapes, no host sync."""
+    ``-1`` where a row has fewer pages than ``k``. Fixed shapes, no host sync.
+
+    A chunk of queries ``q [B, Hq, n, D]`` with ``lengths [B, n]`` (each query's own length: the
+    tokens visible to it, itself included) gives ``[B, Hsel, n, k]``: each query its own pages, as
+    it would select them decoded alone (pages before its latest are whole, so their bounds are final)."""
     spec = bounds.spec
-    scores = page_scores(q, bounds)  # [B, Hq, P]
-    batch, q_heads, n_pages = scores.shape
+    scores = page_scores(q, bounds)  # [B, Hq, P] or [B, Hq, n, P]
+    chunk = q.dim() == 4
+    if not chunk:
+        scores, lengths = scores.unsqueeze(2), lengths.reshape(-1, 1)
+    batch, q_heads, n, n_pages = scores.shape
     kv_heads = bounds.kmin.shape[1]
     if spec.group_reduce != "head":
-        grouped = scores.view(batch, kv_heads, q_heads // kv_heads, n_pages)
+        grouped = scores.view(batch, kv_heads, q_heads // kv_heads, n, n_pages)
         scores = grouped.amax(2) if spec.group_reduce == "max" else grouped.sum(2)
-    last = ((lengths.to(torch.int64) - 1).clamp_min(0) // spec.page).view(batch, 1, 1)  # the latest page
-    pages = torch.arange(n_pages, device=q.device).view(1, 1, n_pages)
+    last = ((lengths.to(torch.int64) - 1).clamp_min(0) // spec.page).view(batch, 1, n, 1)  # the latest page
+    pages = torch.arange(n_pages, device=q.device).view(1, 1, 1, n_pages)
     scores = torch.where((pages == 0) | (pages == last), torch.full_like(scores, float("inf")), scores)
     scores = torch.where(pages > last, torch.full_like(scores, float("-inf")), scores)
     top, index = scores.topk(spec.selected(bounds.capacity), dim=-1)
-    return torch.where(top == float("-inf"), torch.full_like(index, -1), index)
+    index = torch.where(top == float("-inf"), torch.full_like(index, -1), index)
+    return index if chunk else index.squeeze(2)
 
 
 def sparse_attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pages: torch.Tensor,
@@ -182,3 +194,35 @@ def quest_attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, boun
     """One Quest decode step: select from the bounds, attend over the selected pages."""
     pages = select_pages(q, bounds, lengths)
     return sparse_attend(q, keys, values, pages, lengths, scale, bounds.spec.page)
+
+
+def chunk_attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bounds: PageBounds,
+                 scale: float) -> torch.Tensor:
+    """A chunk of ``n`` queries ``q [B, Hq, n, D]``, the last ``n`` of the ``T`` tokens of
+    ``keys``/``values [B, H, T, D]`` (``bounds`` cover all ``T``), each read as the decode step of its
+    own token would read it: its own pages selected from the tokens up to itself, attention over
+    those tokens up to itself (causal). Float32 ``[B, Hq, n, D]``.
+
+    Why: teacher forcing feeds a gold answer or a continuation as one chunk; read densely, its
+    logits would not be what decoding those tokens one by one gives (Quest's KL would read ~0).
+    Dense logits with a per-row token mask (``O(n T)``, the reference path; the CUDA kernel reads one
+    query per row)."""
+    batch, q_heads, n, d = q.shape
+    kv_heads, total = keys.shape[1], keys.shape[2]
+    page = bounds.spec.page
+    lengths = (total - n + 1 + torch.arange(n, device=q.device)).expand(batch, n)  # row i sees T - n + i + 1 tokens
+    pages = select_pages(q, bounds, lengths)  # [B, Hsel, n, k]
+    sel_heads = pages.shape[1]
+    chosen = torch.zeros(*pages.shape[:3], bounds.kmin.shape[2] + 1, dtype=torch.bool, device=q.device)
+    chosen.scatter_(-1, torch.where(pages < 0, chosen.shape[-1] - 1, pages), True)  # -1 -> a spare column
+    visible = chosen[..., :-1].repeat_interleave(page, -1)[..., :total]  # [B, Hsel, n, T]
+    causal = torch.arange(total, device=q.device).view(1, 1, 1, total) < lengths.view(batch, 1, n, 1)
+    visible = visible & causal
+    kv_of_sel = torch.arange(sel_heads, device=q.device) * kv_heads // sel_heads
+    per_sel = q_heads // sel_heads
+    qf = q.float().view(batch, sel_heads, per_sel, n, d)
+    logits = torch.einsum("bhgnd,bhtd->bhgnt", qf, keys.float()[:, kv_of_sel]) * scale
+    logits = logits.masked_fill(~visible.unsqueeze(2), float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    out = torch.einsum("bhgnt,bhtd->bhgnd", probs, values.float()[:, kv_of_sel])
+    return out.reshape(batch, q_heads, n, d)

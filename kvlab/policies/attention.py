@@ -7,9 +7,11 @@ kernel (bit-identical to it) and, only for a layer that asked for queries during
 ``update``, gives that layer the post-RoPE query tensor and the mask; the layer computes the
 ``window x n`` attention rows itself (:func:`window_attention`), never the ``n x n`` matrix.
 
-A decode-time sparse read uses the same hand-off: a cache layer with ``sparse`` set (Quest,
-:mod:`kvlab.policies.quest_layer`) that asked for the query of a one-token step attends it itself
-(``layer.attend``) instead of the stock kernel.
+A read the stock kernel cannot do uses the same hand-off: a cache layer with
+``attends_own_queries`` set that asked for the queries of a step attends them itself
+(``layer.attend``) instead of the stock kernel: Quest's sparse read
+(:mod:`kvlab.policies.quest_layer`) and KIVI's per-row read of a multi-token chunk
+(:mod:`kvlab.policies.kivi_layer`).
 
 The hand-off is a per-thread slot keyed by layer index: the cache layer's ``update`` runs right
 before the attention call of the same layer, so no reference from model to cache is needed; the
@@ -198,9 +200,9 @@ def _wrap(base: Callable) -> Callable:
     def attention(module, query, key, value, attention_mask, *args, **kwargs):
         scaling = kwargs.get("scaling", getattr(module, "scaling", None))
         layer = _take_layer(getattr(module, "layer_idx", None), key)
-        if layer is not None and getattr(layer, "sparse", False) and query.shape[-2] == 1:
+        if layer is not None and getattr(layer, "attends_own_queries", False):
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-            return layer.attend(query, scale), None  # a sparse read (Quest) of one decode query
+            return layer.attend(query, scale), None  # Quest's sparse read, KIVI's per-row chunk read
         if _chunks_lower_right() and query.shape[-2] > 1:
             output = chunk_attention(query, key, value, scaling)
         else:

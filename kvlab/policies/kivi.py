@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from kvlab.kernels import kivi
 from kvlab.kernels.kivi_decode import kernel_problem
+from kvlab.policies import attention
 from kvlab.policies.base import Policy, PolicyError, check_int, hf_model, model_shape
 from kvlab.policies.full import FullPolicy
 from kvlab.policies.kivi_layer import kivi_cache
@@ -80,7 +81,11 @@ class KiviPolicy(Policy):
         if why and on_cuda(model):
             raise PolicyError(f"kivi's CUDA kernel cannot read {shape.name}: {why}")
 
+    def prepare(self, model) -> None:
+        attention.install(hf_model(model))  # a multi-token chunk's queries reach the layer (per-row read)
+
     def make_cache(self, model):
+        self.prepare(model)
         return kivi_cache(model_shape(model).num_layers, self.spec)
 
     def fast_storage(self):

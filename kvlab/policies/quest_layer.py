@@ -4,9 +4,12 @@
 page bounds of :mod:`kvlab.kernels.quest`, folded in on every update. transformers' cache interface
 never sees the query, so the sparse read happens in the attention function: for a decode step
 (one query token) of a layer at or past ``dense_layers`` (Quest keeps the first two layers dense),
-the function calls :meth:`QuestLayer.attend` instead of the stock kernel; prefill and multi-token
-chunks attend densely, as Quest's own code does. The hook belongs in kvlab's registered attention
-wrapper (:mod:`kvlab.policies.attention`), which already hands queries to cache layers.
+the function calls :meth:`QuestLayer.attend` instead of the stock kernel. The prefill (the first
+update, or every chunk of a chunked prefill) attends densely, as Quest's own code does; a
+multi-token chunk after it (a question, a teacher-forced answer or continuation) is read row by
+row as decoding its tokens one at a time would read them (:func:`kvlab.kernels.quest.chunk_attend`),
+so teacher-forced fidelity measures the sparse read. The hook belongs in kvlab's registered
+attention wrapper (:mod:`kvlab.policies.attention`), which already hands queries to cache layers.
 """
 
 from __future__ import annotations
@@ -26,18 +29,30 @@ class QuestLayer(DynamicLayer):
         self.spec = spec or quest.QuestSpec()
         self.layer_idx = layer_idx
         self.sparse = layer_idx >= dense_layers
+        self.attends_own_queries = self.sparse  # kvlab's attention wrapper hands this layer its queries
+        self.prompt_left = 0  # tokens of a chunked prefill still to come (they attend densely)
         self._returned: torch.Tensor | None = None  # the keys a decode update returned, for the attention hook
         self.kmin: torch.Tensor | None = None  # [B, H, pages, D]
         self.kmax: torch.Tensor | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        prefill = not self.is_initialized or self.prompt_left > 0
         start = self.get_seq_length() if self.is_initialized else 0
         keys, values = super().update(key_states, value_states, *args, **kwargs)
         self._fold(key_states, start)
-        if self.sparse and key_states.shape[-2] == 1:  # a decode step: kvlab's attention hands us the query
+        self.prompt_left = max(0, self.prompt_left - key_states.shape[-2])
+        if self.sparse and not prefill:  # decode or a chunk after the prefill: kvlab's attention hands us the queries
             self._returned = keys
             attention.expect_queries(self.layer_idx, self)
         return keys, values
+
+    def begin_stream(self, prompt_length: int) -> None:
+        """A chunked prefill of ``prompt_length`` tokens starts: its chunks attend densely (Quest's
+        prefill, and the fast engine's, is dense)."""
+        self.prompt_left = prompt_length
+
+    def end_stream(self) -> None:
+        self.prompt_left = 0
 
     def awaits(self, key: torch.Tensor) -> bool:
         """Whether ``key`` is the tensor this layer's last decode update returned."""
@@ -70,10 +85,14 @@ class QuestLayer(DynamicLayer):
         return quest.PageBounds(self.spec, self.kmin[:, :, :pages], self.kmax[:, :, :pages])
 
     def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """Quest's read for one decode query ``[B, Hq, 1, D]`` -> ``[B, 1, Hq, D]`` (the layout
-        transformers' attention functions return), in the query's dtype."""
+        """Quest's read for the queries ``[B, Hq, n, D]`` of the last ``n`` tokens -> ``[B, n, Hq, D]``
+        (the layout transformers' attention functions return), in the query's dtype: one decode
+        query, or a chunk read row by row as its tokens decoded one at a time would be."""
         self._returned = None
-        b, hq, _, d = query.shape
+        b, hq, n, d = query.shape
+        if n > 1:
+            out = quest.chunk_attend(query, self.keys, self.values, self.bounds(), scaling)
+            return out.transpose(1, 2).to(query.dtype).contiguous()
         lengths = torch.full((b,), self.get_seq_length(), device=query.device)
         out = quest.quest_attend(query[:, :, 0], self.keys, self.values, self.bounds(), lengths, scaling)
         return out.to(query.dtype).view(b, 1, hq, d)
@@ -89,6 +108,7 @@ class QuestLayer(DynamicLayer):
     def reset(self) -> None:
         super().reset()
         self.kmin = self.kmax = self._returned = None
+        self.prompt_left = 0
 
 
 def quest_cache(num_layers: int, spec: quest.QuestSpec | None = None, dense_layers: int = 2) -> Cache:
