@@ -2,8 +2,14 @@
 
 import os
 
-import pytest
-import torch
+# Under pytest-xdist (``-n``, the default in pyproject.toml) each worker gets one intra-op thread, set
+# before torch is imported: N workers with N threads each on N cores would spend the suite's time in
+# OpenMP spinning. Subprocesses (the CLI, notebooks) inherit it. A serial run (``-n0``) keeps torch's default.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Without a GPU triton runs kernels only interpreted, and a kernel is interpreted only if
 # TRITON_INTERPRET=1 was set before triton was first imported (tests/test_kernels_triton.py).

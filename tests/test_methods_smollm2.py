@@ -13,7 +13,7 @@ from kvlab.engine.engines import generate_text
 from kvlab.policies import kept_positions, make_policy
 from kvlab.policies.headwise import head_stats
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow(reason="real SmolLM2 weights: a 2k-token needle prompt per method (kvzip: two prefills)")
 
 
 @pytest.fixture(scope="module")

@@ -92,6 +92,7 @@ def test_the_device_script_parses():
 
 
 @pytest.mark.slow(reason="starts a local Ray cluster and runs a sweep on its workers")
+@pytest.mark.xdist_group("ray")  # one local Ray cluster at a time: pytest -n runs these on one worker
 def test_ray_places_every_window_on_its_gpu(tmp_path, ray_fake_gpus):
     from sweep_workers import cpu_loader, fake_gpu_sampler
 

@@ -285,14 +285,14 @@ def test_cli_refuses_a_model_without_tokenizer(tmp_path, capsys):
 # ------------------------------------------------------------------ SmolLM2 (real weights)
 
 
-@pytest.mark.slow(reason="real SmolLM2 weights: 12 needle prompts of 1k and 2k tokens")
-def test_smollm2_niah_single_full_cache_at_1k_and_2k(smollm2):
-    spec = TaskSpec(tasks=["niah_single"], lengths=[1024, 2048], depths=[0.1, 0.5, 0.9], samples=2)
+@pytest.mark.slow(reason="real SmolLM2 weights: 6 needle prompts of 2k tokens")
+def test_smollm2_niah_single_full_cache_at_2k(smollm2):
+    """The needle has signal at 2k on the full cache (1k: test_smollm2_every_method_has_scores_and_fidelity)."""
+    spec = TaskSpec(tasks=["niah_single"], lengths=[2048], depths=[0.1, 0.5, 0.9], samples=2)
     records = run_quality(smollm2, [make_policy("full")], spec)
-    for length in (1024, 2048):
-        scores = [r["score"] for r in records if r["length"] == length]
-        assert len(scores) == 6
-        assert sum(scores) / len(scores) >= 0.8, (length, [r["prediction"] for r in records])
+    scores = [r["score"] for r in records]
+    assert len(scores) == 6
+    assert sum(scores) / len(scores) >= 0.8, [r["prediction"] for r in records]
     assert all(r["no_signal"] is False for r in records)
 
 

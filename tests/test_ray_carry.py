@@ -35,6 +35,7 @@ def test_the_prune_list_names_real_packages_and_keeps_the_core():
 
 
 @pytest.mark.slow(reason="starts a local Ray cluster in a fresh interpreter")
+@pytest.mark.xdist_group("ray")  # one local Ray cluster at a time: pytest -n runs these on one worker
 def test_a_ray_sweep_runs_without_the_pruned_packages(tmp_path):
     blocked = pruned_modules()
     site = tmp_path / "site"

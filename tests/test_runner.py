@@ -173,6 +173,7 @@ def test_a_killed_process_worker_costs_its_run_and_the_sweep_goes_on(tmp_path):
 
 
 @pytest.mark.slow(reason="starts a local Ray cluster and three sweeps on its workers")
+@pytest.mark.xdist_group("ray")  # one local Ray cluster at a time: pytest -n runs these on one worker
 def test_ray_executor_matches_local_survives_a_killed_worker_and_resumes(tmp_path, ray_fake_gpus):
     local, mixed = tmp_path / "local", tmp_path / "mixed"
     run_sweep(small(), local, progress=False, log=quiet)
@@ -192,6 +193,7 @@ def test_ray_executor_matches_local_survives_a_killed_worker_and_resumes(tmp_pat
 
 
 @pytest.mark.slow(reason="starts a local Ray cluster and runs a sweep on its workers")
+@pytest.mark.xdist_group("ray")  # one local Ray cluster at a time: pytest -n runs these on one worker
 def test_ray_gives_each_task_a_gpu_and_its_sampler_binds_that_gpu(tmp_path, ray_fake_gpus):
     p = small(executor="ray", device="cuda")
     s = run_sweep(p, tmp_path, progress=False, check_device=False, loader=cpu_loader,
