@@ -279,6 +279,8 @@ CASES = [
     ("report-notebook-missing", "report {tmp}/s --notebook {tmp}/nb.ipynb", files({"s/records.jsonl": '{"run_id": "a"}\n'}),
      "nb.ipynb does not exist"),
     ("report-ctx-zero", "report {tmp}/s --ctx 0", files({"s/records.jsonl": '{"run_id": "a"}\n'}), "--ctx"),
+    ("report-parity-missing", "report {tmp}/s --parity {tmp}/parity.json", files({"s/records.jsonl": '{"run_id": "a"}\n'}),
+     "--parity"),
     ("report-timeout-zero", "report {tmp}/s --timeout 0", files({"s/records.jsonl": '{"run_id": "a"}\n'}), "--timeout"),
     # --- issue #31: the last unclear cases ----------------------------------------------------------
     ("params-budget-above-memory", SWEEP + " --set budget_gb=1000000 --set batch=[1,2]", good_params,
