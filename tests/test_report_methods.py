@@ -89,6 +89,8 @@ def test_the_largest_context_is_the_cell_and_contended_runs_are_left_out():
     assert "16k" in table.loc["snapkv", "perf_at"]
     assert table.loc["snapkv", "perf_runs"] == 2  # the contended repeats are not counted
     assert table.loc["snapkv", "ttft_s"] == pytest.approx(FULL_PERF["ttft_s"] * PERF_FRACTIONS["snapkv"][2])
+    n_busy = len(perf_rows())
+    assert any(f"{n_busy} perf runs" in line for line in report.methods_lines(table.reset_index(), None, records))
 
 
 def test_quality_columns_read_needles_and_continuation_fidelity():

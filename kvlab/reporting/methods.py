@@ -240,10 +240,19 @@ def methods_display(table: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-def methods_lines(table: pd.DataFrame, parity_path: str | Path | None = None) -> list[str]:
-    """What the table's parts read and where they are missing, one sentence each."""
+def methods_lines(table: pd.DataFrame, parity_path: str | Path | None = None,
+                  records: pd.DataFrame | None = None) -> list[str]:
+    """What the table's parts read and where they are missing, one sentence each (with ``records``,
+    also how many perf runs were left out as contended)."""
+    busy = 0
+    if records is not None and "kind" in records.columns:
+        perf = records[(records["kind"] == "perf") & (records["status"] == "ok" if "status" in records.columns
+                                                      else True)]
+        busy = int(contended_mask(perf).sum())
+    contended = (f"{busy} perf runs measured while other processes took the CPU (contended) are left out of the "
+                 f"perf columns." if busy else "")
     if table.empty:
-        return ["No performance or quality records: no methods table."]
+        return ["No performance or quality records: no methods table.", contended]
     lines = [f"Parity from {parity_path}." if parity_path else
              "No parity file given or found in the folder (`kvlab report --parity PATH`, written by "
              "`benchmarks/kvpress_parity.py`): the parity column is empty."]
@@ -252,6 +261,7 @@ def methods_lines(table: pd.DataFrame, parity_path: str | Path | None = None) ->
         lines.append("Perf columns compare each method with the full cache in the same cell (model, engine, "
                      "context, batch; the largest context, then batch, where both ran): " +
                      "; ".join(sorted(set(perf["perf_at"]))) + ".")
+    lines.append(contended)
     quality = table.dropna(subset=["quality_at"])
     if not quality.empty:
         lines.append("Needle: mean score of the needle items (number of items in brackets); continuation KL and "
