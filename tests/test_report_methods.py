@@ -121,10 +121,10 @@ def test_parity_matches_a_method_at_every_keep_by_its_parameters(tmp_path):
     assert len(snap) == 2  # snapkv 10% (perf) and 25% (quality): both get the method's parity
     assert list(snap["parity_jaccard"]) == pytest.approx([0.9, 0.9])
     assert list(snap["parity_min"]) == pytest.approx([0.8, 0.8])
-    assert snap["parity_cases"].str.contains("4 ").all()
+    assert snap["parity_cases"].str.startswith("4: 1k, 5k · keep 50%, 25%").all()
     assert table.loc[table["method"] == "expected_attention", "parity_jaccard"].isna().all()
     shown = report.methods_display(table)
-    assert len(shown) == len(table) and shown.loc[snap.index[0], "kvpress parity (Jaccard)"].startswith("0.900")
+    assert len(shown) == len(table) and shown.loc[snap.index[0], "kvpress Jaccard (min head)"] == "0.900 (0.800)"
     lines = report.methods_lines(table, path)
     assert str(path) in lines[0] and any("16k" in line for line in lines)
 

@@ -86,7 +86,7 @@ def parity_summary(parity: pd.DataFrame) -> dict[str, dict[str, Any]]:
         lengths = ", ".join(fmt_ctx(t) for t in sorted(set(rows["tokens"])))
         keeps = ", ".join(f"{k:.0%}" for k in sorted(set(rows["keep"]), reverse=True))
         out[key] = {"parity_jaccard": float(rows["mean_jaccard"].min()), "parity_min": float(rows["min_jaccard"].min()),
-                    "parity_cases": f"{len(rows)} ({lengths} tokens; keep {keeps})"}
+                    "parity_cases": f"{len(rows)}: {lengths} · keep {keeps}"}
     return out
 
 
@@ -220,10 +220,10 @@ def _ratio_text(r: float, lo: float, hi: float) -> str:
 def methods_display(table: pd.DataFrame) -> pd.DataFrame:
     """The table as text for the report: empty cells where a part was not measured."""
     out = pd.DataFrame({"method": table["label"]})
-    out["kvpress parity (Jaccard)"] = [
-        "" if math.isnan(j) else f"{j:.3f} (min head {m:.3f}; {c})"
-        for j, m, c in zip(table["parity_jaccard"].astype(float), table["parity_min"].astype(float),
-                           table["parity_cases"], strict=True)]
+    out["kvpress Jaccard (min head)"] = [
+        "" if math.isnan(j) else f"{j:.3f} ({m:.3f})"
+        for j, m in zip(table["parity_jaccard"].astype(float), table["parity_min"].astype(float), strict=True)]
+    out["parity cases"] = table["parity_cases"].fillna("")
     out["KV freed"] = table["kv_freed"].map(lambda v: _fmt(v, ".0%"))
     out["peak freed GB"] = table["peak_freed_gb"].map(lambda v: _fmt(v, ".1f"))
     for name, header in (("decode_j_vs_full", "decode J/token vs full"), ("ttft_vs_full", "TTFT vs full"),
