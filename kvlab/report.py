@@ -34,6 +34,14 @@ from kvlab.reporting.frames import (
     smallest_batch,
     with_derived,
 )
+from kvlab.reporting.methods import (
+    find_parity,
+    load_parity,
+    method_key,
+    methods_display,
+    methods_lines,
+    methods_table,
+)
 from kvlab.reporting.notebook_params import (
     CPU_PARAMS_FILE,
     GPU_DEFAULTS,
@@ -203,4 +211,10 @@ __all__ = [
     "stack_lines",
     "stack_summary",
     "stack_table",
+    "find_parity",
+    "load_parity",
+    "method_key",
+    "methods_display",
+    "methods_lines",
+    "methods_table",
 ]

@@ -66,6 +66,21 @@ def test_generate_evict_then_quantize(capsys):
     assert out["cache_after_prefill"]["physical_tokens"] == 20
 
 
+def test_generate_adakv_flags_and_any_policy_parameter(capsys):
+    """adakv's scorer and alpha_safeguard have flags; --param KEY=VALUE reaches every other parameter."""
+    out = run_json(capsys, ["generate", *TINY, "--method", "adakv", "--keep", "0.5", "--scorer", "expected_attention",
+                            "--alpha-safeguard", "0.1", "--param", "scorer_params={epsilon: 0.01}", "--json"])
+    params = out["policy_params"]
+    assert (params["scorer"], params["alpha_safeguard"], params["scorer_params"]) == ("expected_attention", 0.1,
+                                                                                       {"epsilon": 0.01})
+    assert out["label"] == "adakv(expected_attention) 50%"
+    assert out["cache_after_prefill"]["logical_tokens"] == 80
+    flag = run_json(capsys, ["generate", *TINY, "--method", "snapkv", "--keep", "0.5", "--window-size", "8", "--json"])
+    param = run_json(capsys, ["generate", *TINY, "--method", "snapkv", "--param", "keep=0.5", "--param",
+                              "window-size=8", "--json"])
+    assert param["policy_params"] == flag["policy_params"] and param["token_ids"] == flag["token_ids"]
+
+
 def test_generate_text_output(capsys):
     assert main(["generate", *TINY, "--method", "tova", "--keep", "0.5"]) == 0
     text = capsys.readouterr().out
@@ -79,6 +94,12 @@ def test_generate_text_output(capsys):
     (["--method", "full", "--bits", "4"], "--method quanto"),
     (["--method", "tova", "--window-size", "8"], "unknown parameter"),
     (["--method", "quanto"], "does not divide"),  # default group 64 vs head_dim 16
+    (["--method", "snapkv", "--scorer", "tova"], "unknown parameter"),
+    (["--method", "adakv", "--alpha-safeguard", "2"], "alpha_safeguard must be a number in [0, 1]"),
+    (["--method", "adakv", "--scorer", "h2o"], "adakv scorer 'h2o' is not supported"),
+    (["--method", "snapkv", "--param", "window_size"], "write KEY=VALUE"),
+    (["--method", "snapkv", "--param", "keep=0.5", "--keep", "0.5"], "already set by its own flag"),
+    (["--method", "snapkv", "--param", "nope=1"], "unknown parameter"),
 ])
 def test_generate_bad_input_fails_before_loading(capsys, args, message):
     assert main(["generate", *TINY, *args]) == 2

@@ -336,6 +336,7 @@ def test_kvlab_report_renders_a_fake_campaign(tmp_path):
     assert "quanto int4 at 16k, batch 32: failed: OOM" in html
     assert "dequantize +3.00 ms" in html
     assert "h200-batch" in html and "h200-16k" in html  # provenance per sweep
+    assert "Methods at a glance" in html and "No parity file given or found" in html  # the methods table ran
     assert not re.search(r"<script[^>]+src=", html)
     executed = json.loads((folder / "report.ipynb").read_text())
     assert executed["metadata"]["papermill"]["input_path"] == "report.ipynb"  # no absolute paths

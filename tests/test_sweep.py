@@ -387,6 +387,19 @@ def test_a_kill_between_the_quality_records_and_the_done_mark_duplicates_nothing
     assert read_manifest(tmp_path)["quality_done"] == {"tiny-llama": True}
 
 
+def test_a_plan_extended_with_a_method_runs_its_quality_items_too(tmp_path):
+    """A sweep rerun with more methods (e.g. first keep 0.25, then keep 0.25 and 0.1) adds their
+    quality records; the items already recorded ok are not run again."""
+    first = tiny_params(ctx=[32], prompts=1, methods=["full", "streamingllm"], keep=[0.5], quality=QUALITY)
+    run_sweep(first, tmp_path, progress=False, loader=toy_loader, log=lambda m: None)
+    ids = quality_ids(tmp_path)
+    assert len(ids) == 2 * 2
+    more = tiny_params(ctx=[32], prompts=1, methods=["full", "streamingllm"], keep=[0.5, 0.25], quality=QUALITY)
+    s = run_sweep(more, tmp_path, progress=False, loader=toy_loader, log=lambda m: None)
+    after = quality_ids(tmp_path)
+    assert s.complete and after[:len(ids)] == ids and len(after) == len(set(after)) == 2 * 3
+
+
 def test_failed_quality_items_make_the_sweep_say_so_and_a_rerun_retries_only_them(tmp_path, monkeypatch):
     import kvlab.quality.run as quality
 

@@ -39,6 +39,15 @@ def register(sub) -> None:
     r.add_argument("--token-budget", type=int, help="quest: tokens read per decode step (default 2048)")
     r.add_argument("--group-reduce", help="quest: how a KV head's query heads rank pages, max or sum (default max)")
     r.add_argument("--dense-layers", type=int, help="quest: leading layers read densely (default 2)")
+    a = p.add_argument_group("head-adaptive budgets (--method adakv)")
+    a.add_argument("--scorer", help="adakv: the method whose scores rank positions (default snapkv; "
+                                    "`kvlab policies` lists them)")
+    a.add_argument("--alpha-safeguard", type=float,
+                   help="adakv: each head keeps at least this fraction of the layer's per-head budget (default 0.2)")
+    a.add_argument("--scope", help="adakv: layer (one budget per layer) or model (kvzip scorer only)")
+    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                   help="any policy parameter without a flag of its own, value parsed as YAML (repeatable), "
+                        "e.g. --param epsilon=0.01 or --param 'scorer_params={epsilon: 0.01}'")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt-file", help="text file holding the prompt")
     src.add_argument("--prompt", help="the prompt text")

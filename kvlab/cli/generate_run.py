@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import torch
+import yaml
 
 from kvlab import models
 from kvlab.budget import context_problem
@@ -34,6 +35,7 @@ QUANT_FLAGS = {"bits": "nbits", "group_size": "q_group_size", "residual": "resid
 DECODING_FLAGS = {"target": "target", "interval": "interval", "score": "score"}
 READ_FLAGS = {"key_bits": "key_bits", "value_group": "value_group", "page": "page", "token_budget": "budget",
               "group_reduce": "group_reduce", "dense_layers": "dense_layers"}  # kivi, quest
+ADAKV_FLAGS = {"scorer": "scorer", "alpha_safeguard": "alpha_safeguard", "scope": "scope"}
 
 
 
@@ -62,7 +64,28 @@ def policy_from_args(args):
                           f"quantize)")
     params.update(_given(args, DECODING_FLAGS))  # make_policy names them if the method takes none
     params.update(_given(args, READ_FLAGS))
+    params.update(_given(args, ADAKV_FLAGS))
+    for key, value in param_overrides(getattr(args, "param", None) or []).items():
+        if key in params:
+            raise UserError(f"--param {key}: {key} is already set by its own flag; give it once")
+        params[key] = value
     return make_policy(args.method, **params)
+
+
+def param_overrides(items: list[str]) -> dict:
+    """``--param KEY=VALUE`` items as policy parameters (values parsed as YAML: numbers, true/false,
+    mappings such as ``scorer_params={epsilon: 0.01}``); ``make_policy`` checks the names and values."""
+    out = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not key:
+            raise UserError(f"--param {item!r}: write KEY=VALUE, e.g. --param alpha_safeguard=0.1")
+        try:
+            out[key] = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as err:
+            raise UserError(f"--param {item!r}: the value is not valid YAML ({str(err).splitlines()[0]})") from None
+    return out
 
 
 def _prompt_ids(args, tokenizer, vocab_size: int, text: str | None):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 
@@ -18,6 +19,8 @@ def register(sub) -> None:
     p.add_argument("--ctx", type=int, default=None, help="context of the study table (default 16384, "
                    "or the nearest measured)")
     p.add_argument("--baseline", default=None, help="method the ratios compare against (default: full)")
+    p.add_argument("--parity", default=None, help="parity.json written by benchmarks/kvpress_parity.py for the "
+                   "methods table (default: DIR/parity.json or one below DIR)")
     p.add_argument("--notebook", default=None, help="report notebook to execute (default: notebooks/report.ipynb)")
     p.add_argument("--no-index", action="store_true", help="do not (re)write the folder's index.html")
     p.add_argument("--timeout", type=int, default=1800, help="per-cell execution timeout in seconds")
@@ -66,6 +69,9 @@ def check_args(args) -> None:
         check_out_dir(out.parent, flag=f"-o {out}: its folder")
     if args.notebook is not None and not Path(args.notebook).is_file():
         raise UserError(f"--notebook {args.notebook} does not exist: pass a .ipynb file (or leave it out)")
+    if args.parity is not None and not Path(args.parity).is_file():
+        raise UserError(f"--parity {args.parity} does not exist: pass the parity.json that "
+                        f"benchmarks/kvpress_parity.py wrote (or leave it out)")
     if args.ctx is not None and args.ctx < 1:
         raise UserError(f"--ctx must be >= 1, got {args.ctx}")
     if args.timeout < 1:
@@ -79,6 +85,8 @@ def check_args(args) -> None:
 def run(args) -> int:
     check_args(args)
     params = {k: v for k, v in (("ctx", args.ctx), ("baseline", args.baseline)) if v is not None}
+    if args.parity is not None:  # the notebook runs in DIR: a relative path keeps the machine's paths out of it
+        params["parity"] = os.path.relpath(Path(args.parity).resolve(), Path(args.dir).resolve())
     html = render_report(args.dir, out=args.out, notebook=args.notebook, index=not args.no_index,
                          parameters=params, timeout=args.timeout)
     print(f"report: {html} ({html.stat().st_size / 1e6:.1f} MB, draws offline)")
