@@ -287,7 +287,7 @@ def test_cli_refuses_a_model_without_tokenizer(tmp_path, capsys):
 
 @pytest.mark.slow(reason="real SmolLM2 weights: 6 needle prompts of 2k tokens")
 def test_smollm2_niah_single_full_cache_at_2k(smollm2):
-    """The needle has signal at 2k on the full cache (1k: test_smollm2_every_method_has_scores_and_fidelity)."""
+    """The needle has signal at 2k on the full cache (512: test_smollm2_every_method_has_scores_and_fidelity)."""
     spec = TaskSpec(tasks=["niah_single"], lengths=[2048], depths=[0.1, 0.5, 0.9], samples=2)
     records = run_quality(smollm2, [make_policy("full")], spec)
     scores = [r["score"] for r in records]
@@ -303,10 +303,10 @@ def _every_method():
             out.append(make_policy(name))
         elif name in ("quanto", "hqq"):
             out.append(make_policy(name, nbits=4))
-        elif name == "decoding":  # a budget below the 1024-token items, so it evicts while answering
-            out.append(make_policy(name, target=512, interval=16, score_params={"window_size": 16}))
-        elif name == "quest":  # a budget below the 1024-token items, so the read is sparse
-            out.append(make_policy(name, budget=256))
+        elif name == "decoding":  # a budget below the 512-token items, so it evicts while answering
+            out.append(make_policy(name, target=256, interval=16, score_params={"window_size": 16}))
+        elif name == "quest":  # a budget below the 512-token items, so the read is sparse
+            out.append(make_policy(name, budget=128))
         elif issubclass(POLICIES[name], QuantizedPolicy) or name == "kivi":  # fp8, kvq-*, kivi: their defaults
             out.append(make_policy(name))
         else:
@@ -314,12 +314,12 @@ def _every_method():
     return out
 
 
-@pytest.mark.slow(reason="real SmolLM2 weights: a quality pass for every method")
+@pytest.mark.slow(reason="real SmolLM2 weights: a quality pass for every method (one 512-token item each)")
 def test_smollm2_every_method_has_scores_and_fidelity(smollm2, tmp_path):
     from kvlab.records import RecordWriter, load_records
 
     policies = _every_method()
-    spec = TaskSpec(tasks=["niah_single"], lengths=[1024], depths=[0.5], samples=1)
+    spec = TaskSpec(tasks=["niah_single"], lengths=[512], depths=[0.5], samples=1)
     with RecordWriter(tmp_path / "records.jsonl") as writer:
         records = run_quality(smollm2, policies, spec, writer)
     df = load_records(tmp_path, kind="quality")
