@@ -116,6 +116,8 @@ def smoke_sweep(tmp_path_factory):
     return tmp, nb
 
 
+# Both smoke-sweep tests share one module fixture: one xdist worker runs them, so the notebook runs once.
+@pytest.mark.xdist_group("smoke-sweep-notebook")
 @pytest.mark.slow(reason="a Jupyter kernel loads SmolLM2 and runs a reduced smoke sweep")
 def test_sweep_notebook_runs_the_smoke_sweep(smoke_sweep):
     tmp, nb = smoke_sweep
@@ -127,6 +129,7 @@ def test_sweep_notebook_runs_the_smoke_sweep(smoke_sweep):
     assert "ms/token (median)" in outputs_text(nb)  # the summary table
 
 
+@pytest.mark.xdist_group("smoke-sweep-notebook")
 @pytest.mark.slow(reason="renders the report (a kernel) and draws it in headless Chromium")
 def test_smoke_sweep_report_draws_offline_in_chromium(smoke_sweep):
     """The done-when path: sweep notebook -> kvlab report -> HTML that draws with no network."""
@@ -166,3 +169,19 @@ def test_papermill_engine_kvlab_runs_the_kernel_over_ipc(monkeypatch):
     monkeypatch.setattr(engines, "PapermillNotebookClient", Client)
     IPCEngine.execute_managed_notebook(None, "python3")
     assert seen["kernel_manager_class"]().transport == "ipc"
+
+
+def test_execute_notebook_gives_the_kernel_five_minutes_to_start(monkeypatch, tmp_path):
+    """CI (stop 32) failed with "Kernel didn't respond in 60 seconds" (papermill's default) while
+    parallel tests kept its two cores busy; kvlab's runs wait for the kernel, then time its cells."""
+    import papermill as pm
+
+    seen = {}
+
+    def fake_execute(src, dst, **kwargs):
+        seen.update(kwargs)
+        nbformat.write(nbformat.v4.new_notebook(), dst)
+
+    monkeypatch.setattr(pm, "execute_notebook", fake_execute)
+    report.execute_notebook(ROOT / "notebooks" / "sweep.ipynb", tmp_path / "out.ipynb")
+    assert seen["start_timeout"] == 300 and seen["execution_timeout"] == 1800

@@ -40,8 +40,11 @@ def ipc_kernel_manager():
 
 def execute_notebook(notebook: str | Path, output: str | Path, parameters: dict | None = None,
                      cwd: str | Path | None = None, kernel_name: str = "python3",
-                     timeout: int | None = 1800, log_output: bool = False):
+                     timeout: int | None = 1800, log_output: bool = False, start_timeout: int = 300):
     """Run a notebook with papermill; returns the executed notebook node.
+
+    ``start_timeout`` is how long the kernel may take to answer: papermill's 60 s default was missed
+    on a 2-core CI machine busy with parallel tests (stop 32), and a slow start is not a failure.
 
     Absolute paths papermill records in the notebook metadata are cut to file names, so a
     published notebook leaks nothing about the machine.
@@ -55,7 +58,7 @@ def execute_notebook(notebook: str | Path, output: str | Path, parameters: dict 
     output.parent.mkdir(parents=True, exist_ok=True)
     pm.execute_notebook(str(notebook), str(output), parameters=parameters or {}, cwd=str(cwd) if cwd else None,
                         kernel_name=kernel_name, execution_timeout=timeout, log_output=log_output,
-                        progress_bar=False, kernel_manager_class=ipc_kernel_manager())
+                        start_timeout=start_timeout, progress_bar=False, kernel_manager_class=ipc_kernel_manager())
     nb = nbformat.read(output, as_version=4)
     meta = nb.metadata.get("papermill", {})
     for key in ("input_path", "output_path"):
