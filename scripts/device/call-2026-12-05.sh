@@ -5,8 +5,10 @@
 # of a shape before measuring any, so a part is sized to finish its shape inside one call.
 #   adakv     benchmarks/adakv_fast.py --parts kernel: the ragged store's flash path against its SDPA
 #             and float32 references at the model's shape (#27, before any adakv run is trusted)
-#   m16       params/h200-methods.yaml at batch 16, keep 0.1, 2 repeats, plus AdaKV(SnapKV) at keep 0.25
-#             (#27: decode J/token, TTFT, prefill J, peak memory; the AdaKV memory goal)
+#   m16       params/h200-methods.yaml at batch 16, keep 0.1, 2 repeats, plus AdaKV(SnapKV) at keep 0.25,
+#             prefilled 2 sequences at a time (#27: decode J/token, TTFT, prefill J, peak memory; the AdaKV
+#             memory goal: an evicting prefill holds the whole batch's prompt K/V at its peak unless the
+#             batch is prefilled a few rows at a time, and this fits an 80 GB card too)
 #   m1        params/h200-methods.yaml at batch 1, keep 0.1 and 0.25, 2 repeats (#27)
 #   reads     params/h200-reads.yaml at 16k, batch 1 and 16, 2 repeats: full, fp8, int4, KIVI k2v2/k4v2,
 #             Quest 2048 (#29's goals; #28's int4/fp8 vs bf16 at batch 1 and 16)
@@ -37,7 +39,7 @@ nvidia-smi --query-gpu=name,uuid,driver_version,power.limit --format=csv,noheade
 part adakv "$(lim adakv 60)" python3 benchmarks/adakv_fast.py --parts kernel --ctx 16384 --batch 4 --keep 0.25 \
   --json-out "$out/adakv-kernel.json"
 part m16 "$(lim m16 450)" $SW params/h200-methods.yaml -o "$out/methods-b16" --set time_budget_s="$(budget m16 450)" \
-  --set "batch=[16]" --set "keep=[0.1]" --set repeats=2 \
+  --set "batch=[16]" --set "keep=[0.1]" --set repeats=2 --set prefill_rows=2 \
   --set 'methods=[full, snapkv, expected_attention, kvzip, {method: adakv, scorer: snapkv}, {method: adakv, scorer: expected_attention}, {method: adakv, scorer: snapkv, keep: 0.25}]'
 part reads "$(lim reads 400)" $SW params/h200-reads.yaml -o "$out/reads-16k" --set time_budget_s="$(budget reads 400)" \
   --set "ctx=[16384]"
