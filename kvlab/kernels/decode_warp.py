@@ -166,25 +166,35 @@ def _slot_scales(ptr, offs_n, mask_n, NG: tl.constexpr, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _batched(q, W: tl.constexpr):
-    """``q [M, K]`` repeated for each warp: the first operand of a warp-batched product."""
-    return tl.broadcast_to(q[None, :, :], [W, q.shape[0], q.shape[1]])
+def _batched_t(q, W: tl.constexpr):
+    """``q [M, K]`` transposed and repeated for each warp: the second operand of a warp-batched product."""
+    return tl.broadcast_to(tl.trans(q)[None, :, :], [W, q.shape[1], q.shape[0]])
+
+
+@triton.jit
+def _transposed(part):
+    """``[W, BW, M] -> [W, M, BW]`` (a view). Keys are multiplied as ``u q^T``: the slots fill the
+    product's 16-row M, the query rows its 8-wide N, so no operand holds padded rows (``q u^T``
+    repeated the 8 rows of q into 16, register copies in the loop) and a thread's fragment holds 4
+    slots, not 8: half the per-slot work (scale conversions, products) on the score tile."""
+    return tl.permute(part, (0, 2, 1))
 
 
 @triton.jit
 def _key_group(kc, offs_n, mask_n, qa, qb, qc, qd, GI: tl.constexpr, DP: tl.constexpr, KP: tl.constexpr,
                KW: tl.constexpr, ASM: tl.constexpr, MASKED: tl.constexpr):
-    """``q . u`` of int4 group ``GI`` over its ``KP`` slices (word quarters or byte planes): ``[W, M, BW]``."""
+    """``q . u`` of int4 group ``GI`` over its ``KP`` slices (word quarters or byte planes): ``[W, M, BW]``,
+    multiplied transposed (``u q^T``: slots are the product's M, rows its N, see :func:`_transposed`)."""
     W: tl.constexpr = offs_n.shape[0]
     if KP == 4:
         cols = GI * KW + tl.arange(0, KW)
         w = _load(kc.to(tl.pointer_type(tl.int16)) + offs_n[:, :, None] * (DP // 2) + cols[None, None, :],
                   mask_n[:, :, None], MASKED)
         u0, u1, u2, u3 = _word_planes(w, FMT_INT, ASM)
-        part = tl.dot(_batched(qa, W), tl.permute(u0, (0, 2, 1)))
-        part = tl.dot(_batched(qb, W), tl.permute(u1, (0, 2, 1)), part)
-        part = tl.dot(_batched(qc, W), tl.permute(u2, (0, 2, 1)), part)
-        return tl.dot(_batched(qd, W), tl.permute(u3, (0, 2, 1)), part)
+        part = tl.dot(u0, _batched_t(qa, W))
+        part = tl.dot(u1, _batched_t(qb, W), part)
+        part = tl.dot(u2, _batched_t(qc, W), part)
+        return _transposed(tl.dot(u3, _batched_t(qd, W), part))
     cols = GI * KW + tl.arange(0, KW)
     raw = _load(kc + offs_n[:, :, None] * DP + cols[None, None, :], mask_n[:, :, None], MASKED)
     if ASM:
@@ -193,8 +203,8 @@ def _key_group(kc, offs_n, mask_n, qa, qb, qc, qd, GI: tl.constexpr, DP: tl.cons
         raw = raw.to(tl.int16)
         u0 = codes_unit(raw, 0, 4)
         u1 = codes_unit(raw, 1, 4)
-    part = tl.dot(_batched(qa, W), tl.permute(u0, (0, 2, 1)))
-    return tl.dot(_batched(qb, W), tl.permute(u1, (0, 2, 1)), part)
+    part = tl.dot(u0, _batched_t(qa, W))
+    return _transposed(tl.dot(u1, _batched_t(qb, W), part))
 
 
 @triton.jit
@@ -214,7 +224,7 @@ def _scores(kc, ks, kz, offs_n, mask_n, q0, q1, q2, q3, q4, q5, q6, q7, qs0, qs1
         raw = _load(kc + offs_n[:, :, None] * DP + cols[None, None, :], mask_n[:, :, None], MASKED)
         k = raw.to(tl.float8e4nv, bitcast=True).to(tl.float16)
         k_sc = _load(ks + offs_n, mask_n, MASKED)
-        s = tl.dot(_batched(q0, W), tl.permute(k, (0, 2, 1))) * (k_sc * qk_scale)[:, None, :]
+        s = _transposed(tl.dot(k, _batched_t(q0, W))) * (k_sc * qk_scale)[:, None, :]
     else:
         sc0, sc1, sc2, sc3 = _slot_scales(ks, offs_n, mask_n, NG, MASKED)
         zr0, zr1, zr2, zr3 = _slot_scales(kz, offs_n, mask_n, NG, MASKED)
@@ -247,13 +257,13 @@ def _top(x):
 @triton.jit
 def _by_row(row_g, x0, x1, x2, x3, NG: tl.constexpr):
     """``[W, M, ...]``: row ``r`` takes ``x_g`` (``[W, 1, ...]``) of its group ``g = row_g[r]``."""
-    if NG == 1:
-        return x0
-    g = row_g[None, :, None]
-    out = tl.where(g == 0, x0, x1)
-    if NG == 4:
-        out = tl.where(g == 2, x2, out)
-        out = tl.where(g == 3, x3, out)
+    out = x0
+    if NG > 1:
+        g = row_g[None, :, None]
+        out = tl.where(g == 0, x0, x1)
+        if NG == 4:
+            out = tl.where(g == 2, x2, out)
+            out = tl.where(g == 3, x3, out)
     return out
 
 
