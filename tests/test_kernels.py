@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -373,3 +374,20 @@ def test_fp8_word_ptx_converts_both_bytes_of_both_words():
         codes = torch.tensor([[w & 0xFF for w in pair], [w >> 8 for w in pair]], dtype=torch.uint8)
         want = codes.view(torch.float8_e4m3fn).float()
         assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num()), pair
+
+
+@pytest.mark.slow(reason="compiles six decode kernels for sm_90 with triton's ptxas in a subprocess (~40 s)")
+def test_warp_kernels_compile_for_sm90_with_fewer_instructions_per_slot():
+    """The PTX paths the interpreter cannot run, compiled (benchmarks/kernel_sass.py, no GPU needed): every
+    group of int4 and fp8 builds, and warp_asm issues well under fold_asm's / fold's SASS per KV slot."""
+    pytest.importorskip("triton")
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_sass.py"
+    done = subprocess.run([sys.executable, str(script), "--block-n", "128", "--num-stages", "3", "--formats", "fp8",
+                           "int4-g32", "int4-g64", "int4-g128", "--variants", "fold", "fold_asm", "warp_asm"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "FAILED" not in done.stdout, done.stdout + done.stderr
+    per_slot = {tuple(line.split()[:2]): float(line.split()[3]) for line in done.stdout.splitlines()
+                if line.startswith(("fp8", "int4"))}
+    assert per_slot[("int4-g64", "warp_asm")] < 0.6 * per_slot[("int4-g64", "fold_asm")]
+    assert per_slot[("fp8", "warp_asm")] < 0.6 * per_slot[("fp8", "fold")]
+    assert {("int4-g32", "warp_asm"), ("int4-g128", "warp_asm")} <= set(per_slot)
