@@ -269,14 +269,17 @@ def _by_row(row_g, x0, x1, x2, x3, NG: tl.constexpr):
 
 @triton.jit
 def _value_weights(vs, vz, offs_n, mask_n, p, row_g, NG: tl.constexpr, FMT: tl.constexpr, MASKED: tl.constexpr):
-    """``(pv, unit, z)`` of a block: the float16 product operand ``p * scale / top`` (``top``: the
-    warp's largest scale of the row's group, so ``pv`` stays normal), what the product's result
-    must be multiplied by (``[W, M]``; int: ``16 top``), and the zero term ``sum_n p * zero``."""
+    """``(pv, unit, inv_unit, z)`` of a block: the float16 product operand ``p * scale / top`` (``top``:
+    the warp's largest scale of the row's group, so ``pv`` stays normal), what the product's result
+    must be multiplied by (``[W, M]``; int: ``16 top``) and its reciprocal, and the zero term
+    ``sum_n p * zero``. One division per warp and group; the rest multiplies."""
     if FMT == FMT_FP8:
         sc = _load(vs + offs_n, mask_n, MASKED)
         t = _top(sc)
-        pv = (p * (sc * (1.0 / t)[:, None])[:, None, :]).to(tl.float16)
+        r = 1.0 / t
+        pv = (p * (sc * r[:, None])[:, None, :]).to(tl.float16)
         unit = tl.broadcast_to(t[:, None], [p.shape[0], p.shape[1]])
+        inv_unit = tl.broadcast_to(r[:, None], [p.shape[0], p.shape[1]])
         z = tl.zeros([p.shape[0], p.shape[1]], tl.float32)
     else:
         sc0, sc1, sc2, sc3 = _slot_scales(vs, offs_n, mask_n, NG, MASKED)
@@ -285,14 +288,25 @@ def _value_weights(vs, vz, offs_n, mask_n, p, row_g, NG: tl.constexpr, FMT: tl.c
         t1 = _top(sc1)
         t2 = _top(sc2)
         t3 = _top(sc3)
-        scale = _by_row(row_g, (sc0 * (1.0 / t0)[:, None])[:, None, :], (sc1 * (1.0 / t1)[:, None])[:, None, :],
-                        (sc2 * (1.0 / t2)[:, None])[:, None, :], (sc3 * (1.0 / t3)[:, None])[:, None, :], NG)
+        r0 = 1.0 / t0
+        r1 = 1.0 / t1
+        r2 = 1.0 / t2
+        r3 = 1.0 / t3
+        scale = _by_row(row_g, (sc0 * r0[:, None])[:, None, :], (sc1 * r1[:, None])[:, None, :],
+                        (sc2 * r2[:, None])[:, None, :], (sc3 * r3[:, None])[:, None, :], NG)
         zero = _by_row(row_g, zr0[:, None, :], zr1[:, None, :], zr2[:, None, :], zr3[:, None, :], NG)
-        top = _by_row(row_g, t0[:, None, None], t1[:, None, None], t2[:, None, None], t3[:, None, None], NG)
-        unit = tl.max(tl.broadcast_to(top, [p.shape[0], p.shape[1], 1]), 2) * 16
+        unit = _row_values(row_g, t0, t1, t2, t3, NG, p.shape[1]) * 16
+        inv_unit = _row_values(row_g, r0, r1, r2, r3, NG, p.shape[1]) * (1 / 16)
         pv = (p * scale).to(tl.float16)
         z = tl.sum(p * zero, 2)
-    return pv, unit, z
+    return pv, unit, inv_unit, z
+
+
+@triton.jit
+def _row_values(row_g, x0, x1, x2, x3, NG: tl.constexpr, M: tl.constexpr):
+    """``[W, M]``: row ``r`` takes the per-warp value ``x_g`` (``[W]``) of its group ``g = row_g[r]``."""
+    x = _by_row(row_g, x0[:, None, None], x1[:, None, None], x2[:, None, None], x3[:, None, None], NG)
+    return tl.max(tl.broadcast_to(x, [x.shape[0], M, 1]), 2)
 
 
 @triton.jit
@@ -312,7 +326,7 @@ def _block(kc, ks, kz, vc, vs, vz, n0, end, offs_w, row_g, ones,
     m_new = tl.maximum(m_i, tl.max(s, 2))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, :, None])
-    pv, unit, z = _value_weights(vs, vz, offs_n, mask_n, p, row_g, NG, FMT, MASKED)
+    pv, unit, inv_unit, z = _value_weights(vs, vz, offs_n, mask_n, p, row_g, NG, FMT, MASKED)
     l_i = l_i * alpha + tl.sum(p, 2)
     zacc = zacc * alpha + z
     # the words transposed ([W, VW, BW]): the value product's first operand, slots along k
@@ -321,7 +335,7 @@ def _block(kc, ks, kz, vc, vs, vz, n0, end, offs_w, row_g, ones,
               MASKED)
     v0, v1, v2, v3 = _word_planes(w, FMT, ASM)
     pvt = tl.permute(pv, (0, 2, 1))
-    f = (alpha * unit_i / unit)[:, None, :]
+    f = (alpha * unit_i * inv_unit)[:, None, :]
     acc0 = tl.dot(v0, pvt, acc0 * f)
     acc1 = tl.dot(v1, pvt, acc1 * f)
     if FMT != FMT_FP8:
