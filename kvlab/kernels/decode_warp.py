@@ -13,10 +13,13 @@ the products and keeps one copy of each row in registers). What differs, and why
   ``BLOCK_N / W`` slots of each block, so maxima and sums never cross warps (``fold`` reduced the
   score tile through shared memory with a barrier per reduction) and the score tile stays in
   registers. The ``W`` partial softmaxes are merged once, after the loop.
-- Values are multiplied transposed: ``out^T = v^T p^T``. The accumulator fragment of the score
-  product holds exactly the operand fragment ``p^T`` needs (rows of the score tile are the columns
-  of ``p^T``), so no layout conversion, and the query rows are the product's 8-wide N: no padded
-  rows in the value products (half of ``fold``'s tensor-core instructions there).
+- Both products put the query rows in the 8-wide N of the tensor-core instruction and the slots
+  (keys) or head-dim words (values) in its 16-row M: keys as ``u q^T``, values as ``out^T = v^T p^T``.
+  No operand holds padded rows (half of ``fold``'s tensor-core instructions in the value product,
+  no register copies of q), and a thread's score fragment holds 4 slots, not 8 (half the per-slot
+  work). ``p^T`` reaches the value product's operand layout by an exchange inside the warp
+  (shuffles, no shared memory). Group 32's byte planes keep ``q u^T`` (see :func:`_transposed`),
+  whose accumulator fragment is ``p^T``'s operand fragment as it stands.
 - Codes are read as int16 words. A word holds four int4 codes (two fp8 codes) of one slot; the
   value product needs pairs of slots in one register, which ``ldmatrix.trans`` delivers for 16-bit
   words (``fold`` gathered single bytes from shared memory: one load per byte). Word quarter ``q``
@@ -166,6 +169,12 @@ def _slot_scales(ptr, offs_n, mask_n, NG: tl.constexpr, MASKED: tl.constexpr):
 
 
 @triton.jit
+def _batched(q, W: tl.constexpr):
+    """``q [M, K]`` repeated for each warp: the first operand of a warp-batched product."""
+    return tl.broadcast_to(q[None, :, :], [W, q.shape[0], q.shape[1]])
+
+
+@triton.jit
 def _batched_t(q, W: tl.constexpr):
     """``q [M, K]`` transposed and repeated for each warp: the second operand of a warp-batched product."""
     return tl.broadcast_to(tl.trans(q)[None, :, :], [W, q.shape[1], q.shape[0]])
@@ -173,18 +182,19 @@ def _batched_t(q, W: tl.constexpr):
 
 @triton.jit
 def _transposed(part):
-    """``[W, BW, M] -> [W, M, BW]`` (a view). Keys are multiplied as ``u q^T``: the slots fill the
-    product's 16-row M, the query rows its 8-wide N, so no operand holds padded rows (``q u^T``
-    repeated the 8 rows of q into 16, register copies in the loop) and a thread's fragment holds 4
-    slots, not 8: half the per-slot work (scale conversions, products) on the score tile."""
+    """``[W, BW, M] -> [W, M, BW]`` (a view). Word quarters and fp8 keys are multiplied as ``u q^T``:
+    the slots fill the product's 16-row M, the query rows its 8-wide N, so no operand holds padded
+    rows (``q u^T`` repeated the 8 rows of q into 16, register copies in the loop) and a thread's
+    fragment holds 4 slots, not 8: half the per-slot work (scale conversions, products) on the score
+    tile. (Byte planes, group 32, stay ``q u^T``: transposed, triton moved them through shared memory.)"""
     return tl.permute(part, (0, 2, 1))
 
 
 @triton.jit
 def _key_group(kc, offs_n, mask_n, qa, qb, qc, qd, GI: tl.constexpr, DP: tl.constexpr, KP: tl.constexpr,
                KW: tl.constexpr, ASM: tl.constexpr, MASKED: tl.constexpr):
-    """``q . u`` of int4 group ``GI`` over its ``KP`` slices (word quarters or byte planes): ``[W, M, BW]``,
-    multiplied transposed (``u q^T``: slots are the product's M, rows its N, see :func:`_transposed`)."""
+    """``q . u`` of int4 group ``GI`` over its ``KP`` slices (word quarters or byte planes): ``[W, M, BW]``;
+    word quarters multiplied transposed (``u q^T``, see :func:`_transposed`)."""
     W: tl.constexpr = offs_n.shape[0]
     if KP == 4:
         cols = GI * KW + tl.arange(0, KW)
@@ -203,8 +213,9 @@ def _key_group(kc, offs_n, mask_n, qa, qb, qc, qd, GI: tl.constexpr, DP: tl.cons
         raw = raw.to(tl.int16)
         u0 = codes_unit(raw, 0, 4)
         u1 = codes_unit(raw, 1, 4)
-    part = tl.dot(u0, _batched_t(qa, W))
-    return _transposed(tl.dot(u1, _batched_t(qb, W), part))
+    # byte planes stay q u^T: transposed, triton would take the unpacked planes through shared memory
+    part = tl.dot(_batched(qa, W), tl.permute(u0, (0, 2, 1)))
+    return tl.dot(_batched(qb, W), tl.permute(u1, (0, 2, 1)), part)
 
 
 @triton.jit
