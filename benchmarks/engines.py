@@ -176,7 +176,7 @@ def load_launch_configs(path: str, variant: str | None = None) -> None:
         tuned = json.load(f)
     by_variant = tuned.get("winners_by_variant") or {}
     winners = by_variant.get(variant) if variant else tuned.get("winners")
-    if variant == "fold_asm":  # tuned on int4 only; the other formats run fold, with fold's winners
+    if variant in ("fold_asm", "warp", "warp_asm"):  # formats they do not read run fold, with fold's winners
         winners = {**by_variant.get("fold", {}), **(winners or {})}
     if not winners:
         raise SystemExit(f"{path} has no winners{f' for {variant}' if variant else ''}: run "
@@ -232,7 +232,7 @@ def main() -> int:
                     help="per method and fast variant, time one step's attention kernels alone against a copy of "
                          "the same bytes (kernel_bw rows: of_copy_same_bytes, x_floor)")
     ap.add_argument("--compare-steps", type=int, default=32, help="teacher-forced steps for the logit check")
-    ap.add_argument("--kernel-variant", choices=["split", "fold", "fold_asm"], default=None,
+    ap.add_argument("--kernel-variant", choices=["split", "fold", "fold_asm", "warp", "warp_asm"], default=None,
                     help="fused quantized attention's split kernel for every format (default: kvlab's "
                          "DEFAULT_VARIANT and TUNED_CONFIGS)")
     ap.add_argument("--launch-configs", default=None,

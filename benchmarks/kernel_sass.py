@@ -25,7 +25,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ["TRITON_INTERPRET"] = "0"  # before triton is imported: compile, never interpret
 
-from kvlab.kernels.formats import FMT_BF16, FMT_FP8, parse_format  # noqa: E402
+from kvlab.kernels.decode import warp_count  # noqa: E402
+from kvlab.kernels.formats import FMT_BF16, FMT_FP8, LaunchConfig, parse_format  # noqa: E402
 
 SIGNATURE = {"q_ptr": "*bf16", "kc_ptr": "*u8", "ks_ptr": "*fp16", "kz_ptr": "*fp16", "vc_ptr": "*u8",
              "vs_ptr": "*fp16", "vz_ptr": "*fp16", "len_ptr": "*i32", "part_out_ptr": "*fp32",
@@ -51,6 +52,7 @@ def compile_variant(variant: str, label: str, head_dim: int, gqa: int, block_n: 
 
     from kvlab.kernels.decode_fold import decode_fold_kernel
     from kvlab.kernels.decode_split import decode_split_kernel
+    from kvlab.kernels.decode_warp import decode_warp_kernel
 
     fmt = parse_format(label)
     slot_bytes = 2 * fmt.bytes_per_token(1, head_dim)
@@ -60,6 +62,12 @@ def compile_variant(variant: str, label: str, head_dim: int, gqa: int, block_n: 
         kernel = decode_split_kernel
         consts = {"D": head_dim, "BLOCK_H": max(16, gp), "BLOCK_N": block_n, "FMT": fmt.kernel, "BITS": fmt.bits,
                   "PACK": fmt.pack, "QGROUP": group}
+    elif variant.startswith("warp"):
+        kernel = decode_warp_kernel
+        ng = head_dim // group
+        num_warps = warp_count(LaunchConfig(block_n=block_n, num_warps=num_warps))
+        consts = {"D": head_dim, "BLOCK_M": 1 << max(0, ng * gp - 1).bit_length(), "GP": gp, "NG": ng,
+                  "BLOCK_N": block_n, "FMT": fmt.kernel, "ASM": variant == "warp_asm", "W": num_warps}
     else:
         kernel = decode_fold_kernel
         ng = head_dim // group
@@ -72,7 +80,7 @@ def compile_variant(variant: str, label: str, head_dim: int, gqa: int, block_n: 
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": num_warps, "num_stages": num_stages})
-    return compiled.asm["cubin"], slot_bytes
+    return compiled.asm["cubin"], slot_bytes, num_warps
 
 
 def loop_opcodes(cubin: bytes, tmp: Path) -> tuple[collections.Counter, int]:
@@ -101,7 +109,7 @@ def loop_opcodes(cubin: bytes, tmp: Path) -> tuple[collections.Counter, int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--formats", nargs="+", default=["bf16", "fp8", "int4-g64", "int4-g32", "int2-g64"])
-    ap.add_argument("--variants", nargs="+", default=["split", "fold", "fold_asm"])
+    ap.add_argument("--variants", nargs="+", default=["split", "fold", "fold_asm", "warp", "warp_asm"])
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--gqa", type=int, default=4)
     ap.add_argument("--block-n", type=int, default=64)
@@ -114,17 +122,19 @@ def main() -> None:
     print(f"{'format':<10} {'kernel':<9} {'per iter':>8} {'per slot':>8} {'B/instr':>7}  top opcodes (per warp per iter)")
     for label in args.formats:
         for variant in args.variants:
-            if variant == "fold_asm" and not label.startswith("int4"):
-                continue
+            fmt = parse_format(label)
+            if variant == "fold_asm" and not fmt.asm_unpack or variant.startswith("warp") and not fmt.warp_reads(
+                    args.head_dim):
+                continue  # runs fold there: counted as fold
             try:
-                cubin, slot_bytes = compile_variant(variant, label, args.head_dim, args.gqa, args.block_n,
-                                                    args.num_warps, args.num_stages)
+                cubin, slot_bytes, warps = compile_variant(variant, label, args.head_dim, args.gqa, args.block_n,
+                                                           args.num_warps, args.num_stages)
                 ops, _ = loop_opcodes(cubin, tmp)
             except Exception as err:  # noqa: BLE001 - one failure must not hide the others
                 print(f"{label:<10} {variant:<9} FAILED {type(err).__name__}: {str(err)[:200]}")
                 continue
             per_iter = sum(ops.values())
-            per_slot = per_iter * args.num_warps / args.block_n  # warp instructions per slot (all warps)
+            per_slot = per_iter * warps / args.block_n  # warp instructions per slot (all warps)
             print(f"{label:<10} {variant:<9} {per_iter:>8} {per_slot:>8.1f} {slot_bytes / per_slot:>7.2f}  "
                   + ", ".join(f"{k} {v}" for k, v in ops.most_common(8)))
     tmp.unlink(missing_ok=True)

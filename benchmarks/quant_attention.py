@@ -6,8 +6,10 @@ imported from this checkout). From the repository root:
     python benchmarks/quant_attention.py --tune --profile --skip write --out quant_attention.json   # ~6 min
 
 The split-step kernels (``--variants``, default all of kvlab.kernels.formats.VARIANTS:
-``split``, ``fold``, ``fold_asm``) run side by side on the same stores in every section (a variant
-that falls back to another on a format, fold_asm off int4, is not repeated).
+``split``, ``fold``, ``fold_asm``, ``warp``, ``warp_asm``) run side by side on the same stores in every
+section (a variant that falls back to another on a format, fold_asm off int4, warp off int4/fp8, is
+not repeated). The performance section runs each at the default launch geometry; ``--tune`` (with
+``--tune-variants``) times them at the tuned ones.
 
 (a) Correctness: the Triton kernels (kvlab.kernels.decode_attention) against the float32 reference
     on a sampled grid: batch 1-32, lengths {1, 7, 1000, 4097, 16384, 32769} (the other rows of a
@@ -23,8 +25,8 @@ that falls back to another on a format, fold_asm off int4, is not repeated).
     and against bf16 SDPA (``F.scaled_dot_product_attention(..., enable_gqa=True)``) and
     dequantize-then-SDPA (what transformers' quantized caches do); then fold/split time per case.
     Inputs rotate over enough copies to exceed the L2 cache.
-(tune) With ``--tune``: a grid of launch configs (fold and split; block, warps, stages, split
-    density) for ``--tune-formats`` (fp8 and int4-g64) at batch 1/16/32, then per format the config
+(tune) With ``--tune``: a grid of launch configs (``--tune-variants``, default fold, fold_asm and
+    split; block, warps, stages, split density) for ``--tune-formats`` (fp8 and int4-g64) at batch 1/16/32, then per format the config
     with the best geometric mean over the batches (relative to the best at each batch; configs
     whose error exceeds 2e-2 relative are out), printed as a ``TUNED_CONFIGS`` line and a
     ``DEFAULT_VARIANT`` line to paste into kvlab/kernels/formats.py and kvlab/kernels/decode.py.
@@ -443,6 +445,7 @@ def performance_cases(quick: bool):
 
 
 TUNE_FORMATS = ("fp8", "int4-g64")
+TUNE_VARIANTS = ("split", "fold", "fold_asm")  # --tune's default grids (warp, warp_asm: --tune-variants)
 
 
 def tune_cases(quick: bool, formats):
@@ -453,19 +456,23 @@ def tune_cases(quick: bool, formats):
             yield case
 
 
-def tune_configs(case, quick: bool):
-    """Launch configs to compare at every tuned batch: fold (and fold_asm for int4) grids and a smaller
-    split grid (its default inside)."""
+def tune_configs(case, quick: bool, variants=TUNE_VARIANTS):
+    """Launch configs to compare at every tuned batch: grids of the fold-family ``variants`` that read
+    the case's format (fold_asm: int4; warp, warp_asm: int4 and fp8) and a smaller split grid (its
+    default inside; with ``split`` in ``variants``)."""
     if quick:
         return [LaunchConfig(variant=v, block_n=b) for v in ("split", "fold") for b in (32, 64)]
     # fold kernels: fewer warps and longer blocks cut instructions per slot (benchmarks/kernel_sass.py),
     # until 2 warps x 256 slots spill registers
     shapes = [(b, w, st) for b, w in ((64, 4), (128, 2), (128, 4), (128, 8), (256, 4), (256, 8)) for st in (2, 3)]
-    folds = ("fold", "fold_asm") if case["format"] == "int4" else ("fold",)  # PTX unpacking: int4 only
+    warp = case["format"] in ("int4", "fp8")
+    reads = {"fold": True, "fold_asm": case["format"] == "int4", "warp": warp, "warp_asm": warp}
+    folds = [v for v in ("fold", "fold_asm", "warp", "warp_asm") if v in variants and reads[v]]
     configs = [LaunchConfig(variant=v, block_n=b, num_warps=w, num_stages=st) for v in folds for b, w, st in shapes]
     configs += [LaunchConfig(variant=v, block_n=128, num_stages=3, programs_per_sm=p) for v in folds for p in (2, 8)]
-    configs += [LaunchConfig(variant="split", block_n=b, num_warps=w, num_stages=st)
-                for b in (64, 128) for w in (4, 8) for st in (2, 3)]
+    if "split" in variants:
+        configs += [LaunchConfig(variant="split", block_n=b, num_warps=w, num_stages=st)
+                    for b in (64, 128) for w in (4, 8) for st in (2, 3)]
     return configs
 
 
@@ -620,6 +627,8 @@ def main() -> None:
                          "the winners as TUNED_CONFIGS")
     ap.add_argument("--profile", action="store_true",
                     help="also profile the kernels one call launches (split step vs reduce) at batch 1/16/32 (CUDA)")
+    ap.add_argument("--tune-variants", nargs="+", default=list(TUNE_VARIANTS), choices=list(VARIANTS),
+                    help=f"kernels whose launch-config grids --tune times (default: {' '.join(TUNE_VARIANTS)})")
     ap.add_argument("--tune-formats", nargs="+", default=list(TUNE_FORMATS),
                     help=f"format labels to tune (default: {' '.join(TUNE_FORMATS)})")
     args = ap.parse_args()
@@ -666,8 +675,8 @@ def main() -> None:
     if args.tune:
         iters, repeats = (2, 1) if args.quick else (20, 3)
         for case in tune_cases(args.quick, args.tune_formats):
-            run_performance(case, tune_configs(case, args.quick), args.device, args.backend, clock, copy_gbps,
-                            args.seed, l2, iters, repeats, baselines=False,
+            run_performance(case, tune_configs(case, args.quick, args.tune_variants), args.device, args.backend,
+                            clock, copy_gbps, args.seed, l2, iters, repeats, baselines=False,
                             on_row=lambda row: results.add("tune", row))
         print_tune(result.get("tune", []))
         result["winners"] = pick_winners(result.get("tune", []))

@@ -64,3 +64,16 @@ def test_performance_rows_carry_the_copy_fields_on_cpu(bench, monkeypatch):
     r = rows[0]
     assert r["kernel_ms"] == 0.2 and r["copy_same_bytes_ms"] == 0.1
     assert r["of_copy_same_bytes"] == pytest.approx(0.25) and r["x_floor"] == pytest.approx(4.0)
+
+
+def test_tune_grids_cover_the_variants_asked_for_where_they_read(bench):
+    def variants(fmt, *asked):
+        case = {"format": fmt, "group": 64 if fmt == "int4" else None}
+        return {c.variant for c in bench.tune_configs(case, quick=False, **({"variants": asked} if asked else {}))}
+
+    assert variants("int4") == {"split", "fold", "fold_asm"}  # the default grids: no warp kernels
+    assert variants("int4", "fold_asm", "warp_asm") == {"fold_asm", "warp_asm"}
+    assert variants("fp8", "fold_asm", "warp_asm") == {"warp_asm"}  # PTX unpacking of fold: int4 only
+    assert variants("bf16", "warp", "fold") == {"fold"}  # the warp kernel reads int4 and fp8
+    shapes = [c for c in bench.tune_configs({"format": "fp8", "group": None}, quick=False, variants=("warp",))]
+    assert all(c.block_n // c.num_warps >= 16 for c in shapes)  # every warp keeps 16 slots of a block

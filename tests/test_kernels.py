@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -245,8 +246,14 @@ def test_variant_of_a_config_defaults_to_the_module_constant(monkeypatch):
     assert decode.kernel_variant(LaunchConfig(variant="fold_asm"), store) == "fold_asm"
     for other in (make_format("fp8"), make_format("int2", group=64)):  # PTX unpacking is int4's only
         assert decode.kernel_variant(LaunchConfig(variant="fold_asm"), other.alloc(1, 1, 4, 128)) == "fold"
+    assert decode.kernel_variant(LaunchConfig(variant="warp_asm"), store) == "warp_asm"
+    assert decode.kernel_variant(LaunchConfig(variant="warp_asm"), make_format("fp8").alloc(1, 1, 4, 128)) == "warp_asm"
+    bf16 = make_format("bf16").alloc(1, 1, 4, 128)  # the warp kernel reads int4 and fp8 only: fold runs
+    assert decode.kernel_variant(LaunchConfig(variant="warp_asm"), bf16) == "fold"
+    assert decode.kernel_variant(LaunchConfig(variant="warp"), bf16) == "fold"
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter runs no PTX
     assert decode.kernel_variant(LaunchConfig(variant="fold_asm"), store) == "fold"
+    assert decode.kernel_variant(LaunchConfig(variant="warp_asm"), store) == "warp"
     monkeypatch.setattr(formats, "TUNED_CONFIGS", {"int4-g64": LaunchConfig(block_n=256, variant="split")})
     assert store.format.launch_config.block_n == 256
     assert make_format("fp8").launch_config == LaunchConfig()
@@ -289,6 +296,15 @@ def _run_ptx(text: str, regs: dict[str, int]) -> dict[str, int]:
             regs[dst] = sum(((src >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
         elif op == "shl.b32":
             regs[dst] = (val(args[0]) << val(args[1])) & 0xFFFFFFFF
+        elif op == "shr.b32":
+            regs[dst] = val(args[0]) >> val(args[1])
+        elif op == "mov.b32":  # mov.b32 {lo, hi}, x: split into 16-bit halves
+            lo, hi = (x.strip("{} ") for x in rest.split("}")[0].split(","))
+            regs[lo], regs[hi] = val(args[-1]) & 0xFFFF, val(args[-1]) >> 16
+        elif op == "cvt.rn.f16x2.e4m3x2":  # two e4m3 bytes -> two float16 (low byte to the low half)
+            pair = torch.tensor([val(args[0]) & 0xFF, val(args[0]) >> 8], dtype=torch.uint8)
+            halves = pair.view(torch.float8_e4m3fn).to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
+            regs[dst] = int(halves[0]) | int(halves[1]) << 16
         elif op == "lop3.b32":
             a, b, c, lut = (val(x) for x in args)
             regs[dst] = sum((((lut >> ((((a >> i) & 1) << 2) | (((b >> i) & 1) << 1) | ((c >> i) & 1))) & 1) << i)
@@ -314,3 +330,64 @@ def test_int4_unpacking_ptx_makes_the_codes_the_portable_path_makes():
         got = torch.tensor(halves, dtype=torch.int32).to(torch.int16).view(torch.float16).float().view(2, 4)
         codes = torch.tensor([[b & 15 for b in quad], [b >> 4 for b in quad]], dtype=torch.float32)
         assert torch.equal(got, 1 + codes / 16), (quad, got)
+
+
+def _ptx_text(name: str) -> str:
+    from kvlab.kernels import decode_warp
+
+    text = getattr(decode_warp, name)
+    return text.value if hasattr(text, "value") else text
+
+
+def _halves(reg: int) -> list[int]:
+    return [reg & 0xFFFF, reg >> 16]
+
+
+def _as_half(bits: list[int]) -> torch.Tensor:
+    return torch.tensor(bits, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+
+
+def test_int4_word_ptx_makes_the_codes_the_portable_path_makes():
+    """warp_asm's PTX on a pair of int16 words (two slots): quarter q of both as float16 1 + c/16, first
+    word in the low half, as decode_warp.word_quarter makes them."""
+    pytest.importorskip("triton")
+    text = _ptx_text("INT4_WORDS_PTX")
+    gen = torch.Generator().manual_seed(1)
+    pairs = [[w, (w * 2654435761) & 0xFFFF] for w in range(0, 65536, 97)]
+    pairs += torch.randint(0, 65536, (256, 2), generator=gen).tolist()
+    for pair in pairs:
+        out = _run_ptx(text, {"$4": pair[0] | pair[1] << 16, "t": 0})
+        got = _as_half([h for r in range(4) for h in _halves(out[f"${r}"])]).view(4, 2)
+        codes = torch.tensor([[(w >> (4 * q)) & 15 for w in pair] for q in range(4)], dtype=torch.float32)
+        assert torch.equal(got, 1 + codes / 16), (pair, got)
+
+
+def test_fp8_word_ptx_converts_both_bytes_of_both_words():
+    """warp_asm's fp8 PTX: $0 holds the low bytes (even elements) of both words, $1 the high bytes, each
+    as the float16 of its e4m3 code (every byte value, NaN codes included)."""
+    pytest.importorskip("triton")
+    text = _ptx_text("FP8_WORDS_PTX")
+    for lo in range(256):
+        pair = [lo | ((lo * 37 + 11) % 256) << 8, ((lo * 101 + 7) % 256) | (255 - lo) << 8]
+        out = _run_ptx(text, {"$2": pair[0] | pair[1] << 16, "t": 0, "lo": 0, "hi": 0})
+        got = _as_half([h for r in range(2) for h in _halves(out[f"${r}"])]).view(2, 2)
+        codes = torch.tensor([[w & 0xFF for w in pair], [w >> 8 for w in pair]], dtype=torch.uint8)
+        want = codes.view(torch.float8_e4m3fn).float()
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num()), pair
+
+
+@pytest.mark.slow(reason="compiles six decode kernels for sm_90 with triton's ptxas in a subprocess (~40 s)")
+def test_warp_kernels_compile_for_sm90_with_fewer_instructions_per_slot():
+    """The PTX paths the interpreter cannot run, compiled (benchmarks/kernel_sass.py, no GPU needed): every
+    group of int4 and fp8 builds, and warp_asm issues well under fold_asm's / fold's SASS per KV slot."""
+    pytest.importorskip("triton")
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_sass.py"
+    done = subprocess.run([sys.executable, str(script), "--block-n", "128", "--num-stages", "3", "--formats", "fp8",
+                           "int4-g32", "int4-g64", "int4-g128", "--variants", "fold", "fold_asm", "warp_asm"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "FAILED" not in done.stdout, done.stdout + done.stderr
+    per_slot = {tuple(line.split()[:2]): float(line.split()[3]) for line in done.stdout.splitlines()
+                if line.startswith(("fp8", "int4"))}
+    assert per_slot[("int4-g64", "warp_asm")] < 0.6 * per_slot[("int4-g64", "fold_asm")]
+    assert per_slot[("fp8", "warp_asm")] < 0.6 * per_slot[("fp8", "fold")]
+    assert {("int4-g32", "warp_asm"), ("int4-g128", "warp_asm")} <= set(per_slot)

@@ -67,7 +67,8 @@ def check(name, batch, kv_heads, gqa, dim, capacity, lengths, group=None, q_dtyp
 
 
 VARIANT_FORMATS = [("split", "bf16", None), ("split", "fp8", None), ("split", "int4", 64), ("split", "int2", 32),
-                   ("fold", "bf16", None), ("fold", "fp8", None), ("fold", "int4", 32), ("fold", "int2", 64)]
+                   ("fold", "bf16", None), ("fold", "fp8", None), ("fold", "int4", 32), ("fold", "int2", 64),
+                   ("warp", "fp8", None), ("warp", "int4", 32), ("warp", "int4", 64)]
 
 
 @decode_kernel
@@ -82,7 +83,7 @@ def test_kernel_matches_reference(variant, name, group):
                          "(test_kernel_matches_reference covers every format per kernel in the "
                          "fast suite)")
 @decode_kernel
-@pytest.mark.parametrize("variant", ["split", "fold"])
+@pytest.mark.parametrize("variant", ["split", "fold", "warp"])
 @pytest.mark.parametrize("name,group", [("bf16", None), ("fp8", None), ("int4", 32), ("int4", 64),
                                         ("int4", 128), ("int2", 64), ("int2", 128)])
 @pytest.mark.parametrize("dim", [64, 128])
@@ -97,11 +98,30 @@ def test_kernel_matches_reference_across_shapes(variant, name, group, dim, batch
                                                 lengths):
     if group is not None and dim % group:
         pytest.skip("group larger than head_dim")
+    if variant == "warp" and name not in ("fp8", "int4"):
+        pytest.skip("the warp kernel reads int4 and fp8 (fold runs the others)")
     check(name, batch, kv_heads, gqa, dim, capacity, lengths, group=group, variant=variant)
 
 
 @decode_kernel
-@pytest.mark.parametrize("variant", ["split", "fold"])
+@pytest.mark.parametrize("name,group,dim", [("int4", 64, 128), ("int4", 128, 128), ("int4", 32, 64),
+                                            ("fp8", None, 64)])
+@pytest.mark.parametrize("gqa", [1, 4])
+@pytest.mark.parametrize("block_n,num_warps", [(32, 2), (64, 4), (128, 8)])
+def test_warp_kernel_over_block_shapes(name, group, dim, gqa, block_n, num_warps):
+    """The warp kernel's own edges: 16 slots per warp (128 slots on 8 warps), a masked last block
+    where whole warps see no slot, rows that end inside a block, an empty row, GQA 1 (one row per group)."""
+    k, v = stores(name, 3, 2, 203, dim, group=group, seed=gqa + block_n)
+    q = torch.randn(3, 2 * gqa, dim, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    lengths = torch.tensor([203, 0, 41], dtype=torch.int32, device=DEVICE)
+    ws = make_workspace(2 * gqa, k, config=LaunchConfig(block_n=block_n, num_warps=num_warps, variant="warp"))
+    assert kernel_variant(ws.config, k) == "warp" and ws.num_splits > 1
+    got = decode_attention(q, k, v, lengths, dim ** -0.5, backend="triton", workspace=ws)
+    torch.testing.assert_close(got.float(), decode_attention_reference(q, k, v, lengths, dim ** -0.5), **TOL)
+
+
+@decode_kernel
+@pytest.mark.parametrize("variant", ["split", "fold", "warp"])
 @pytest.mark.parametrize("name,group", [("fp8", None), ("int4", 64)])
 def test_small_value_scales_keep_the_long_tail(variant, name, group):
     """Values of range 1e-3 (tiny scales) and one dominant key among many weak ones: the fold kernel's
@@ -136,6 +156,15 @@ def test_fold_variant_falls_back_where_it_cannot_read():
         LaunchConfig(variant="fast")
 
 
+def test_warp_variant_reads_int4_and_fp8_and_falls_back_to_fold():
+    config = LaunchConfig(variant="warp")
+    assert kernel_variant(config, make_format("int4", group=32).alloc(1, 1, 4, 128)) == "warp"
+    assert kernel_variant(config, make_format("fp8").alloc(1, 1, 4, 64)) == "warp"
+    assert kernel_variant(config, make_format("bf16").alloc(1, 1, 4, 64)) == "fold"
+    assert kernel_variant(config, make_format("int2", group=64).alloc(1, 1, 4, 128)) == "fold"
+    assert kernel_variant(config, make_format("int2", group=32).alloc(1, 1, 4, 128)) == "split"
+
+
 @decode_kernel
 def test_fold_fallback_still_matches_reference():
     check("int2", batch=2, kv_heads=1, gqa=4, dim=128, capacity=90, lengths=[90, 41], group=32,
@@ -144,7 +173,7 @@ def test_fold_fallback_still_matches_reference():
 
 
 @decode_kernel
-@pytest.mark.parametrize("variant", ["split", "fold"])
+@pytest.mark.parametrize("variant", ["split", "fold", "warp"])
 def test_kernel_writes_q_dtype_and_into_out(variant):
     got = check("int4", batch=2, kv_heads=1, gqa=2, dim=128, capacity=90, lengths=[90, 33], q_dtype=torch.bfloat16,
                 variant=variant)

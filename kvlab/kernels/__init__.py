@@ -6,10 +6,12 @@
   geometry);
 - :mod:`kvlab.kernels.reference`: float32 decode attention over dequantized stores (ground truth);
 - :mod:`kvlab.kernels.decode`: decode attention reading the codes directly, with a dispatcher that
-  falls back to the reference on CPU tensors; two split kernels, ``split``
-  (:mod:`~kvlab.kernels.decode_split`: code tiles dequantized to float16) and ``fold``
+  falls back to the reference on CPU tensors; three split kernels, ``split``
+  (:mod:`~kvlab.kernels.decode_split`: code tiles dequantized to float16), ``fold``
   (:mod:`~kvlab.kernels.decode_fold`: scales and zeros folded into the operands; ``fold_asm``: the
-  same with int4 codes unpacked by inline PTX), picked by ``LaunchConfig.variant``, and their shared
+  same with int4 codes unpacked by inline PTX) and ``warp`` (:mod:`~kvlab.kernels.decode_warp`: fold
+  with a split per warp and codes read as int16 words, int4 and fp8; ``warp_asm``: with PTX
+  unpacking), picked by ``LaunchConfig.variant``, and their shared
   steps and reduce kernel (:mod:`~kvlab.kernels.decode_reduce`);
 - :mod:`kvlab.kernels.append`: quantize-on-write in one launch (:mod:`~kvlab.kernels.append_kernel`;
   ``KVFormat.write`` on CPU).

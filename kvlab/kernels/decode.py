@@ -11,11 +11,12 @@ once before capturing. The cost of fixing the grid: while a row is much shorter 
 only ``cdiv(length, split_len)`` splits work; an engine that decodes long runs at short lengths can
 capture one graph per capacity bucket.
 
-Two kernels do the split step (the reduce, :mod:`~kvlab.kernels.decode_reduce`, is shared):
-``split`` (:mod:`~kvlab.kernels.decode_split`) and ``fold`` (:mod:`~kvlab.kernels.decode_fold`, which
+Three kernels do the split step (the reduce, :mod:`~kvlab.kernels.decode_reduce`, is shared):
+``split`` (:mod:`~kvlab.kernels.decode_split`), ``fold`` (:mod:`~kvlab.kernels.decode_fold`, which
 never dequantizes: group scales and zeros fold into the operands; ``fold_asm`` is fold with int4
-codes unpacked by inline PTX). ``LaunchConfig.variant`` picks one, :data:`DEFAULT_VARIANT` when it
-says nothing. Everything format-specific (kernel code, packing, groups, tuned geometry) is read from
+codes unpacked by inline PTX) and ``warp`` (:mod:`~kvlab.kernels.decode_warp`: fold with each warp
+running its own split, for int4 and fp8; ``warp_asm`` unpacks with PTX; other formats run fold).
+``LaunchConfig.variant`` picks one, :data:`DEFAULT_VARIANT` when it says nothing. Everything format-specific (kernel code, packing, groups, tuned geometry) is read from
 the stores' format object (:mod:`kvlab.kernels.formats`).
 
 triton is imported only when a kernel runs, so kvlab imports without it.
@@ -41,7 +42,8 @@ BACKENDS = ("auto", "triton", "reference")
 # "split" dequantizes code tiles to float16 before its products (decode_split), "fold" folds the
 # scales and zeros into the operands instead (decode_fold), "fold_asm" is fold with int4 codes
 # unpacked by inline PTX, four bytes at a time (formats with ``asm_unpack`` on CUDA only; fold
-# elsewhere). Flip after benchmarks/quant_attention.py --tune has measured them on the GPU.
+# elsewhere), "warp" and "warp_asm" are fold with a split per warp (int4 and fp8; fold elsewhere; the
+# PTX on CUDA only). Flip after benchmarks/quant_attention.py --tune has measured them on the GPU.
 DEFAULT_VARIANT = "split"
 
 
@@ -111,12 +113,18 @@ def kernel_supports(k_store: KVStore) -> str | None:
 
 def kernel_variant(config: LaunchConfig, k_store: KVStore) -> str:
     """The kernel that runs for ``config`` on ``k_store``: its variant, or ``split`` where fold cannot,
-    and ``fold`` for ``fold_asm`` where the format has no PTX unpacking or triton interprets."""
+    ``fold`` for ``fold_asm`` where the format has no PTX unpacking or triton interprets, ``fold``
+    (``fold_asm`` for int4 on CUDA) for ``warp``/``warp_asm`` where the warp kernel does not read the
+    format (or a store's slots * head dim reach 2**31: its int32 offsets), and ``warp`` for
+    ``warp_asm`` where triton interprets."""
     fmt = k_store.format
     variant = config.variant or DEFAULT_VARIANT
     if variant == "split" or not fmt.fold_reads(k_store.head_dim):
         return "split"
-    return "fold_asm" if variant == "fold_asm" and fmt.asm_unpack and not _interpreted() else "fold"
+    asm = variant.endswith("_asm") and not _interpreted()
+    if variant.startswith("warp") and fmt.warp_reads(k_store.head_dim) and k_store.capacity * k_store.head_dim < 2**31:
+        return "warp_asm" if asm else "warp"
+    return "fold_asm" if asm and fmt.asm_unpack else "fold"
 
 
 def _interpreted() -> bool:
@@ -154,6 +162,7 @@ def _launch(q, k_store, v_store, lengths, scale, group, out, workspace):
         from kvlab.kernels.decode_fold import decode_fold_kernel
         from kvlab.kernels.decode_reduce import decode_reduce_kernel
         from kvlab.kernels.decode_split import decode_split_kernel
+        from kvlab.kernels.decode_warp import decode_warp_kernel
     except ImportError as err:
         raise RuntimeError(f"the decode kernels need triton ({err}); install it (CUDA builds of torch ship it) "
                            "or pass backend='reference'") from err
@@ -183,7 +192,16 @@ def _launch(q, k_store, v_store, lengths, scale, group, out, workspace):
             splits, group)
     grid = (batch * k_store.kv_heads, splits)
     variant = kernel_variant(config, k_store)
-    if variant != "split":
+    if variant.startswith("warp"):
+        gp = triton_next_pow2(group)
+        row_groups = head_dim // fmt.group_size(head_dim)
+        warps = warp_count(config)
+        decode_warp_kernel[grid](
+            *args, D=head_dim, BLOCK_M=triton_next_pow2(row_groups * gp), GP=gp, NG=row_groups,
+            BLOCK_N=config.block_n, FMT=fmt.kernel, ASM=variant == "warp_asm", W=warps, num_warps=warps,
+            num_stages=config.num_stages,
+        )
+    elif variant != "split":
         gp = triton_next_pow2(group)
         row_groups = head_dim // fmt.group_size(head_dim)
         decode_fold_kernel[grid](
@@ -203,6 +221,12 @@ def _launch(q, k_store, v_store, lengths, scale, group, out, workspace):
         num_warps=4 if splits * head_dim <= 4096 else 8,
     )
     return out
+
+
+def warp_count(config: LaunchConfig) -> int:
+    """Warps of a ``warp`` program: ``config.num_warps``, fewer where a warp would get under 16 slots of
+    a block (its products need 16)."""
+    return max(1, min(config.num_warps, config.block_n // 16))
 
 
 def triton_next_pow2(n: int) -> int:

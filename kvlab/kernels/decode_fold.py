@@ -58,7 +58,7 @@ lop3.b32 $3, $3, 0x03C003C0, 0x3C003C00, 0xEA;
 
 
 @triton.jit
-def _codes_unit(raw16, P: tl.constexpr, BITS: tl.constexpr):
+def codes_unit(raw16, P: tl.constexpr, BITS: tl.constexpr):
     """Plane ``P`` of packed codes (bytes widened to int16) as float16 ``1 + c / 2**BITS``, exactly.
 
     The code goes to the top ``BITS`` mantissa bits of 1.0 (``0x3C00``): one shift and one AND-OR
@@ -72,13 +72,13 @@ def _codes_unit(raw16, P: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _int4_planes(raw):
-    """Both planes of packed int4 codes (uint8) as float16 ``1 + c / 16``, as :func:`_codes_unit` makes them.
+def int4_planes(raw):
+    """Both planes of packed int4 codes (uint8) as float16 ``1 + c / 16``, as :func:`codes_unit` makes them.
 
     PTX on four bytes at once (``fold_asm``; compiled only, the interpreter cannot run it): ``prmt``
     spreads bytes ``b0, b1`` (and ``b2, b3``) to the two 16-bit halves of a register, then one shift
     and one ``lop3`` (``(x & mask) | 0x3C00``) per plane make two float16 codes at a time.
-    tests/test_kernels.py checks this text against :func:`_codes_unit` by emulating the three
+    tests/test_kernels.py checks this text against :func:`codes_unit` by emulating the three
     instructions for every byte.
     """
     return tl.inline_asm_elementwise(
@@ -103,16 +103,16 @@ def _key_group(kc_ptr, k_sc, k_zr, slots, mask_n, qa, qb, qc, qd, qsum, qk_scale
     offs = tl.arange(0, GW)
     raw = tl.load(kc_ptr + slots[:, None] * DP + (GI * GW + offs)[None, :], mask=mask_n[:, None], other=0)
     if ASM:
-        u0, u1 = _int4_planes(raw)
+        u0, u1 = int4_planes(raw)
         part = tl.dot(qa, tl.trans(u0))
         part += tl.dot(qb, tl.trans(u1))
     else:
         raw = raw.to(tl.int16)
-        part = tl.dot(qa, tl.trans(_codes_unit(raw, 0, BITS)))
-        part += tl.dot(qb, tl.trans(_codes_unit(raw, 1, BITS)))
+        part = tl.dot(qa, tl.trans(codes_unit(raw, 0, BITS)))
+        part += tl.dot(qb, tl.trans(codes_unit(raw, 1, BITS)))
     if PACK == 4:
-        part += tl.dot(qc, tl.trans(_codes_unit(raw, 2, BITS)))
-        part += tl.dot(qd, tl.trans(_codes_unit(raw, 3, BITS)))
+        part += tl.dot(qc, tl.trans(codes_unit(raw, 2, BITS)))
+        part += tl.dot(qd, tl.trans(codes_unit(raw, 3, BITS)))
     sc = _column(k_sc, GI, NG) * (1 << BITS)
     zr = _column(k_zr, GI, NG)
     # With c = L * (u - 1), L = 2**BITS: s * (q . c) + z * sum(q) = L s * (q . u) + (z - L s) * sum(q)
@@ -267,16 +267,16 @@ def decode_fold_kernel(
             zacc = zacc * alpha + z_sum
             v_raw = tl.load(vc_ptr + tile, mask=mask_n[:, None], other=0)
             if ASM:
-                v0, v1 = _int4_planes(v_raw)
+                v0, v1 = int4_planes(v_raw)
             else:
                 v_raw = v_raw.to(tl.int16)
-                v0 = _codes_unit(v_raw, 0, BITS)
-                v1 = _codes_unit(v_raw, 1, BITS)
+                v0 = codes_unit(v_raw, 0, BITS)
+                v1 = codes_unit(v_raw, 1, BITS)
             acc0 = acc0 * alpha[:, None] + tl.dot(pv, v0) * unit[:, None]
             acc1 = acc1 * alpha[:, None] + tl.dot(pv, v1) * unit[:, None]
             if PACK == 4:
-                acc2 = acc2 * alpha[:, None] + tl.dot(pv, _codes_unit(v_raw, 2, BITS)) * unit[:, None]
-                acc3 = acc3 * alpha[:, None] + tl.dot(pv, _codes_unit(v_raw, 3, BITS)) * unit[:, None]
+                acc2 = acc2 * alpha[:, None] + tl.dot(pv, codes_unit(v_raw, 2, BITS)) * unit[:, None]
+                acc3 = acc3 * alpha[:, None] + tl.dot(pv, codes_unit(v_raw, 3, BITS)) * unit[:, None]
         elif FMT == FMT_FP8:
             l_i = l_i * alpha + tl.sum(p, 1)
             pv = (p * (v_sc * (1.0 / top)[:, None])).to(tl.float16)

@@ -51,7 +51,7 @@ FMT_BF16, FMT_FP8, FMT_INT = 0, 1, 2
 
 BLOCK_N = 64  # slots per inner iteration of the decode kernels
 PROGRAMS_PER_SM = 4  # split so that a full-length step has about this many programs per SM
-VARIANTS = ("split", "fold", "fold_asm")
+VARIANTS = ("split", "fold", "fold_asm", "warp", "warp_asm")
 
 
 class FormatError(UserError):
@@ -208,6 +208,10 @@ class KVFormat:
         """Whether the ``fold`` decode kernel reads this format at ``head_dim``."""
         return True
 
+    def warp_reads(self, head_dim: int) -> bool:
+        """Whether the ``warp`` decode kernel reads this format at ``head_dim`` (else it runs ``fold``)."""
+        return False
+
     @property
     def launch_config(self) -> LaunchConfig:
         """The tuned launch geometry of the decode kernels (:data:`TUNED_CONFIGS`), else the defaults."""
@@ -319,6 +323,9 @@ class FP8Format(KVFormat):
     def _dequantize(self, store, length):
         return store.codes[:, :, :length].float() * store.scale[:, :, :length].unsqueeze(-1)
 
+    def warp_reads(self, head_dim: int) -> bool:
+        return True
+
     def token_bytes(self, head_dim):
         return head_dim + 4
 
@@ -405,6 +412,9 @@ class Int4Format(IntFormat):
     name = "int4"
     bits = 4
     asm_unpack = True
+
+    def warp_reads(self, head_dim: int) -> bool:
+        return self.fold_reads(head_dim)
 
 
 class Int2Format(IntFormat):

@@ -1,0 +1,478 @@
+"""The ``warp`` decode kernel of :mod:`kvlab.kernels.decode` (imports triton; import lazily): ``fold``
+(:mod:`kvlab.kernels.decode_fold`) with each warp running its own split, for int4 and fp8.
+
+Same contract as the other split kernels (grid ``(B * Hkv, num_splits)``, normalized partial outputs
+and base-2 log-sum-exps merged by :mod:`~kvlab.kernels.decode_reduce`), same folding of scales and
+zeros into the small operands, same row scheme (row ``g * GP + h``: query head ``h`` for
+quantization group ``g`` of the head dim; ``BLOCK_M = NG * GP`` rows, not padded to 16: triton pads
+the products and keeps one copy of each row in registers). What differs, and why (SASS per KV slot,
+``benchmarks/kernel_sass.py``):
+
+- Warps own slots. Every tile is ``[W, ...]`` (``W = num_warps``) and every product is batched over
+  ``W``, which triton maps one batch entry per warp: a warp runs its own online softmax over its
+  ``BLOCK_N / W`` slots of each block, so maxima and sums never cross warps (``fold`` reduced the
+  score tile through shared memory with a barrier per reduction) and the score tile stays in
+  registers. The ``W`` partial softmaxes are merged once, after the loop.
+- Both products put the query rows in the 8-wide N of the tensor-core instruction and the slots
+  (keys) or head-dim words (values) in its 16-row M: keys as ``u q^T``, values as ``out^T = v^T p^T``.
+  No operand holds padded rows (half of ``fold``'s tensor-core instructions in the value product,
+  no register copies of q), and a thread's score fragment holds 4 slots, not 8 (half the per-slot
+  work). ``p^T`` reaches the value product's operand layout by an exchange inside the warp
+  (shuffles, no shared memory). Group 32's byte planes keep ``q u^T`` (see :func:`_transposed`),
+  whose accumulator fragment is ``p^T``'s operand fragment as it stands.
+- Codes are read as int16 words. A word holds four int4 codes (two fp8 codes) of one slot; the
+  value product needs pairs of slots in one register, which ``ldmatrix.trans`` delivers for 16-bit
+  words (``fold`` gathered single bytes from shared memory: one load per byte). Word quarter ``q``
+  (elements ``4 c + q``) is one operand plane. Keys use words too where a group has >= 16 words
+  per quarter (group >= 64), else ``fold``'s byte planes.
+- Per-slot scales are loaded as one 32/64-bit word per slot (all the slot's group scales), straight
+  in the layout the score tile uses; the group's largest value scale is per warp, not per row.
+- The ``1`` of ``u = 1 + c / 16`` (``fold``'s offset, a float32 row sum of the float16 ``pv``) is
+  one more small product, ``ones . p^T``, accumulated like the outputs; the zero term stays a float32
+  row sum. The rescale of the accumulators by ``alpha`` and by the block's value scale is one factor
+  applied to the product's accumulator input (``fold`` scaled the product's output, then added).
+- Full blocks run without masks; only the last block of a split is masked (``MASKED``).
+
+Offsets inside one ``(b, h)`` are int32 (``capacity * head_dim < 2**31``).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kvlab.kernels.decode_fold import codes_unit, int4_planes
+from kvlab.kernels.decode_reduce import split_bounds
+from kvlab.kernels.jit_constants import FMT_FP8, FMT_INT
+
+# $4: two int16 words (first slot in the low half); $0..$3: quarter q (bits [4q, 4q + 4)) of both
+# words as float16 1 + c / 16: one shift and one AND-OR per quarter, two codes at a time.
+INT4_WORDS_PTX = tl.constexpr("""
+{
+.reg .b32 t;
+shl.b32 t, $4, 6;
+lop3.b32 $0, t, 0x03C003C0, 0x3C003C00, 0xEA;
+shl.b32 t, $4, 2;
+lop3.b32 $1, t, 0x03C003C0, 0x3C003C00, 0xEA;
+shr.b32 t, $4, 2;
+lop3.b32 $2, t, 0x03C003C0, 0x3C003C00, 0xEA;
+shr.b32 t, $4, 6;
+lop3.b32 $3, t, 0x03C003C0, 0x3C003C00, 0xEA;
+}
+""")  # a constexpr: jit code may read no other globals
+
+# $2: two int16 words of two float8_e4m3 codes each; $0: both words' low bytes, $1: their high
+# bytes, as float16 pairs (first word in the low half).
+FP8_WORDS_PTX = tl.constexpr("""
+{
+.reg .b32 t;
+.reg .b16 lo, hi;
+prmt.b32 t, $2, 0, 0x3120;
+mov.b32 {lo, hi}, t;
+cvt.rn.f16x2.e4m3x2 $0, lo;
+cvt.rn.f16x2.e4m3x2 $1, hi;
+}
+""")
+
+
+@triton.jit
+def word_quarter(w, Q: tl.constexpr):
+    """Quarter ``Q`` (bits ``[4Q, 4Q + 4)``) of int16 words as float16 ``1 + c / 16``, exactly (the
+    portable twin of :data:`INT4_WORDS_PTX`)."""
+    if Q < 2:
+        field = (w << (6 - 4 * Q)) & 0x03C0
+    else:
+        field = (w >> (4 * Q - 6)) & 0x03C0
+    return (field | 0x3C00).to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def word_byte_fp8(w, Q: tl.constexpr):
+    """Byte ``Q`` of int16 words read as float8_e4m3, as float16 (the portable twin of :data:`FP8_WORDS_PTX`)."""
+    return (w >> (8 * Q)).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+
+
+@triton.jit
+def _int4_words(w):
+    """The four quarters of int16 words (PTX, compiled only; pairs of words in one register)."""
+    return tl.inline_asm_elementwise(
+        asm=INT4_WORDS_PTX, constraints="=r,=r,=r,=r,r", args=[w],
+        dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=2)
+
+
+@triton.jit
+def _fp8_words(w):
+    """Both float8 bytes of int16 words as float16 (PTX, compiled only)."""
+    return tl.inline_asm_elementwise(
+        asm=FP8_WORDS_PTX, constraints="=r,=r,r", args=[w], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+
+
+@triton.jit
+def _word_planes(w, FMT: tl.constexpr, ASM: tl.constexpr):
+    """The planes of a word tile (int4: four quarters; fp8: two bytes, the last two repeat them)."""
+    if FMT == FMT_FP8:
+        if ASM:
+            a, b = _fp8_words(w)
+        else:
+            a = word_byte_fp8(w, 0)
+            b = word_byte_fp8(w, 1)
+        return a, b, a, b
+    elif ASM:
+        return _int4_words(w)
+    else:
+        return word_quarter(w, 0), word_quarter(w, 1), word_quarter(w, 2), word_quarter(w, 3)
+
+
+@triton.jit
+def _load(ptrs, mask, MASKED: tl.constexpr):
+    """``ptrs`` loaded, under ``mask`` (other 0) only in a block that has slots past the end."""
+    if MASKED:
+        return tl.load(ptrs, mask=mask, other=0)
+    return tl.load(ptrs)
+
+
+@triton.jit
+def _load_q_slice(q_rows, mask_r, SLOT: tl.constexpr, KP: tl.constexpr, KW: tl.constexpr):
+    """Query elements ``(g * KW + j) * KP + p`` for ``g, p = divmod(SLOT, KP)``, as float16 ``[M, KW]``."""
+    offs = tl.arange(0, KW)
+    d = ((SLOT // KP) * KW + offs) * KP + SLOT % KP
+    return tl.load(q_rows[:, None] + d[None, :], mask=mask_r[:, None], other=0.0).to(tl.float16)
+
+
+@triton.jit
+def _row_sum(qa, qb, qc, qd, KP: tl.constexpr, qk_scale):
+    """A group's sum of q over its ``KP`` slices, times ``qk_scale``, as ``[1, M, 1]``."""
+    t = tl.sum(qa.to(tl.float32) + qb.to(tl.float32), 1)
+    if KP == 4:
+        t += tl.sum(qc.to(tl.float32) + qd.to(tl.float32), 1)
+    return (t * qk_scale)[None, :, None]
+
+
+@triton.jit
+def _half(w, SHIFT: tl.constexpr):
+    return (w >> SHIFT).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _slot_scales(ptr, offs_n, mask_n, NG: tl.constexpr, MASKED: tl.constexpr):
+    """The ``NG`` float16 group scales (or zeros) of each slot as float32 ``[W, BW]`` vectors: one
+    2/4/8-byte load per slot, already in the score tile's column layout (no reduction to select one)."""
+    if NG == 1:
+        x = _load(ptr + offs_n, mask_n, MASKED).to(tl.float32)
+        return x, x, x, x
+    elif NG == 2:
+        w = _load(ptr.to(tl.pointer_type(tl.int32)) + offs_n, mask_n, MASKED)
+        return _half(w, 0), _half(w, 16), _half(w, 0), _half(w, 16)
+    else:
+        w = _load(ptr.to(tl.pointer_type(tl.int64)) + offs_n, mask_n, MASKED)
+        return _half(w, 0), _half(w, 16), _half(w, 32), _half(w, 48)
+
+
+@triton.jit
+def _batched(q, W: tl.constexpr):
+    """``q [M, K]`` repeated for each warp: the first operand of a warp-batched product."""
+    return tl.broadcast_to(q[None, :, :], [W, q.shape[0], q.shape[1]])
+
+
+@triton.jit
+def _batched_t(q, W: tl.constexpr):
+    """``q [M, K]`` transposed and repeated for each warp: the second operand of a warp-batched product."""
+    return tl.broadcast_to(tl.trans(q)[None, :, :], [W, q.shape[1], q.shape[0]])
+
+
+@triton.jit
+def _transposed(part):
+    """``[W, BW, M] -> [W, M, BW]`` (a view). Word quarters and fp8 keys are multiplied as ``u q^T``:
+    the slots fill the product's 16-row M, the query rows its 8-wide N, so no operand holds padded
+    rows (``q u^T`` repeated the 8 rows of q into 16, register copies in the loop) and a thread's
+    fragment holds 4 slots, not 8: half the per-slot work (scale conversions, products) on the score
+    tile. (Byte planes, group 32, stay ``q u^T``: transposed, triton moved them through shared memory.)"""
+    return tl.permute(part, (0, 2, 1))
+
+
+@triton.jit
+def _key_group(kc, offs_n, mask_n, qa, qb, qc, qd, GI: tl.constexpr, DP: tl.constexpr, KP: tl.constexpr,
+               KW: tl.constexpr, ASM: tl.constexpr, MASKED: tl.constexpr):
+    """``q . u`` of int4 group ``GI`` over its ``KP`` slices (word quarters or byte planes): ``[W, M, BW]``;
+    word quarters multiplied transposed (``u q^T``, see :func:`_transposed`)."""
+    W: tl.constexpr = offs_n.shape[0]
+    if KP == 4:
+        cols = GI * KW + tl.arange(0, KW)
+        w = _load(kc.to(tl.pointer_type(tl.int16)) + offs_n[:, :, None] * (DP // 2) + cols[None, None, :],
+                  mask_n[:, :, None], MASKED)
+        u0, u1, u2, u3 = _word_planes(w, FMT_INT, ASM)
+        part = tl.dot(u0, _batched_t(qa, W))
+        part = tl.dot(u1, _batched_t(qb, W), part)
+        part = tl.dot(u2, _batched_t(qc, W), part)
+        return _transposed(tl.dot(u3, _batched_t(qd, W), part))
+    cols = GI * KW + tl.arange(0, KW)
+    raw = _load(kc + offs_n[:, :, None] * DP + cols[None, None, :], mask_n[:, :, None], MASKED)
+    if ASM:
+        u0, u1 = int4_planes(raw)
+    else:
+        raw = raw.to(tl.int16)
+        u0 = codes_unit(raw, 0, 4)
+        u1 = codes_unit(raw, 1, 4)
+    # byte planes stay q u^T: transposed, triton would take the unpacked planes through shared memory
+    part = tl.dot(_batched(qa, W), tl.permute(u0, (0, 2, 1)))
+    return tl.dot(_batched(qb, W), tl.permute(u1, (0, 2, 1)), part)
+
+
+@triton.jit
+def _group_score(part, sc, zr, qsum, qk_scale):
+    """A group's share of the scores: with ``c = 16 (u - 1)``, ``s q.c + z sum(q) = 16 s (q.u) + (z - 16 s) sum(q)``."""
+    return part * (sc * (16 * qk_scale))[:, None, :] + qsum * (zr - 16 * sc)[:, None, :]
+
+
+@triton.jit
+def _scores(kc, ks, kz, offs_n, mask_n, q0, q1, q2, q3, q4, q5, q6, q7, qs0, qs1, qs2, qs3, qk_scale,
+            NG: tl.constexpr, DP: tl.constexpr, KP: tl.constexpr, KW: tl.constexpr, FMT: tl.constexpr,
+            ASM: tl.constexpr, MASKED: tl.constexpr):
+    """Scaled scores ``[W, M, BW]`` of the warps' slots (base 2: ``qk_scale`` carries log2(e))."""
+    W: tl.constexpr = offs_n.shape[0]
+    if FMT == FMT_FP8:
+        cols = tl.arange(0, DP)
+        raw = _load(kc + offs_n[:, :, None] * DP + cols[None, None, :], mask_n[:, :, None], MASKED)
+        k = raw.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        k_sc = _load(ks + offs_n, mask_n, MASKED)
+        s = _transposed(tl.dot(k, _batched_t(q0, W))) * (k_sc * qk_scale)[:, None, :]
+    else:
+        sc0, sc1, sc2, sc3 = _slot_scales(ks, offs_n, mask_n, NG, MASKED)
+        zr0, zr1, zr2, zr3 = _slot_scales(kz, offs_n, mask_n, NG, MASKED)
+        if KP == 4:  # word quarters: a group is four slices
+            s = _group_score(_key_group(kc, offs_n, mask_n, q0, q1, q2, q3, 0, DP, KP, KW, ASM, MASKED),
+                             sc0, zr0, qs0, qk_scale)
+            if NG == 2:
+                s += _group_score(_key_group(kc, offs_n, mask_n, q4, q5, q6, q7, 1, DP, KP, KW, ASM, MASKED),
+                                  sc1, zr1, qs1, qk_scale)
+        else:  # byte planes: a group is two slices
+            s = _group_score(_key_group(kc, offs_n, mask_n, q0, q1, q0, q0, 0, DP, KP, KW, ASM, MASKED),
+                             sc0, zr0, qs0, qk_scale)
+            s += _group_score(_key_group(kc, offs_n, mask_n, q2, q3, q0, q0, 1, DP, KP, KW, ASM, MASKED),
+                              sc1, zr1, qs1, qk_scale)
+            if NG == 4:
+                s += _group_score(_key_group(kc, offs_n, mask_n, q4, q5, q0, q0, 2, DP, KP, KW, ASM, MASKED),
+                                  sc2, zr2, qs2, qk_scale)
+                s += _group_score(_key_group(kc, offs_n, mask_n, q6, q7, q0, q0, 3, DP, KP, KW, ASM, MASKED),
+                                  sc3, zr3, qs3, qk_scale)
+    return s
+
+
+@triton.jit
+def _top(x):
+    """Largest of each warp's ``[BW]`` scales, 1 where none is positive (masked slots)."""
+    t = tl.max(x, 1)
+    return tl.where(t > 0, t, 1.0)
+
+
+@triton.jit
+def _by_row(row_g, x0, x1, x2, x3, NG: tl.constexpr):
+    """``[W, M, ...]``: row ``r`` takes ``x_g`` (``[W, 1, ...]``) of its group ``g = row_g[r]``."""
+    out = x0
+    if NG > 1:
+        g = row_g[None, :, None]
+        out = tl.where(g == 0, x0, x1)
+        if NG == 4:
+            out = tl.where(g == 2, x2, out)
+            out = tl.where(g == 3, x3, out)
+    return out
+
+
+@triton.jit
+def _value_weights(vs, vz, offs_n, mask_n, p, row_g, NG: tl.constexpr, FMT: tl.constexpr, MASKED: tl.constexpr):
+    """``(pv, unit, inv_unit, z)`` of a block: the float16 product operand ``p * scale / top`` (``top``:
+    the warp's largest scale of the row's group, so ``pv`` stays normal), what the product's result
+    must be multiplied by (``[W, M]``; int: ``16 top``) and its reciprocal, and the zero term
+    ``sum_n p * zero``. One division per warp and group; the rest multiplies."""
+    if FMT == FMT_FP8:
+        sc = _load(vs + offs_n, mask_n, MASKED)
+        t = _top(sc)
+        r = 1.0 / t
+        pv = (p * (sc * r[:, None])[:, None, :]).to(tl.float16)
+        unit = tl.broadcast_to(t[:, None], [p.shape[0], p.shape[1]])
+        inv_unit = tl.broadcast_to(r[:, None], [p.shape[0], p.shape[1]])
+        z = tl.zeros([p.shape[0], p.shape[1]], tl.float32)
+    else:
+        sc0, sc1, sc2, sc3 = _slot_scales(vs, offs_n, mask_n, NG, MASKED)
+        zr0, zr1, zr2, zr3 = _slot_scales(vz, offs_n, mask_n, NG, MASKED)
+        t0 = _top(sc0)
+        t1 = _top(sc1)
+        t2 = _top(sc2)
+        t3 = _top(sc3)
+        r0 = 1.0 / t0
+        r1 = 1.0 / t1
+        r2 = 1.0 / t2
+        r3 = 1.0 / t3
+        scale = _by_row(row_g, (sc0 * r0[:, None])[:, None, :], (sc1 * r1[:, None])[:, None, :],
+                        (sc2 * r2[:, None])[:, None, :], (sc3 * r3[:, None])[:, None, :], NG)
+        zero = _by_row(row_g, zr0[:, None, :], zr1[:, None, :], zr2[:, None, :], zr3[:, None, :], NG)
+        unit = _row_values(row_g, t0, t1, t2, t3, NG, p.shape[1]) * 16
+        inv_unit = _row_values(row_g, r0, r1, r2, r3, NG, p.shape[1]) * (1 / 16)
+        pv = (p * scale).to(tl.float16)
+        z = tl.sum(p * zero, 2)
+    return pv, unit, inv_unit, z
+
+
+@triton.jit
+def _row_values(row_g, x0, x1, x2, x3, NG: tl.constexpr, M: tl.constexpr):
+    """``[W, M]``: row ``r`` takes the per-warp value ``x_g`` (``[W]``) of its group ``g = row_g[r]``."""
+    x = _by_row(row_g, x0[:, None, None], x1[:, None, None], x2[:, None, None], x3[:, None, None], NG)
+    return tl.max(tl.broadcast_to(x, [x.shape[0], M, 1]), 2)
+
+
+@triton.jit
+def _block(kc, ks, kz, vc, vs, vz, n0, end, offs_w, row_g, ones,
+           q0, q1, q2, q3, q4, q5, q6, q7, qs0, qs1, qs2, qs3, qk_scale,
+           m_i, l_i, zacc, unit_i, acc0, acc1, acc2, acc3, acc_one,
+           NG: tl.constexpr, DP: tl.constexpr, KP: tl.constexpr, KW: tl.constexpr, VW: tl.constexpr,
+           FMT: tl.constexpr, ASM: tl.constexpr, MASKED: tl.constexpr):
+    """One block of ``BLOCK_N`` slots from ``n0``, ``BLOCK_N / W`` per warp: the online softmax state,
+    updated. The accumulators hold ``acc / unit_i`` (``unit_i``: the last block's ``unit``)."""
+    offs_n = n0 + offs_w
+    mask_n = offs_n < end
+    s = _scores(kc, ks, kz, offs_n, mask_n, q0, q1, q2, q3, q4, q5, q6, q7, qs0, qs1, qs2, qs3, qk_scale,
+                NG, DP, KP, KW, FMT, ASM, MASKED)
+    if MASKED:
+        s = tl.where(mask_n[:, None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 2))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, :, None])
+    pv, unit, inv_unit, z = _value_weights(vs, vz, offs_n, mask_n, p, row_g, NG, FMT, MASKED)
+    l_i = l_i * alpha + tl.sum(p, 2)
+    zacc = zacc * alpha + z
+    # the words transposed ([W, VW, BW]): the value product's first operand, slots along k
+    cols = tl.arange(0, VW)
+    w = _load(vc.to(tl.pointer_type(tl.int16)) + offs_n[:, None, :] * VW + cols[None, :, None], mask_n[:, None, :],
+              MASKED)
+    v0, v1, v2, v3 = _word_planes(w, FMT, ASM)
+    pvt = tl.permute(pv, (0, 2, 1))
+    f = (alpha * unit_i * inv_unit)[:, None, :]
+    acc0 = tl.dot(v0, pvt, acc0 * f)
+    acc1 = tl.dot(v1, pvt, acc1 * f)
+    if FMT != FMT_FP8:
+        acc2 = tl.dot(v2, pvt, acc2 * f)
+        acc3 = tl.dot(v3, pvt, acc3 * f)
+        acc_one = tl.dot(ones, pvt, acc_one * f)  # sum_n pv per row (every row of the 16)
+    return m_new, l_i, zacc, unit, acc0, acc1, acc2, acc3, acc_one
+
+
+@triton.jit
+def _merge_plane(acc, off, wu, z, inv_l):
+    """One value plane of the warps' accumulators merged: ``sum_w wu (acc - off) + z``, normalized (``[VW, M]``)."""
+    return (tl.sum((acc - off[:, None, :]) * wu[:, None, :], 0) + z[None, :]) * inv_l[None, :]
+
+
+@triton.jit
+def _store_plane(rows, offs_c, keep, out, P: tl.constexpr, VP: tl.constexpr):
+    tl.store(rows[None, :] + (offs_c * VP + P)[:, None], out, mask=keep)
+
+
+@triton.jit(do_not_specialize=["Hq", "Hkv", "T", "split_len", "num_splits", "G"])
+def decode_warp_kernel(
+    q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, len_ptr, part_out_ptr, part_lse_ptr,
+    qk_scale, Hq, Hkv, T, split_len, num_splits, G,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, GP: tl.constexpr, NG: tl.constexpr, BLOCK_N: tl.constexpr,
+    FMT: tl.constexpr, ASM: tl.constexpr, W: tl.constexpr,
+):
+    bh, split, b, h, start, end = split_bounds(len_ptr, Hkv, T, split_len)
+    FP8: tl.constexpr = FMT == FMT_FP8
+    DP: tl.constexpr = D if FP8 else D // 2  # bytes of one row
+    # key slices per group: fp8 one (the whole row); int4 four word quarters where a group has >= 16
+    # words per quarter, else two byte planes; KW: depth of a slice's product
+    KP: tl.constexpr = 1 if FP8 else (4 if D // NG >= 64 else 2)
+    KW: tl.constexpr = D // NG // KP
+    VP: tl.constexpr = 2 if FP8 else 4  # value planes: codes per int16 word
+    VW: tl.constexpr = D // VP  # words of one row
+    BW: tl.constexpr = BLOCK_N // W  # slots of one warp in a block
+
+    offs_r = tl.arange(0, BLOCK_M)
+    row_g = offs_r // GP
+    row_h = offs_r % GP
+    mask_r = (row_h < G) & (row_g < NG)
+    heads = h * G + row_h
+    q_rows = q_ptr + (b * Hq + heads) * D
+    q0 = _load_q_slice(q_rows, mask_r, 0, KP, KW)
+    q1 = q0
+    q2 = q0
+    q3 = q0
+    q4 = q0
+    q5 = q0
+    q6 = q0
+    q7 = q0
+    if NG * KP >= 2:
+        q1 = _load_q_slice(q_rows, mask_r, 1, KP, KW)
+    if NG * KP >= 4:
+        q2 = _load_q_slice(q_rows, mask_r, 2, KP, KW)
+        q3 = _load_q_slice(q_rows, mask_r, 3, KP, KW)
+    if NG * KP == 8:
+        q4 = _load_q_slice(q_rows, mask_r, 4, KP, KW)
+        q5 = _load_q_slice(q_rows, mask_r, 5, KP, KW)
+        q6 = _load_q_slice(q_rows, mask_r, 6, KP, KW)
+        q7 = _load_q_slice(q_rows, mask_r, 7, KP, KW)
+    # each group's sum of q (the zero term), times the softmax scale
+    if KP == 4:
+        qs0 = _row_sum(q0, q1, q2, q3, KP, qk_scale)
+        qs1 = _row_sum(q4, q5, q6, q7, KP, qk_scale)
+        qs2 = qs0
+        qs3 = qs0
+    else:
+        qs0 = _row_sum(q0, q1, q0, q0, KP, qk_scale)
+        qs1 = _row_sum(q2, q3, q0, q0, KP, qk_scale)
+        qs2 = _row_sum(q4, q5, q0, q0, KP, qk_scale)
+        qs3 = _row_sum(q6, q7, q0, q0, KP, qk_scale)
+
+    # finite: a warp whose slots are all masked keeps alpha = 1 and p = 0 (no inf - inf)
+    m_i = tl.full([W, BLOCK_M], -1e30, tl.float32)
+    l_i = tl.zeros([W, BLOCK_M], tl.float32)
+    zacc = tl.zeros([W, BLOCK_M], tl.float32)
+    unit_i = tl.full([W, BLOCK_M], 1.0, tl.float32)
+    acc0 = tl.zeros([W, VW, BLOCK_M], tl.float32)
+    acc1 = tl.zeros([W, VW, BLOCK_M], tl.float32)
+    acc2 = tl.zeros([W, VW, BLOCK_M], tl.float32)
+    acc3 = tl.zeros([W, VW, BLOCK_M], tl.float32)
+    acc_one = tl.zeros([W, 16, BLOCK_M], tl.float32)
+    ones = tl.full([W, 16, BW], 1.0, tl.float16)
+
+    # this (b, h)'s rows of the [B, Hkv, T, ...] buffers; offsets inside them are int32
+    row0 = bh.to(tl.int64) * T
+    kc = kc_ptr + row0 * DP
+    vc = vc_ptr + row0 * DP
+    ks = ks_ptr + row0 * (1 if FP8 else NG)
+    kz = kz_ptr + row0 * (1 if FP8 else NG)
+    vs = vs_ptr + row0 * (1 if FP8 else NG)
+    vz = vz_ptr + row0 * (1 if FP8 else NG)
+    offs_w = tl.arange(0, W)[:, None] * BW + tl.arange(0, BW)[None, :]  # [W, BW]: warp w's slots of a block
+
+    full_end = start + (end - start) // BLOCK_N * BLOCK_N
+    for n0 in range(start, full_end, BLOCK_N):
+        m_i, l_i, zacc, unit_i, acc0, acc1, acc2, acc3, acc_one = _block(
+            kc, ks, kz, vc, vs, vz, n0, end, offs_w, row_g, ones, q0, q1, q2, q3, q4, q5, q6, q7,
+            qs0, qs1, qs2, qs3, qk_scale, m_i, l_i, zacc, unit_i, acc0, acc1, acc2, acc3, acc_one,
+            NG, DP, KP, KW, VW, FMT, ASM, False)
+    if full_end < end:
+        m_i, l_i, zacc, unit_i, acc0, acc1, acc2, acc3, acc_one = _block(
+            kc, ks, kz, vc, vs, vz, full_end, end, offs_w, row_g, ones, q0, q1, q2, q3, q4, q5, q6, q7,
+            qs0, qs1, qs2, qs3, qk_scale, m_i, l_i, zacc, unit_i, acc0, acc1, acc2, acc3, acc_one,
+            NG, DP, KP, KW, VW, FMT, ASM, True)
+
+    # the warps' softmaxes merged (base 2); the products' offsets (int) taken off per warp
+    m = tl.max(m_i, 0)
+    wgt = tl.exp2(m_i - m[None, :])
+    l_sum = tl.sum(l_i * wgt, 0)
+    z = tl.sum(zacc * wgt, 0)
+    has = l_sum > 0
+    inv_l = tl.where(has, 1.0 / tl.where(has, l_sum, 1.0), 0.0)
+    lse = tl.where(has, m + tl.log2(tl.where(has, l_sum, 1.0)), float("-inf"))
+    part = (b * Hq + heads) * num_splits + split
+    tl.store(part_lse_ptr + part, lse, mask=mask_r & (row_g == 0))
+    out_rows = part_out_ptr + part.to(tl.int64) * D
+    wu = wgt * unit_i
+    off = tl.zeros([W, BLOCK_M], tl.float32) if FP8 else tl.max(acc_one, 1)
+    # row (g, h) holds head h's output for the columns of group g (words c with c // (VW / NG) == g)
+    offs_c = tl.arange(0, VW)
+    keep = mask_r[None, :] & ((offs_c // (VW // NG))[:, None] == row_g[None, :])
+    _store_plane(out_rows, offs_c, keep, _merge_plane(acc0, off, wu, z, inv_l), 0, VP)
+    _store_plane(out_rows, offs_c, keep, _merge_plane(acc1, off, wu, z, inv_l), 1, VP)
+    if not FP8:
+        _store_plane(out_rows, offs_c, keep, _merge_plane(acc2, off, wu, z, inv_l), 2, VP)
+        _store_plane(out_rows, offs_c, keep, _merge_plane(acc3, off, wu, z, inv_l), 3, VP)
