@@ -60,6 +60,23 @@ class LogicalLengthMixin:
         return -1
 
 
+class StoredLengthMixin:
+    """A cache layer that holds every token it has seen, but not in ``DynamicLayer``'s ``keys``
+    (codes, the fast engine's store): the sequence length and the mask follow ``stored_tokens``
+    (spelled out: ``DynamicLayer``'s ``get_mask_sizes`` varies by release)."""
+
+    stored_tokens: int
+
+    def get_seq_length(self) -> int:
+        return self.stored_tokens
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.stored_tokens + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
 class EvictionMixin(LogicalLengthMixin):
     """Prefill eviction with logical/physical bookkeeping, over a DynamicLayer or a quantized layer."""
 
