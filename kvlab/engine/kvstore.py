@@ -144,7 +144,7 @@ class StepSlots:
 
 
 class SlotStore:
-    """What both stores share: each layer's slots per step (:class:`StepSlots`), the prefill load
+    """What every store shares: each layer's slots per step (:class:`StepSlots`), the prefill load
     loop (a store writes one layer's rows in ``_load_layer``) and ``attend`` (``_attend``) inside
     ``profile_scope``: a profiler scope name around every ``attend`` (None: none), the hook
     :mod:`kvlab.engine.anatomy` sets on eager steps so that attention's ops are named as such."""
@@ -194,7 +194,26 @@ class SlotStore:
         raise NotImplementedError
 
 
-class DenseStore(SlotStore):
+class ModelDtypeStore(SlotStore):
+    """A store whose ``keys``/``values`` are one model-dtype tensor per layer (:class:`DenseStore`,
+    :class:`~kvlab.engine.kvstore_ragged.RaggedStore`): their bytes and the buffers a step touches."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+    def bytes_allocated(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every tensor a step writes or reads in place (for compilers that must know them as static)."""
+        return [*self.keys, *self.values, *self.slots.tensors()]
+
+    def bytes_per_slot(self) -> int:
+        """Bytes one token position takes in one layer (K and V, all KV heads, one sequence)."""
+        return 2 * self.layout.kv_heads * self.layout.head_dim * self.keys[0].element_size()
+
+
+class DenseStore(ModelDtypeStore):
     """Per-layer K/V at the model dtype, ``[B, C_l, Hkv, D]``, attended with ``flash`` or ``sdpa``."""
 
     kv_format = "model dtype"
@@ -208,17 +227,6 @@ class DenseStore(SlotStore):
         self.values = [torch.zeros_like(k) for k in self.keys]
         self.slots = StepSlots(layout.kept, layout.batch, device)
         self._offsets = [cumulative_offsets(layout.batch, c, device) for c in layout.capacity]
-
-    def bytes_allocated(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
-
-    def buffers(self) -> list[torch.Tensor]:
-        """Every tensor a step writes (for compilers that must know them as static)."""
-        return [*self.keys, *self.values, *self.slots.tensors()]
-
-    def bytes_per_slot(self) -> int:
-        """Bytes one token takes in one layer (K and V, all KV heads, one sequence)."""
-        return 2 * self.layout.kv_heads * self.layout.head_dim * self.keys[0].element_size()
 
     def _load_layer(self, layer: int, rows: slice, k: torch.Tensor, v: torch.Tensor) -> None:
         n = k.shape[-2]

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvlab.engine.kvstore import Layout, SlotStore, dense_attention, row_slice
+from kvlab.engine.kvstore import Layout, ModelDtypeStore, dense_attention, row_slice
 
 
 def segment_offsets(lengths: torch.Tensor, kept: int, new_tokens: int, first_row: int = 0) -> torch.Tensor:
@@ -152,7 +152,7 @@ class SegmentSlots:
         return (self.step, self.offsets, self._end, self._next, self._slots, self._used, self._cu_k, self.cu_q)
 
 
-class RaggedStore(SlotStore):
+class RaggedStore(ModelDtypeStore):
     """Per-layer flat K/V ``[B Hkv (k_l + new), D]`` at the model dtype, one segment per (row, KV head),
     attended with ``flash`` (varlen over the segments) or ``sdpa`` (masked, the reference)."""
 
@@ -168,17 +168,6 @@ class RaggedStore(SlotStore):
         self.slots = SegmentSlots(layout, device)
         # a head keeps at most its layer's whole budget: the longest segment flash may see (fixed per graph)
         self.max_segment = [layout.kv_heads * k + layout.new_tokens for k in layout.kept]
-
-    def bytes_allocated(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
-
-    def buffers(self) -> list[torch.Tensor]:
-        """Every tensor a step writes or reads in place (for compilers that must know them as static)."""
-        return [*self.keys, *self.values, *self.slots.tensors()]
-
-    def bytes_per_slot(self) -> int:
-        """Bytes of one token position of a layer's budget (K and V, all KV heads, one sequence)."""
-        return 2 * self.layout.kv_heads * self.layout.head_dim * self.keys[0].element_size()
 
     def load(self, layer_kv, rows: slice | None = None) -> None:
         """Each layer's ``(keys, values, lengths)`` after the prefill (:func:`kvlab.policies.headwise.head_tensors`:

@@ -23,26 +23,27 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from kvlab.engine.kvstore import DenseStore, QuantizedStore, row_slice
 from kvlab.kernels import quantize_write
+from kvlab.policies.cache import StoredLengthMixin
 
 
-class StoreLayer(DynamicLayer):
+class StoreLayer(StoredLengthMixin, DynamicLayer):
     """One layer of :class:`StoreCache`: K/V written into layer ``layer`` of ``store``, rows ``rows``."""
 
     def __init__(self, store, layer: int, rows: slice):
         super().__init__()
         self.store, self.layer, self.rows = store, layer, rows
-        self.length = 0
+        self.stored_tokens = 0
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)  # empty keys/values: the store holds them
-        start, n = self.length, key_states.shape[-2]
+        start, n = self.stored_tokens, key_states.shape[-2]
         end = start + n
         if end > self.store.layout.kept[self.layer]:
             raise ValueError(f"layer {self.layer}: the prompt has more than the store's "
                              f"{self.store.layout.kept[self.layer]} slots")
         rows = row_slice(self.rows, self.store.layout.batch, key_states.shape[0], self.layer)
-        self.length = end
+        self.stored_tokens = end
         if isinstance(self.store, DenseStore):
             keys, values = self.store.keys[self.layer][rows], self.store.values[self.layer][rows]
             keys[:, start:end].copy_(key_states.transpose(1, 2))
@@ -55,15 +56,6 @@ class StoreLayer(DynamicLayer):
         if start == 0:  # the prefill attends exactly
             return key_states, value_states
         return kstore.dequantize(end).to(key_states.dtype), vstore.dequantize(end).to(value_states.dtype)
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.length + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
 
 
 class StoreCache(Cache):

@@ -4,6 +4,8 @@ Imports triton: the launcher (:mod:`kvlab.kernels.decode`) imports this lazily.
 
 - :func:`split_bounds`: which KV head, batch row and slots ``[start, end)`` a split program reads
   (grid ``(B * Hkv, num_splits)``; a split that starts past the row's length runs zero iterations);
+- :func:`query_planes`, :func:`store_plane`: a GQA group's query as ``PACK`` strided planes, and one
+  output plane stored back strided (also the KIVI split kernel's, :mod:`kvlab.kernels.kivi_triton`);
 - :func:`split_state`, :func:`slot_block`: a split's empty online softmax, and the slots of one block;
 - :func:`dense_key_scores`: the scaled scores of a bf16 or fp8 key tile (no group scales; both kernels read those alike);
 - :func:`split_result`: a split's ``1 / l`` and base-2 log-sum-exp (zero and ``-inf`` when it saw no token);
@@ -30,6 +32,33 @@ def split_bounds(len_ptr, Hkv, T, split_len):
     start = split * split_len
     end = tl.minimum(start + split_len, length)
     return bh, split, b, h, start, end
+
+
+@triton.jit
+def _query_plane(q_rows, offs_j, mask_h, P: tl.constexpr, PACK: tl.constexpr, DTYPE: tl.constexpr):
+    return tl.load(q_rows[:, None] + offs_j[None, :] * PACK + P, mask=mask_h[:, None], other=0.0).to(DTYPE)
+
+
+@triton.jit
+def query_planes(q_rows, offs_j, mask_h, PACK: tl.constexpr, DTYPE: tl.constexpr):
+    """``(q0, q1, q2, q3)``: plane ``p < PACK`` is ``q[:, p::PACK]`` (``q_rows``: each row's first element,
+    ``offs_j``: ``arange(D / PACK)``, masked rows 0) as ``DTYPE``; planes past ``PACK`` repeat ``q0`` (unused)."""
+    q0 = _query_plane(q_rows, offs_j, mask_h, 0, PACK, DTYPE)
+    q1 = q0
+    q2 = q0
+    q3 = q0
+    if PACK >= 2:
+        q1 = _query_plane(q_rows, offs_j, mask_h, 1, PACK, DTYPE)
+    if PACK == 4:
+        q2 = _query_plane(q_rows, offs_j, mask_h, 2, PACK, DTYPE)
+        q3 = _query_plane(q_rows, offs_j, mask_h, 3, PACK, DTYPE)
+    return q0, q1, q2, q3
+
+
+@triton.jit
+def store_plane(rows, offs_j, mask_h, acc, inv_l, P: tl.constexpr, PACK: tl.constexpr):
+    """Output plane ``P`` (``acc * inv_l``) into elements ``j * PACK + P`` of each row from ``rows``."""
+    tl.store(rows[:, None] + offs_j[None, :] * PACK + P, acc * inv_l[:, None], mask=mask_h[:, None])
 
 
 @triton.jit

@@ -30,25 +30,22 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvlab.kernels.decode_reduce import dense_key_scores, slot_block, split_bounds, split_result, split_state
+from kvlab.kernels.decode_reduce import (
+    dense_key_scores,
+    query_planes,
+    slot_block,
+    split_bounds,
+    split_result,
+    split_state,
+    store_plane,
+)
 from kvlab.kernels.jit_constants import FMT_FP8, FMT_INT
-
-
-@triton.jit
-def _load_q_plane(q_rows, offs_j, mask_h, P: tl.constexpr, PACK: tl.constexpr):
-    q = tl.load(q_rows[:, None] + offs_j[None, :] * PACK + P, mask=mask_h[:, None], other=0.0)
-    return q.to(tl.float16)
 
 
 @triton.jit
 def _int_plane(raw, scale, zero, P: tl.constexpr, BITS: tl.constexpr):
     codes = (raw >> (P * BITS)) & ((1 << BITS) - 1)
     return (codes.to(tl.float32) * scale + zero).to(tl.float16)
-
-
-@triton.jit
-def _store_plane(rows, offs_j, mask_h, acc, inv_l, P: tl.constexpr, PACK: tl.constexpr):
-    tl.store(rows[:, None] + offs_j[None, :] * PACK + P, acc * inv_l[:, None], mask=mask_h[:, None])
 
 
 @triton.jit(do_not_specialize=["Hq", "Hkv", "T", "split_len", "num_splits", "G"])
@@ -68,15 +65,7 @@ def decode_split_kernel(
     offs_j = tl.arange(0, DP)
     q_rows = q_ptr + (b * Hq + heads) * D
 
-    q0 = _load_q_plane(q_rows, offs_j, mask_h, 0, PACK)
-    q1 = q0
-    q2 = q0
-    q3 = q0
-    if PACK >= 2:
-        q1 = _load_q_plane(q_rows, offs_j, mask_h, 1, PACK)
-    if PACK == 4:
-        q2 = _load_q_plane(q_rows, offs_j, mask_h, 2, PACK)
-        q3 = _load_q_plane(q_rows, offs_j, mask_h, 3, PACK)
+    q0, q1, q2, q3 = query_planes(q_rows, offs_j, mask_h, PACK, tl.float16)
 
     m_i, l_i, acc0, acc1, acc2, acc3 = split_state(BLOCK_H, DP)
     row0 = bh.to(tl.int64) * T  # first slot of this (b, h) in [B, Hkv, T, ...] buffers
@@ -128,9 +117,9 @@ def decode_split_kernel(
     part = (b * Hq + heads) * num_splits + split
     tl.store(part_lse_ptr + part, lse, mask=mask_h)
     out_rows = part_out_ptr + part.to(tl.int64) * D
-    _store_plane(out_rows, offs_j, mask_h, acc0, inv_l, 0, PACK)
+    store_plane(out_rows, offs_j, mask_h, acc0, inv_l, 0, PACK)
     if PACK >= 2:
-        _store_plane(out_rows, offs_j, mask_h, acc1, inv_l, 1, PACK)
+        store_plane(out_rows, offs_j, mask_h, acc1, inv_l, 1, PACK)
     if PACK == 4:
-        _store_plane(out_rows, offs_j, mask_h, acc2, inv_l, 2, PACK)
-        _store_plane(out_rows, offs_j, mask_h, acc3, inv_l, 3, PACK)
+        store_plane(out_rows, offs_j, mask_h, acc2, inv_l, 2, PACK)
+        store_plane(out_rows, offs_j, mask_h, acc3, inv_l, 3, PACK)

@@ -102,8 +102,36 @@ TUNED_CONFIGS: dict[str, LaunchConfig] = {
 }
 
 
+class StoreBuffers:
+    """One layer's static ``[B, Hkv, ...]`` buffers (:class:`KVStore`, :class:`kvlab.kernels.kivi.KiviStore`):
+    batch rows, KV heads and device read off ``lead``, bytes summed over ``tensors()``."""
+
+    @property
+    def lead(self) -> torch.Tensor:
+        """A ``[B, Hkv, ...]`` buffer every store of the class has."""
+        raise NotImplementedError
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError
+
+    @property
+    def batch(self) -> int:
+        return self.lead.shape[0]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.lead.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.lead.device
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
 @dataclass
-class KVStore:
+class KVStore(StoreBuffers):
     """Static buffers of one K or V tensor: ``codes [B, Hkv, T, D * bits / 8]`` plus scales/zeros.
 
     ``scale``/``zero`` are ``None`` (bf16), ``[B, Hkv, T]`` (fp8) or ``[B, Hkv, T, D / group]`` (int).
@@ -116,20 +144,12 @@ class KVStore:
     head_dim: int
 
     @property
-    def batch(self) -> int:
-        return self.codes.shape[0]
-
-    @property
-    def kv_heads(self) -> int:
-        return self.codes.shape[1]
+    def lead(self) -> torch.Tensor:
+        return self.codes
 
     @property
     def capacity(self) -> int:
         return self.codes.shape[2]
-
-    @property
-    def device(self) -> torch.device:
-        return self.codes.device
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return tuple(t for t in (self.codes, self.scale, self.zero) if t is not None)
@@ -137,9 +157,6 @@ class KVStore:
     def codes_as(self, dtype: torch.dtype | None) -> torch.Tensor:
         """The codes viewed as ``dtype`` (their bits unchanged; None: as stored)."""
         return self.codes if dtype is None else self.codes.view(dtype)
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def dequantize(self, length: int | None = None) -> torch.Tensor:
         return self.format.dequantize(self, length)

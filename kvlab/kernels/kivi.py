@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlab.kernels import packing
-from kvlab.kernels.formats import FormatError, round_toward
+from kvlab.kernels.formats import FormatError, StoreBuffers, round_toward
 
 SCALE_DTYPE = torch.float16
 RESIDUAL_DTYPE = torch.bfloat16
@@ -94,7 +94,7 @@ class KiviSpec:
 
 
 @dataclass
-class KiviStore:
+class KiviStore(StoreBuffers):
     """One layer's K and V: codes for ``capacity`` tokens (rounded up to groups, plus one trash
     group) and the bf16 ring.
 
@@ -115,12 +115,8 @@ class KiviStore:
     head_dim: int
 
     @property
-    def batch(self) -> int:
-        return self.ring_k.shape[0]
-
-    @property
-    def kv_heads(self) -> int:
-        return self.ring_k.shape[1]
+    def lead(self) -> torch.Tensor:
+        return self.ring_k
 
     @property
     def groups(self) -> int:
@@ -132,16 +128,9 @@ class KiviStore:
         """Most tokens the store can hold."""
         return self.groups * self.spec.group + self.spec.residual + self.spec.group - 1
 
-    @property
-    def device(self) -> torch.device:
-        return self.ring_k.device
-
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale, self.v_zero,
                 self.ring_k, self.ring_v)
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def rows(self, rows: slice) -> KiviStore:
         """Batch rows ``rows`` as views of the same buffers (writing into them writes into this store)."""

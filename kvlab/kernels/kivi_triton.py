@@ -13,7 +13,7 @@ Flash-decoding over a :class:`kvlab.kernels.kivi.KiviStore`, in two launches:
 Keys are per channel, so the scale and zero of a group are vectors over the head dim and fold into
 the query: ``q . (c * s + z) = (q * s) . c + q . z``: one product with the raw codes plus one dot
 with the zeros per group, no dequantized key tile. Values are per token (a scale and zero per
-``VG`` elements of each token) and are dequantized plane by plane as in ``_decode_kernels``: byte
+``VG`` elements of each token) and are dequantized plane by plane as in :mod:`kvlab.kernels.decode_split`: byte
 ``j`` holds elements ``j * PACK + p`` at bits ``[p * BITS, (p + 1) * BITS)``; key plane ``p`` pairs
 with the strided slice ``q[:, p::KPACK]``, value plane ``p`` writes the output's ``[:, p::VPACK]``.
 Keys and values may differ in bits (KIVI's ``k_bits``/``v_bits``).
@@ -30,18 +30,13 @@ import triton
 import triton.language as tl
 
 from kvlab.kernels.append_kernel import bf16_bits, f16_step  # the rounding steps kvlab's int formats use
-from kvlab.kernels.decode_reduce import split_state
+from kvlab.kernels.decode_reduce import query_planes, split_state, store_plane
 from kvlab.kernels.merge_triton import merge_partials
 
 
 @triton.jit
 def _plane(raw, P: tl.constexpr, BITS: tl.constexpr):
     return ((raw >> (P * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
-
-
-@triton.jit
-def _q_plane(q_rows, offs_j, mask_h, P: tl.constexpr, PACK: tl.constexpr):
-    return tl.load(q_rows[:, None] + offs_j[None, :] * PACK + P, mask=mask_h[:, None], other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -64,11 +59,6 @@ def _value_plane(raw, vs_ptr, vz_ptr, vgroups, P: tl.constexpr, BITS: tl.constex
 def _ring_plane(ptr, rslots, offs_j, mask_r, P: tl.constexpr, PACK: tl.constexpr, D: tl.constexpr):
     return tl.load(ptr + rslots[:, None] * D + offs_j[None, :] * PACK + P, mask=mask_r[:, None],
                    other=0.0).to(tl.float16)
-
-
-@triton.jit
-def _store_plane(rows, offs_j, mask_h, acc, inv_l, P: tl.constexpr, PACK: tl.constexpr):
-    tl.store(rows[:, None] + offs_j[None, :] * PACK + P, acc * inv_l[:, None], mask=mask_h[:, None])
 
 
 @triton.jit
@@ -109,15 +99,7 @@ def _kivi_split_kernel(
     offs_v = tl.arange(0, VDP)
     offs_g = tl.arange(0, G)
     q_rows = q_ptr + (b * Hq + heads) * D
-    q0 = _q_plane(q_rows, offs_k, mask_h, 0, KPACK)
-    q1 = q0
-    q2 = q0
-    q3 = q0
-    if KPACK >= 2:
-        q1 = _q_plane(q_rows, offs_k, mask_h, 1, KPACK)
-    if KPACK == 4:
-        q2 = _q_plane(q_rows, offs_k, mask_h, 2, KPACK)
-        q3 = _q_plane(q_rows, offs_k, mask_h, 3, KPACK)
+    q0, q1, q2, q3 = query_planes(q_rows, offs_k, mask_h, KPACK, tl.float32)  # float32: scaled per group below
 
     m_i, l_i, acc0, acc1, acc2, acc3 = split_state(BLOCK_H, VDP)
     row_t = bh.to(tl.int64) * TQ
@@ -166,11 +148,11 @@ def _kivi_split_kernel(
     part = (b * Hq + heads) * (num_splits + 1) + split
     tl.store(part_lse_ptr + part, lse, mask=mask_h)
     out_rows = part_out_ptr + part.to(tl.int64) * D
-    _store_plane(out_rows, offs_v, mask_h, acc0, inv_l, 0, VPACK)
-    _store_plane(out_rows, offs_v, mask_h, acc1, inv_l, 1, VPACK)
+    store_plane(out_rows, offs_v, mask_h, acc0, inv_l, 0, VPACK)
+    store_plane(out_rows, offs_v, mask_h, acc1, inv_l, 1, VPACK)
     if VPACK == 4:
-        _store_plane(out_rows, offs_v, mask_h, acc2, inv_l, 2, VPACK)
-        _store_plane(out_rows, offs_v, mask_h, acc3, inv_l, 3, VPACK)
+        store_plane(out_rows, offs_v, mask_h, acc2, inv_l, 2, VPACK)
+        store_plane(out_rows, offs_v, mask_h, acc3, inv_l, 3, VPACK)
 
 
 def launch_kivi(q, store, lengths, scale, workspace, out):

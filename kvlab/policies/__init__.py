@@ -12,8 +12,10 @@ Adding a method: one module holding its ``Policy`` subclass, and one line in :da
 Nothing below this module imports it (a policy that needs another one imports that class).
 
 transformers' cache internals are touched in this package (:mod:`~kvlab.policies.cache`,
-:mod:`~kvlab.policies.quantized`, :mod:`~kvlab.policies.decoding`, :mod:`~kvlab.policies.chunking`) and in
-:mod:`kvlab.engine.generation` (forking a cache, reading its compressions), nowhere else; kvlab supports transformers >= 5.17, < 5.25.
+:mod:`~kvlab.policies.quantized`, :mod:`~kvlab.policies.decoding`, :mod:`~kvlab.policies.chunking`, the
+method layers) and in :mod:`kvlab.engine.generation` (forking a cache, reading its compressions) and
+:mod:`kvlab.engine.store_cache` (a cache writing into the fast engine's store), nowhere else; kvlab
+supports transformers >= 5.17, < 5.25.
 """
 
 from __future__ import annotations

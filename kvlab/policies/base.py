@@ -34,6 +34,13 @@ class ModelShape:
     def non_full_layers(self) -> set[str]:
         return set(self.layer_types) - {"full_attention"}
 
+    def check_full_attention(self, doing: str, fix: str = "use 'full' or a full-attention model") -> None:
+        """Raise :class:`PolicyError` if the model has other layers than full attention; ``doing``
+        (e.g. ``"kivi stores"``) names what takes full-attention layers only."""
+        if self.non_full_layers:
+            raise PolicyError(f"{doing} full-attention layers only, and {self.name} has "
+                              f"{', '.join(sorted(self.non_full_layers))} layers: {fix}")
+
 
 def hf_model(model):
     """The transformers model inside a kvlab ``LoadedModel``, or the model itself."""

@@ -60,6 +60,23 @@ class LogicalLengthMixin:
         return -1
 
 
+class StoredLengthMixin:
+    """A cache layer that holds every token it has seen, but not in ``DynamicLayer``'s ``keys``
+    (codes, the fast engine's store): the sequence length and the mask follow ``stored_tokens``
+    (spelled out: ``DynamicLayer``'s ``get_mask_sizes`` varies by release)."""
+
+    stored_tokens: int
+
+    def get_seq_length(self) -> int:
+        return self.stored_tokens
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.stored_tokens + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
 class EvictionMixin(LogicalLengthMixin):
     """Prefill eviction with logical/physical bookkeeping, over a DynamicLayer or a quantized layer."""
 
@@ -134,20 +151,23 @@ class EvictionMixin(LogicalLengthMixin):
         super().reset()
         self._clear_eviction()
 
+    def _map_rows(self, fn) -> None:
+        """``fn`` over each per-batch-row tensor kept beside the K/V (a mixin in front adds its own), so
+        that it follows transformers' batch operations below."""
+        if self._kept is not None:
+            self._kept = fn(self._kept)
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
-        if self._kept is not None:
-            self._kept = self._kept.index_select(0, beam_idx.to(self._kept.device))
+        self._map_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
-        if self._kept is not None:
-            self._kept = self._kept.repeat_interleave(repeats, dim=0)
+        self._map_rows(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)
-        if self._kept is not None:
-            self._kept = self._kept[indices]
+        self._map_rows(lambda t: t[indices])
 
     # -- eviction ---------------------------------------------------------------------------------
     def _prefill(self, new_keys: torch.Tensor, new_values: torch.Tensor):

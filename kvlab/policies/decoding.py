@@ -199,10 +199,7 @@ class DecodingPolicy(Policy):
         return out
 
     def check(self, model) -> None:
-        shape = model_shape(model)
-        if shape.non_full_layers:
-            raise PolicyError(f"decoding evicts full-attention layers only, and {shape.name} has "
-                              f"{', '.join(sorted(shape.non_full_layers))} layers: use 'full'")
+        model_shape(model).check_full_attention("decoding evicts", fix="use 'full'")
 
     def prepare(self, model) -> None:
         if self.scorer.needs_attention:

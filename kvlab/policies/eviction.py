@@ -16,7 +16,7 @@ from typing import ClassVar
 import torch
 
 from kvlab.policies import attention
-from kvlab.policies.base import Policy, PolicyError, check_keep, hf_model, model_shape
+from kvlab.policies.base import Policy, check_keep, hf_model, model_shape
 from kvlab.policies.cache import EvictingLayer, EvictionCache
 from kvlab.policies.quantized.storage import QuantSpec
 
@@ -74,11 +74,7 @@ class EvictionPolicy(Policy):
 
     def check(self, model) -> None:
         shape = model_shape(model)
-        if shape.non_full_layers:
-            raise PolicyError(
-                f"{self.name} evicts full-attention layers only, and {shape.name} has "
-                f"{', '.join(sorted(shape.non_full_layers))} layers: use 'full' or a full-attention model"
-            )
+        shape.check_full_attention(f"{self.name} evicts")
         if self.quant:
             self.quant.check(shape)
 

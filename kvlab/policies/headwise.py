@@ -172,20 +172,10 @@ class HeadBudgetMixin:
         if self.head_valid is not None and tokens_to_remove < 0:
             self.head_valid = self.head_valid[..., :tokens_to_remove]
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        super().reorder_cache(beam_idx)
+    def _map_rows(self, fn) -> None:  # the batch operations of EvictionMixin
+        super()._map_rows(fn)
         if self.head_valid is not None:
-            self.head_valid = self.head_valid.index_select(0, beam_idx.to(self.head_valid.device))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        super().batch_repeat_interleave(repeats)
-        if self.head_valid is not None:
-            self.head_valid = self.head_valid.repeat_interleave(repeats, dim=0)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        super().batch_select_indices(indices)
-        if self.head_valid is not None:
-            self.head_valid = self.head_valid[indices]
+            self.head_valid = fn(self.head_valid)
 
 
 def head_tensors(cache) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:

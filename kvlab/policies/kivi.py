@@ -71,9 +71,7 @@ class KiviPolicy(Policy):
 
     def check(self, model) -> None:
         shape = model_shape(model)
-        if shape.non_full_layers:
-            raise PolicyError(f"kivi stores full-attention layers only, and {shape.name} has "
-                              f"{', '.join(sorted(shape.non_full_layers))} layers: use 'full' or a full-attention model")
+        shape.check_full_attention("kivi stores")
         if shape.head_dim % self.value_group:
             raise PolicyError(f"value_group={self.value_group} does not divide {shape.name}'s head_dim "
                               f"{shape.head_dim}: use one of {', '.join(str(g) for g in GROUPS if shape.head_dim % g == 0) or 'none'}")

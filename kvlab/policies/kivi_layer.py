@@ -22,9 +22,10 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from kvlab.kernels import kivi
 from kvlab.policies import attention
+from kvlab.policies.cache import StoredLengthMixin
 
 
-class KiviLayer(DynamicLayer):
+class KiviLayer(StoredLengthMixin, DynamicLayer):
     """One layer's K/V in a :class:`kvlab.kernels.kivi.KiviSpec` layout (codes grow by whole groups)."""
 
     is_croppable = False
@@ -112,15 +113,6 @@ class KiviLayer(DynamicLayer):
         probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
         out = torch.einsum("bhgnt,bhtd->bhgnd", probs, v).reshape(batch, q_heads, n, d)
         return out.transpose(1, 2).to(query.dtype).contiguous()
-
-    def get_seq_length(self) -> int:
-        return self.stored_tokens
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.stored_tokens + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
 
     def crop(self, tokens_to_remove: int) -> None:
         raise ValueError("a KIVI cache cannot be cropped: build a fresh cache for each question")

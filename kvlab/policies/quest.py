@@ -62,9 +62,7 @@ class QuestPolicy(Policy):
 
     def check(self, model) -> None:
         shape = model_shape(model)
-        if shape.non_full_layers:
-            raise PolicyError(f"quest reads full-attention layers only, and {shape.name} has "
-                              f"{', '.join(sorted(shape.non_full_layers))} layers: use 'full' or a full-attention model")
+        shape.check_full_attention("quest reads")
         if self.dense_layers > shape.num_layers:
             raise PolicyError(f"dense_layers={self.dense_layers} exceeds {shape.name}'s {shape.num_layers} layers")
         why = kernel_problem(shape.head_dim, self.page)

@@ -20,7 +20,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from kvlab.kernels import KVStore, parse_format
-from kvlab.policies.cache import EvictionError, EvictionMixin
+from kvlab.policies.cache import EvictionError, EvictionMixin, StoredLengthMixin
 
 
 def _cat(a: KVStore | None, b: KVStore) -> KVStore:
@@ -38,7 +38,7 @@ def _map(store: KVStore | None, fn) -> KVStore | None:
                    store.head_dim)
 
 
-class KVQLayer(DynamicLayer):
+class KVQLayer(StoredLengthMixin, DynamicLayer):
     """K/V kept as kvlab ``KVStore`` s in ``kv_format`` (``fp8``, ``int4-g64``, ...); attention gets
     them dequantized to the model dtype. ``keys``/``values`` stay empty tensors: the stores are all
     the layer holds (``key_store``/``value_store``, counted by ``policies.cache_stats``)."""
@@ -79,15 +79,6 @@ class KVQLayer(DynamicLayer):
         if first:  # the prefill attends exactly; the stored codes serve every later step
             return key_states, value_states
         return self._dequantized()
-
-    def get_seq_length(self) -> int:
-        return self.stored_tokens
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:  # spelled out: DynamicLayer's varies by release
-        return self.stored_tokens + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
