@@ -1,0 +1,98 @@
+"""The fast decode step's own work beside the model's (issue #28 item 2), on CPU.
+
+The flash path cannot run here: its arithmetic (one sequence per (row, KV head) of the head-major
+dense store) is checked against flash's varlen semantics restated below, and the reshapes flash's
+C++ makes of the queries and output are replayed to show they are views (no copy kernels)."""
+
+import pytest
+import torch
+
+from kvlab.engine import kvstore
+from kvlab.engine.kvstore import DenseStore, Layout, StepSlots
+
+
+def varlen_semantics(q, keys, values, cu_q, cu_k, max_k, used, scale, splits=None):
+    """flash's ``_flash_attention_forward`` with ``seqused_k``, restated per sequence (GQA: a sequence's
+    query heads share its key heads); checks what the kernel requires of its arguments."""
+    assert q.dim() == keys.dim() == values.dim() == 3 and keys.shape == values.shape
+    assert cu_q.dtype == cu_k.dtype == used.dtype == torch.int32
+    assert cu_q.numel() == cu_k.numel() == used.numel() + 1 == q.shape[0] + 1
+    assert int(cu_k[-1]) == keys.shape[0] and bool((cu_k.diff() >= used).all()) and int(used.max()) <= max_k
+    assert q.stride(-1) == keys.stride(-1) == 1
+    groups = q.shape[1] // keys.shape[1]
+    out = torch.empty_like(q)
+    for i in range(used.numel()):
+        qi = q[cu_q[i]:cu_q[i + 1]].transpose(0, 1)  # [Hq, 1, D]
+        ki = keys[cu_k[i]:cu_k[i] + used[i]].transpose(0, 1).repeat_interleave(groups, 0)
+        vi = values[cu_k[i]:cu_k[i] + used[i]].transpose(0, 1).repeat_interleave(groups, 0)
+        p = torch.softmax(qi @ ki.transpose(-1, -2) * scale, dim=-1)
+        out[cu_q[i]:cu_q[i + 1]] = (p @ vi).transpose(0, 1)
+    return out
+
+
+def swapped_reshapes(q: torch.Tensor, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What flash's ``mha_varlen_fwd`` does with one query per sequence and GQA
+    (``seqlenq_ngroups_swapped``): ``q [S, Hq, D]`` to ``[S G, Hkv, D]`` before the kernel, and the
+    output back after it (aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp)."""
+    s, hq, d = q.shape
+    g = hq // kv_heads
+    before = q.reshape(s, kv_heads, g, d).transpose(1, 2).reshape(s * g, kv_heads, d)
+    out = torch.empty_like(before)
+    after = out.reshape(s, g, kv_heads, d).transpose(1, 2).reshape(s, kv_heads * g, d)
+    return (before, q), (after, out)
+
+
+def is_view(pair) -> bool:
+    view, base = pair
+    return view.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_one_kv_head_per_sequence_makes_flash_s_gqa_transposes_views(batch):
+    """The head-major store hands flash ``B Hkv`` sequences of one KV head: its transposes of q and of
+    the output are views at any batch. The old ``[B, C, Hkv, D]`` call (``B`` sequences of ``Hkv``
+    heads) made copies of both at batch > 1 (96 copy kernels per step at batch 16 on the H200)."""
+    hq, hkv, d = 8, 2, 4
+    q = torch.randn(batch, hq, d)
+    assert all(is_view(p) for p in swapped_reshapes(q.reshape(batch * hkv, hq // hkv, d), 1))
+    old = swapped_reshapes(q, hkv)
+    assert all(is_view(p) for p in old) == (batch == 1)
+
+
+def test_the_dense_flash_path_attends_what_the_sdpa_path_does(monkeypatch):
+    """Segments of the head-major store (offsets, per-segment lengths, q grouped per KV head) against the
+    masked SDPA reference, at batch 3 with GQA, mid-decode, and K/V handed over without a copy."""
+    seen = []
+
+    def flash(q, keys, values, *args, **kw):
+        seen.append((keys.untyped_storage().data_ptr(), values.untyped_storage().data_ptr()))
+        return varlen_semantics(q, keys, values, *args, **kw)
+
+    monkeypatch.setattr(kvstore, "flash_varlen", flash)
+    g = torch.Generator().manual_seed(0)
+    layout = Layout(batch=3, kept=(6, 9), new_tokens=4, kv_heads=2, head_dim=16)
+    store = DenseStore(layout, torch.float32, "cpu", 0.25, "sdpa")
+    store.load([(torch.randn(3, 2, n, 16, generator=g), torch.randn(3, 2, n, 16, generator=g)) for n in (6, 9)])
+    for step in range(3):
+        store.step.fill_(step)
+        store.begin()
+        for layer in range(2):
+            q = torch.randn(3, 8, 1, 16, generator=g)
+            k, v = torch.randn(3, 2, 1, 16, generator=g), torch.randn(3, 2, 1, 16, generator=g)
+            store.attention = "sdpa"
+            want = store.attend(layer, q, k, v)
+            store.attention = "flash"  # the same write again (same slot), then the varlen path
+            got = store.attend(layer, q, k, v)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+            keys, values = store.keys[layer], store.values[layer]
+            assert seen[-1] == (keys.untyped_storage().data_ptr(), values.untyped_storage().data_ptr())
+            assert torch.equal(keys[:, :, layout.kept[layer] + step], k[:, :, 0])
+
+
+def test_step_slots_give_rows_and_segments_their_lengths_from_one_buffer():
+    slots = StepSlots((5, 3), batch=2, device="cpu", segments=3)
+    slots.advance()
+    slots.begin()
+    assert slots.used(0).tolist() == [7, 7] and slots.used(0).is_contiguous()
+    assert slots.segment_used(1).tolist() == [5] * 6 and slots.segment_used(1).is_contiguous()
+    assert slots.used(1).dtype == slots.segment_used(1).dtype == torch.int32
