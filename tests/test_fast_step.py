@@ -96,3 +96,40 @@ def test_step_slots_give_rows_and_segments_their_lengths_from_one_buffer():
     assert slots.used(0).tolist() == [7, 7] and slots.used(0).is_contiguous()
     assert slots.segment_used(1).tolist() == [5] * 6 and slots.segment_used(1).is_contiguous()
     assert slots.used(1).dtype == slots.segment_used(1).dtype == torch.int32
+
+
+@pytest.mark.parametrize("vocab", [500, 49152, 128256, 61])
+def test_the_two_stage_argmax_is_torch_s_argmax_ties_included(vocab):
+    """:func:`greedy_tokens` against ``argmax``: random bf16 rows (ties between chunks are common at
+    bf16), rows whose maximum repeats in several chunks, and a row that is constant."""
+    from kvlab.engine.llama import argmax_chunks, greedy_tokens
+
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(6, vocab, generator=g).to(torch.bfloat16)
+    logits[1] = logits[1].round()  # few distinct values: the maximum in many chunks
+    logits[2] = 0.5
+    logits[3, [vocab - 1, vocab // 2, 7 % vocab]] = 100.0  # three chunks hold it: the first index wins
+    assert torch.equal(greedy_tokens(logits), logits.argmax(-1, keepdim=True))
+    assert torch.equal(greedy_tokens(logits.float()), logits.float().argmax(-1, keepdim=True))
+    chunks = argmax_chunks(vocab)
+    assert vocab % chunks == 0 and (chunks == 1 or vocab // chunks >= 64)
+
+
+def test_record_token_writes_the_next_input_the_output_column_and_the_position():
+    from kvlab.engine.llama import record_token
+
+    logits = torch.randn(2, 300, generator=torch.Generator().manual_seed(1))
+    token, position = torch.zeros(2, 1, dtype=torch.long), torch.tensor([[40], [40]])
+    outputs = torch.zeros(2, 5, dtype=torch.long)
+    record_token(logits, token, position, outputs[:, 1:], torch.tensor([2]))
+    want = logits.argmax(-1)
+    assert token[:, 0].tolist() == want.tolist() and outputs[:, 3].tolist() == want.tolist()
+    assert outputs[:, [0, 1, 2, 4]].eq(0).all() and position[:, 0].tolist() == [41, 41]
+
+
+def test_the_greedy_token_s_compiled_kernel_is_not_a_cache_write():
+    from kvlab.engine.anatomy import classify_kernel
+
+    assert classify_kernel("triton_per_fused_add_argmax_copy_gather_index_copy_mul_1") == "other ops"
+    assert classify_kernel("void at::native::index_elementwise_kernel<128, 4, index_copy_kernel_impl>") \
+        == "cache update/concat"

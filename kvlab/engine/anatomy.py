@@ -40,6 +40,9 @@ from kvlab.policies import make_policy
 from kvlab.policies.cache import profiler_scopes
 
 KERNEL_RULES: tuple[tuple[re.Pattern, str], ...] = (
+    # the greedy token and the step's bookkeeping (kvlab.engine.llama.record_token): one compiled kernel
+    # whose name may also name its index_copy into the output row
+    (re.compile(r"argmax", re.I), "other ops"),
     # a graph replay has no scopes: of a Quest step's page selection only topk's kernels are known by name
     # (its bound products are batched GEMMs, counted as weight GEMMs there; eager steps use the scope)
     (re.compile(r"quest_select|gatherTopK|radixSort|bitonicSort", re.I), "page selection"),

@@ -80,10 +80,8 @@ class FastDecoder:
     # -- the step, as captured --------------------------------------------------------------
     def _step(self) -> None:
         logits = self.step_fn(self.token, self.position, self.store)
-        nxt = logits.argmax(dim=-1, keepdim=True)  # [B, 1]
-        self.tokens.index_copy_(1, self.store.step + 1, nxt)
-        self.token.copy_(nxt)
-        self.position.add_(1)
+        # greedy token -> next input and output column step + 1 (a view from column 1: no index kernel)
+        self.step_fn.record(logits, self.token, self.position, self.tokens[:, 1:], self.store.step)
         self.store.advance()
 
     @torch.no_grad()
