@@ -133,3 +133,19 @@ def test_the_greedy_token_s_compiled_kernel_is_not_a_cache_write():
     assert classify_kernel("triton_per_fused_add_argmax_copy_gather_index_copy_mul_1") == "other ops"
     assert classify_kernel("void at::native::index_elementwise_kernel<128, 4, index_copy_kernel_impl>") \
         == "cache update/concat"
+
+
+def test_flash_splits_reach_the_dense_store_or_are_refused_in_one_line(tiny):
+    from kvlab.engine import EngineError
+    from kvlab.engine.fast import FastEngine
+    from kvlab.policies import make_policy
+
+    with pytest.raises(EngineError, match="from 1 to 128"):
+        FastEngine(tiny, flash_splits=0)
+    if not kvstore.flash_takes_splits():
+        with pytest.raises(EngineError, match="takes no num_splits"):
+            FastEngine(tiny, flash_splits=4)
+        return
+    decoder = FastEngine(tiny, flash_splits=4).decoder(make_policy("full"), 1, 16, 4)
+    assert decoder.store.splits == 4
+    assert FastEngine(tiny).decoder(make_policy("full"), 1, 16, 4).store.splits is None

@@ -31,7 +31,7 @@ from kvlab.columns import engine_columns
 from kvlab.engine import EngineError, prefill_rows
 from kvlab.engine.anatomy import fast_anatomy
 from kvlab.engine.generation import chunk_bounds, prefill
-from kvlab.engine.kvstore import ATTENTION, DenseStore, Layout, QuantizedStore
+from kvlab.engine.kvstore import ATTENTION, DenseStore, Layout, QuantizedStore, flash_takes_splits
 from kvlab.engine.kvstore_ragged import RaggedStore, per_head_budget
 from kvlab.engine.kvstore_reads import read_store
 from kvlab.engine.llama import LlamaFamilyStep, check_model
@@ -257,6 +257,17 @@ class FastDecoder:
                 "fast_compile": stats.get("step_compile"), "cache_bytes_allocated": stats["bytes_allocated"]}
 
 
+def check_flash_splits(splits: int | None) -> None:
+    """``flash_splits`` is None or 1..128 (flash's own bound), on a torch whose flash op takes it."""
+    if splits is None:
+        return
+    if not isinstance(splits, int) or not 1 <= splits <= 128:
+        raise EngineError(f"flash_splits={splits!r}: use None (flash's heuristic) or a count from 1 to 128")
+    if not flash_takes_splits():
+        raise EngineError(f"flash_splits={splits}: torch {torch.__version__}'s flash attention op takes no "
+                          f"num_splits (torch 2.13's does); use None")
+
+
 class FastEngine:
     """Builds and keeps :class:`FastDecoder` s for one loaded model (captured graphs are reused).
 
@@ -270,15 +281,22 @@ class FastEngine:
     ``keep_fraction``: the buffers kept alive for reuse, with the new layout's (counted as a dense
     cache), stay under that share of the device's memory (at batch 16 and 16k a full cache's buffers
     alone are 34 GB, so every other layout is dropped before one is built; a layout evicted here is simply
-    built and captured again when next asked for, outside any measured window).
+    built and captured again when next asked for, outside any measured window). ``flash_splits``: the
+    dense store's flash split-KV count (None: flash's heuristic, 33 splits at batch 1 and 2 at batch
+    16 on the H200 at 16k, each split's partial results then merged by a combine kernel: 0.33 ms of a
+    5.65 ms step at batch 1); needs a torch whose flash op takes ``num_splits``. A knob to measure
+    with (benchmarks/minimal_step.py ``--flash-splits``), not recorded in a run's columns.
     """
 
     name = "fast"
 
     def __init__(self, model, attention: str = "auto", capture: bool | None = None, max_decoders: int = 4,
-                 quant_attention: str = "auto", keep_fraction: float = 0.25, compile: str | None = None):
+                 quant_attention: str = "auto", keep_fraction: float = 0.25, compile: str | None = None,
+                 flash_splits: int | None = None):
         if attention not in (*ATTENTION, "triton"):
             raise EngineError(f"attention={attention!r}: use one of {', '.join((*ATTENTION, 'triton'))}")
+        check_flash_splits(flash_splits)
+        self.flash_splits = flash_splits
         self.loaded = model
         self.model = hf_model(model)
         check_model(self.model)
@@ -361,7 +379,7 @@ class FastEngine:
             return QuantizedStore(layout, "bf16", self.step.num_heads, self.dtype, self.device, self.step.scaling,
                                   "fused")
         if kv_format == "model":
-            return DenseStore(layout, self.dtype, self.device, self.step.scaling, self.attention)
+            return DenseStore(layout, self.dtype, self.device, self.step.scaling, self.attention, self.flash_splits)
         return QuantizedStore(layout, kv_format, self.step.num_heads, self.dtype, self.device, self.step.scaling,
                               self.quant_attention)
 
