@@ -13,8 +13,9 @@ zero-filled cache draws less), per batch and variant:
 - ``flash-sN``: ``flash`` with ``N`` KV splits (``--splits``; 0 is flash's heuristic, which is
   ``flash``), where torch's op takes ``num_splits``: fewer splits, a shorter combine pass;
 - ``sdpa``: masked SDPA as the engine's ``attention="sdpa"`` calls it (GQA as query rows), torch's
-  backend choice; ``cudnn``: the same call pinned to cuDNN; ``cudnn-gqa``: cuDNN with ``Hq`` query
-  heads and ``enable_gqa`` (the minimal step's call, here with the length mask).
+  backend choice; ``cudnn-rows``: the same call pinned to cuDNN; ``cudnn``: the engine's
+  ``attention="cudnn"`` (:func:`kvlab.engine.kvstore.cudnn_decode`: ``Hq`` query heads,
+  ``enable_gqa``, the lengths as an additive bias: the minimal step's kernel, with the lengths).
 
 Each: max abs error against a float32 reference, µs per call replayed from a CUDA graph over
 rotating buffer copies (so L2 does not serve the K/V), the GB/s of the K/V bytes it must read, its
@@ -33,9 +34,9 @@ from collections.abc import Callable
 from contextlib import nullcontext
 
 import torch
-import torch.nn.functional as F
 
 from kvlab.engine.kvstore import (
+    cudnn_decode,
     cumulative_offsets,
     flash_decode,
     flash_takes_splits,
@@ -83,7 +84,9 @@ def variants(args, bsz: int, hkv: int, cap: int, device) -> dict[str, tuple[Call
     seg = segment_lengths(torch.full((bsz,), args.ctx, device=device), hkv)
     rows = torch.full((bsz,), args.ctx, dtype=torch.int32, device=device)
     offsets = cumulative_offsets(bsz * hkv, cap, device)
-    valid = (torch.arange(cap, device=device) < args.ctx).view(1, 1, 1, cap)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    bias = torch.zeros(1, 1, 1, cap, dtype=dtype, device=device)
+    bias[..., args.ctx:] = float("-inf")
     out: dict[str, tuple[Callable, str | None, bool]] = {}
     if device.type == "cuda":
         out["flash"] = (lambda q, k, v, kv: flash_decode(q, k, v, seg, scale, *offsets), None, False)
@@ -94,10 +97,8 @@ def variants(args, bsz: int, hkv: int, cap: int, device) -> dict[str, tuple[Call
                                       None, False)
     out["sdpa"] = (lambda q, k, v, kv: sdpa_decode(q, k, v, length, scale), None, False)
     if device.type == "cuda":
-        out["cudnn"] = (lambda q, k, v, kv: sdpa_decode(q, k, v, length, scale), "CUDNN_ATTENTION", False)
-        out["cudnn-gqa"] = (lambda q, k, v, kv: F.scaled_dot_product_attention(
-            q, k, v, attn_mask=valid, scale=scale, enable_gqa=True).reshape(bsz, -1, q.shape[-1]),
-            "CUDNN_ATTENTION", False)
+        out["cudnn"] = (lambda q, k, v, kv: cudnn_decode(q, k, v, bias, scale), None, False)
+        out["cudnn-rows"] = (lambda q, k, v, kv: sdpa_decode(q, k, v, length, scale), "CUDNN_ATTENTION", False)
     return out
 
 

@@ -15,8 +15,9 @@ follows the timed steps, so it never starts from idle), then torch.profiler's ke
 ``--profile-steps`` replays of each step (kernels per step, µs per step, side by side), the same
 grouped by what each kernel is for (:func:`work_of`, with the difference per step), the kernels
 that differ most, and one eager step of each (the ops, with the host's share), so the extra work
-per step shows. ``--flash-splits N ...`` then measures kvlab's step again with flash's split-KV
-count set (:class:`kvlab.engine.fast.FastEngine` ``flash_splits``), one variant at a time.
+per step shows. ``--variants`` then measures kvlab's step again with other
+:class:`kvlab.engine.fast.FastEngine` options, one variant at a time (``flash_splits=8``: flash's
+split-KV count; ``attention=cudnn``: cuDNN's attention instead of flash's).
 
 On the H200 (Llama-3.1-8B shape, synthetic weights, 16k, batch 1 and 16; ~2 min):
 
@@ -418,8 +419,8 @@ def compare_batch(loaded, batch: int, args, sampler, t0: float) -> dict:
     del runners, engine, decoder, fast  # before a variant's store is built: one kvlab store at a time
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
-    row["variants"] = [split_variant(loaded, batch, n, kv, args, sampler, tables["kvlab"], t0)
-                       for n in args.flash_splits]
+    row["variants"] = [engine_variant(loaded, batch, spec, kv, args, sampler, tables["kvlab"], t0)
+                       for spec in args.variants]
     return row
 
 
@@ -428,24 +429,33 @@ def totals(tables: dict[str, dict]) -> dict:
             for n, tab in tables.items()}
 
 
-def split_variant(loaded, batch: int, splits: int, kv, args, sampler, default: dict, t0: float) -> dict:
-    """kvlab's step with flash's split-KV count set to ``splits``, over the same K/V: time, energy and
-    its kernels grouped by work against the default step's (the combine pass shrinks with fewer splits;
-    the K/V read may slow down)."""
+def engine_options(spec: str) -> dict:
+    """``"attention=cudnn,flash_splits=8"`` -> FastEngine keyword arguments (integers where they parse)."""
+    out = {}
+    for part in filter(None, spec.split(",")):
+        key, _, value = part.partition("=")
+        out[key.strip()] = int(value) if value.strip().lstrip("-").isdigit() else value.strip()
+    return out
+
+
+def engine_variant(loaded, batch: int, spec: str, kv, args, sampler, default: dict, t0: float) -> dict:
+    """kvlab's step built with other engine options (``spec``: :func:`engine_options`), over the same
+    K/V: time, energy and its kernels grouped by work against the default step's (e.g. fewer flash
+    splits: a shorter combine pass, maybe a slower K/V read; ``attention=cudnn``: another kernel)."""
     from kvlab.engine import EngineError
 
-    name = f"kvlab s{splits}"
+    name = f"kvlab {spec}"
     try:
         engine, decoder, runner = kvlab_runner(loaded, batch, args.ctx, args.new_tokens, name=name, kv=kv,
-                                               flash_splits=splits)
-    except EngineError as err:
-        print(f"b{batch} {name}: {err}", flush=True)
-        return {"flash_splits": splits, "error": str(err)}
+                                               **engine_options(spec))
+    except (EngineError, ValueError, RuntimeError) as err:  # refused here, or its kernel cannot take the call
+        print(f"b{batch} {name}: {type(err).__name__}: {err}", flush=True)
+        return {"variant": spec, "error": f"{type(err).__name__}: {str(err)[:300]}"}
     ms = time_ms(runner, args.steps, args.device)
     e = energy_rounds({name: runner}, {name: ms}, sampler, args.seconds, batch, 1)[name]
     print_runner(batch, name, ms, e, t0)
     tables = {name: kernel_table(runner, args.profile_steps, args.device), "kvlab": default}
-    out = {"flash_splits": splits, "ms_step": ms, **e, "kernel_totals": totals(tables)[name],
+    out = {"variant": spec, "ms_step": ms, **e, "kernel_totals": totals(tables)[name],
            "work": print_work(tables)[name]}
     del engine, decoder, runner
     if args.device.startswith("cuda"):
@@ -465,8 +475,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=8.0, help="steady energy window per engine, batch and round")
     ap.add_argument("--repeats", type=int, default=1, help="rounds of energy windows, the engines alternating")
     ap.add_argument("--kv-fill", choices=KV_FILLS, default="zeros", help="what the K/V both steps read hold")
-    ap.add_argument("--flash-splits", type=int, nargs="*", default=[],
-                    help="kvlab's step again with flash's split-KV count set (FastEngine flash_splits)")
+    ap.add_argument("--variants", nargs="*", default=[], metavar="K=V[,K=V]",
+                    help="kvlab's step again with these FastEngine options each, e.g. attention=cudnn flash_splits=8")
     ap.add_argument("--profile-steps", type=int, default=10)
     ap.add_argument("--rows", type=int, default=25, help="rows of each profiler table")
     ap.add_argument("--out", default="minimal_step.json")
@@ -505,7 +515,7 @@ def print_summary(rows: list[dict]) -> None:
               f"{f(r['minimal_mean_power_w'], 0):>10} {f(d, 3):>8}")
         for v in r.get("variants", []):
             if "error" not in v:
-                print(f"{'':5s} {f(v['ms_step']):>9}  (kvlab, flash splits {v['flash_splits']})  "
+                print(f"{'':5s} {f(v['ms_step']):>9}  (kvlab {v['variant']})  "
                       f"{f(v['j_per_token'], 4):>12} {'':14s} {f(v['mean_power_w'], 0):>8}")
 
 

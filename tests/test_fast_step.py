@@ -149,3 +149,42 @@ def test_flash_splits_reach_the_dense_store_or_are_refused_in_one_line(tiny):
     decoder = FastEngine(tiny, flash_splits=4).decoder(make_policy("full"), 1, 16, 4)
     assert decoder.store.splits == 4
     assert FastEngine(tiny).decoder(make_policy("full"), 1, 16, 4).store.splits is None
+
+
+def test_the_cudnn_path_s_length_bias_attends_what_the_sdpa_path_does(monkeypatch):
+    """attention='cudnn' (CUDA only) with SDPA unpinned on CPU: the length bias computed for every layer
+    in begin() (capacities differ per layer, mid-decode) gives the masked SDPA reference's output."""
+    from contextlib import nullcontext
+
+    monkeypatch.setattr(kvstore, "cudnn_pin", nullcontext)
+    g = torch.Generator().manual_seed(2)
+    layout = Layout(batch=2, kept=(5, 11), new_tokens=3, kv_heads=2, head_dim=8)
+    store = DenseStore(layout, torch.float32, "cpu", 0.3, "sdpa")
+    store.load([(torch.randn(2, 2, n, 8, generator=g), torch.randn(2, 2, n, 8, generator=g)) for n in (5, 11)])
+    store.attention = "cudnn"
+    for step in range(3):
+        store.step.fill_(step)
+        store.begin()
+        for layer in range(2):
+            bias = store.bias(layer)
+            assert bias.shape == (1, 1, 1, layout.capacity[layer]) and bias.data_ptr() % 16 == 0
+            assert int((bias == 0).sum()) == layout.kept[layer] + step + 1
+            q = torch.randn(2, 4, 1, 8, generator=g)
+            k, v = torch.randn(2, 2, 1, 8, generator=g), torch.randn(2, 2, 1, 8, generator=g)
+            got = store.attend(layer, q, k, v)
+            store.attention = "sdpa"
+            want = store.attend(layer, q, k, v)
+            store.attention = "cudnn"
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_cudnn_attention_is_refused_where_it_cannot_run(tiny):
+    from kvlab.engine import EngineError
+    from kvlab.engine.fast import FastEngine
+    from kvlab.policies import make_policy
+
+    with pytest.raises(ValueError, match="'cudnn' needs a CUDA device"):
+        FastEngine(tiny, attention="cudnn").decoder(make_policy("full"), 1, 16, 4)
+    with pytest.raises(EngineError, match="use attention auto, flash or sdpa"):
+        policy = make_policy("adakv", scorer="knorm", keep=0.5)
+        FastEngine(tiny, attention="cudnn").decoder(policy, 1, 16, 4)

@@ -49,13 +49,15 @@ def test_the_script_runs_on_cpu(bench, monkeypatch, tmp_path):
     monkeypatch.setattr(sys, "argv", ["minimal_step.py", "--model", "tiny-llama", "--device", "cpu", "--ctx", "32",
                                       "--batch", "2", "--new-tokens", "4", "--steps", "5", "--seconds", "0.01",
                                       "--profile-steps", "2", "--rows", "5", "--repeats", "2", "--kv-fill", "random",
-                                      "--flash-splits", "4", "--out", str(out)])
+                                      "--variants", "flash_splits=4", "attention=cudnn", "--out", str(out)])
     assert bench.main() == 0
     row = json.loads(out.read_text())["batches"][0]
     assert row["kv_fill"] == "random" and len(row["kvlab_windows"]) == 2 and row["energy_per_step"] is None
     assert set(row["work"]) == {"kvlab", "minimal"} and row["kernel_diff"]
-    variant = row["variants"][0]
-    assert variant["flash_splits"] == 4 and (variant.get("ms_step", 0) > 0 or "num_splits" in variant["error"])
+    splits, cudnn = row["variants"]
+    assert splits["variant"] == "flash_splits=4" and (splits.get("ms_step", 0) > 0 or "num_splits" in splits["error"])
+    assert "needs a CUDA device" in cudnn["error"]  # refused on CPU, in its row
+    assert bench.engine_options("attention=cudnn,flash_splits=8") == {"attention": "cudnn", "flash_splits": 8}
     assert row["batch"] == 2 and row["kvlab_ms_step"] > 0 and row["minimal_ms_step"] > 0
     assert row["kvlab_j_per_token"] is None  # no counter on CPU
     assert set(row["kernel_totals"]) == {"kvlab", "minimal"} and row["kernels"]

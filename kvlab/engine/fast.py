@@ -31,7 +31,7 @@ from kvlab.columns import engine_columns
 from kvlab.engine import EngineError, prefill_rows
 from kvlab.engine.anatomy import fast_anatomy
 from kvlab.engine.generation import chunk_bounds, prefill
-from kvlab.engine.kvstore import ATTENTION, DenseStore, Layout, QuantizedStore, flash_takes_splits
+from kvlab.engine.kvstore import DENSE_ATTENTION, DenseStore, Layout, QuantizedStore, flash_takes_splits
 from kvlab.engine.kvstore_ragged import RaggedStore, per_head_budget
 from kvlab.engine.kvstore_reads import read_store
 from kvlab.engine.llama import LlamaFamilyStep, check_model
@@ -272,8 +272,9 @@ class FastEngine:
     """Builds and keeps :class:`FastDecoder` s for one loaded model (captured graphs are reused).
 
     ``capture``: ``None`` = on CUDA only. ``attention``: the dense store's kernel (``auto``, ``flash``,
-    ``sdpa``, or ``triton``: the cache in kvlab's bf16 format read by the same split-K kernel as the
-    quantized formats, the like-for-like baseline of the fused kernels); ``quant_attention``: a
+    ``sdpa``, ``cudnn``: cuDNN's attention over a length bias, opt-in until measured, or ``triton``:
+    the cache in kvlab's bf16 format read by the same split-K kernel as the quantized formats, the
+    like-for-like baseline of the fused kernels); ``quant_attention``: a
     quantized store's (``fused`` Triton kernel or ``dequantize`` then attend). ``compile``: how the
     step is compiled (:data:`~kvlab.engine.llama.STEP_COMPILE`; ``None``: :data:`DEFAULT_COMPILE`
     for the device). ``max_decoders`` bounds how many layouts keep their buffers and graphs alive at
@@ -285,7 +286,7 @@ class FastEngine:
     dense store's flash split-KV count (None: flash's heuristic, 33 splits at batch 1 and 2 at batch
     16 on the H200 at 16k, each split's partial results then merged by a combine kernel: 0.33 ms of a
     5.65 ms step at batch 1); needs a torch whose flash op takes ``num_splits``. A knob to measure
-    with (benchmarks/minimal_step.py ``--flash-splits``), not recorded in a run's columns.
+    with (benchmarks/minimal_step.py ``--variants flash_splits=N``), not recorded in a run's columns.
     """
 
     name = "fast"
@@ -293,8 +294,8 @@ class FastEngine:
     def __init__(self, model, attention: str = "auto", capture: bool | None = None, max_decoders: int = 4,
                  quant_attention: str = "auto", keep_fraction: float = 0.25, compile: str | None = None,
                  flash_splits: int | None = None):
-        if attention not in (*ATTENTION, "triton"):
-            raise EngineError(f"attention={attention!r}: use one of {', '.join((*ATTENTION, 'triton'))}")
+        if attention not in (*DENSE_ATTENTION, "triton"):
+            raise EngineError(f"attention={attention!r}: use one of {', '.join((*DENSE_ATTENTION, 'triton'))}")
         check_flash_splits(flash_splits)
         self.flash_splits = flash_splits
         self.loaded = model
@@ -366,9 +367,9 @@ class FastEngine:
 
     def _store(self, layout: Layout, kv_format):
         if isinstance(kv_format, RaggedHeads):  # per-KV-head budgets (adakv): flash varlen or masked SDPA
-            if self.attention == "triton":
-                raise EngineError("attention='triton' reads kvlab's bf16 format, which holds one length per layer; "
-                                  "per-KV-head budgets (adakv) need the ragged store: use attention auto, flash or sdpa")
+            if self.attention in ("triton", "cudnn"):
+                raise EngineError(f"attention={self.attention!r} reads one length per layer; per-KV-head budgets "
+                                  "(adakv) need the ragged store: use attention auto, flash or sdpa")
             return RaggedStore(layout, self.dtype, self.device, self.step.scaling, self.attention)
         if not isinstance(kv_format, str):  # issue 29's reads: a KIVI spec or a Quest read
             return read_store(layout, kv_format, self.step.num_heads, self.dtype, self.device, self.step.scaling,

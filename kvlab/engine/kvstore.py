@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from kvlab.kernels import decode_attention, make_workspace, parse_format, quantize_write
 
 ATTENTION = ("auto", "flash", "sdpa")
+DENSE_ATTENTION = (*ATTENTION, "cudnn")  # the dense store's: cuDNN's attention over a length bias too
 
 
 @dataclass(frozen=True)
@@ -51,14 +52,15 @@ def flash_available(device, dtype) -> bool:
     return torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16)
 
 
-def dense_attention(attention: str, device, dtype) -> str:
-    """A model-dtype store's kernel: ``attention`` checked, ``auto`` resolved (flash where it runs)."""
-    if attention not in ATTENTION:
-        raise ValueError(f"attention={attention!r}: use one of {', '.join(ATTENTION)}")
+def dense_attention(attention: str, device, dtype, kernels: tuple[str, ...] = ATTENTION) -> str:
+    """A model-dtype store's kernel: ``attention`` checked against ``kernels``, ``auto`` resolved
+    (flash where it runs)."""
+    if attention not in kernels:
+        raise ValueError(f"attention={attention!r}: use one of {', '.join(kernels)}")
     if attention == "auto":
         return "flash" if flash_available(device, dtype) else "sdpa"
-    if attention == "flash" and not flash_available(device, dtype):
-        raise ValueError("attention='flash' needs a CUDA device and bf16/fp16: use 'sdpa'")
+    if attention in ("flash", "cudnn") and not flash_available(device, dtype):
+        raise ValueError(f"attention={attention!r} needs a CUDA device and bf16/fp16: use 'sdpa'")
     return attention
 
 
@@ -76,6 +78,28 @@ def sdpa_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengt
     out = F.scaled_dot_product_attention(
         q.reshape(bsz, n_kv, groups, dim), keys, values, attn_mask=valid.view(1, 1, 1, cap), scale=scale)
     return out.reshape(bsz, n_heads, dim)
+
+
+def cudnn_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """cuDNN's attention over a head-major store, lengths as an additive ``bias`` ``[1, 1, 1, C]``
+    (0 over the used slots, -inf past them); ``[B, Hq, D]``.
+
+    Why beside flash: the minimal step's cuDNN kernel (``enable_gqa``, the same K/V bytes) read 16k
+    slots in 0.74 ms per step at batch 1 where flash's split-KV kernel and its combine pass took 0.99
+    (reports/h200-2026-12-03f). One bias serves every row (all rows hold the same length), and the
+    shapes are fixed, so cuDNN builds one plan per layout, not one per length. SDPA is pinned to
+    cuDNN (:func:`cudnn_pin`): a call it cannot take fails instead of falling back."""
+    bsz, n_heads, _, dim = q.shape
+    with cudnn_pin():
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=scale, enable_gqa=True)
+    return out.reshape(bsz, n_heads, dim)
+
+
+def cudnn_pin():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.CUDNN_ATTENTION])
 
 
 def flash_varlen(q, keys, values, cu_q, cu_k, max_k: int, used, scale: float,
@@ -171,6 +195,10 @@ class StepSlots:
     def used(self, layer: int) -> torch.Tensor:
         return self._used[layer, :self._batch]
 
+    def used_column(self) -> torch.Tensor:
+        """Every layer's used slots as an int32 ``[L, 1]`` view (the same for every row)."""
+        return self._used[:, :1]
+
     def segment_used(self, layer: int) -> torch.Tensor:
         return self._used[layer, self._batch:]
 
@@ -233,17 +261,19 @@ class SlotStore:
 
 
 class DenseStore(SlotStore):
-    """Per-layer K/V at the model dtype, ``[B, Hkv, C_l, D]``, attended with ``flash`` or ``sdpa``.
+    """Per-layer K/V at the model dtype, ``[B, Hkv, C_l, D]``, attended with ``flash``, ``sdpa`` or
+    ``cudnn`` (:func:`cudnn_decode`, opt-in: ``auto`` stays flash until it is measured faster).
 
     ``offsets[l]``: flash's ``cu_seqlens`` for layer ``l``'s ``B Hkv`` segments (constants).
-    ``splits``: flash's split-KV count (None: its heuristic; :func:`flash_varlen`)."""
+    ``splits``: flash's split-KV count (None: its heuristic; :func:`flash_varlen`). ``bias[l]``:
+    cuDNN's length bias for layer ``l``, computed for every layer in :meth:`begin` (two kernels)."""
 
     kv_format = "model dtype"
 
     def __init__(self, layout: Layout, dtype, device, scale: float, attention: str = "auto",
                  splits: int | None = None):
         self.layout = layout
-        self.attention = dense_attention(attention, device, dtype)
+        self.attention = dense_attention(attention, device, dtype, DENSE_ATTENTION)
         self.scale = scale
         self.splits = splits
         b, h, d = layout.batch, layout.kv_heads, layout.head_dim
@@ -251,13 +281,26 @@ class DenseStore(SlotStore):
         self.values = [torch.zeros_like(k) for k in self.keys]
         self.slots = StepSlots(layout.kept, layout.batch, device, segments=h)
         self.offsets = [cumulative_offsets(b * h, c, device) for c in layout.capacity]
+        width = -(-max(layout.capacity) // 8) * 8  # rows 16-byte aligned, as cuDNN wants its operands
+        self._slot_index = torch.arange(width, dtype=torch.int32, device=device)
+        self._bias = torch.zeros(len(layout.kept), width, dtype=dtype, device=device)
+        self._open, self._shut = (torch.tensor(x, dtype=dtype, device=device) for x in (0.0, float("-inf")))
+
+    def begin(self) -> None:
+        """Every layer's slot and length, and with ``cudnn`` its length bias."""
+        super().begin()
+        if self.attention == "cudnn":
+            torch.where(self._slot_index < self.slots.used_column(), self._open, self._shut, out=self._bias)
+
+    def bias(self, layer: int) -> torch.Tensor:
+        return self._bias[layer, :self.layout.capacity[layer]].view(1, 1, 1, -1)
 
     def bytes_allocated(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
     def buffers(self) -> list[torch.Tensor]:
         """Every tensor a step writes (for compilers that must know them as static)."""
-        return [*self.keys, *self.values, *self.slots.tensors()]
+        return [*self.keys, *self.values, *self.slots.tensors(), self._bias]
 
     def bytes_per_slot(self) -> int:
         """Bytes one token takes in one layer (K and V, all KV heads, one sequence)."""
@@ -275,6 +318,8 @@ class DenseStore(SlotStore):
         if self.attention == "flash":
             return flash_decode(q, self.keys[layer], self.values[layer], self.slots.segment_used(layer), self.scale,
                                 *self.offsets[layer], splits=self.splits)
+        if self.attention == "cudnn":
+            return cudnn_decode(q, self.keys[layer], self.values[layer], self.bias(layer), self.scale)
         return sdpa_decode(q, self.keys[layer], self.values[layer], slot + 1, self.scale)
 
 
