@@ -133,6 +133,9 @@ def test_the_greedy_token_s_compiled_kernel_is_not_a_cache_write():
     assert classify_kernel("triton_per_fused_add_argmax_copy_gather_index_copy_mul_1") == "other ops"
     assert classify_kernel("void at::native::index_elementwise_kernel<128, 4, index_copy_kernel_impl>") \
         == "cache update/concat"
+    # attention='cudnn': cuDNN's kernel and its split reduction (names from the H200, 2026-12-03f)
+    assert classify_kernel("void cudnn::fusion::lean_reduction_kernel<false, false, false>(void*)") == "attention"
+    assert classify_kernel("cudnn_generated_fort_native_sdpa_sm80_flash_fprop_wmma_f16_knob_35") == "attention"
 
 
 def test_flash_splits_reach_the_dense_store_or_are_refused_in_one_line(tiny):

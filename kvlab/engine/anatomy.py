@@ -49,7 +49,7 @@ KERNEL_RULES: tuple[tuple[re.Pattern, str], ...] = (
     (re.compile(r"quantize_write|_kivi_append|index_copy|scatter|_put_slots", re.I), "cache update/concat"),
     (re.compile(r"dequant|unpack", re.I), "dequantize"),
     (re.compile(r"flash|fmha|attention|_decode_(split|fold|reduce)_kernel|_(kivi|quest)_split_kernel|"
-                r"merge_partials|scaled_dot_product", re.I), "attention"),
+                r"merge_partials|scaled_dot_product|_sdpa_|lean_reduction", re.I), "attention"),
     (re.compile(r"gemm|gemv|cutlass|xmma|nvjet|cublas|^aten::(linear|mm|addmm|bmm|matmul)$", re.I),
      "weight GEMMs"),
 )
