@@ -199,16 +199,23 @@ def batch_rows(bsz: int, args, device, sampler) -> list[dict]:
              for _ in range(copies)]
     q = torch.randn(bsz, hq, 1, d, device=device, dtype=dtype, generator=g)
     ref = reference(q, *heads[0], args.ctx, d**-0.5)
-    rows = []
+    rows, outs = [], {}
     for name, (fn, pin, bchd) in variants(args, bsz, hkv, cap, device).items():
         bufs = [(k, v, tuple(t.transpose(1, 2).contiguous() for t in (k, v)) if bchd else None) for k, v in heads]
         row = {"batch": bsz, "ctx": args.ctx, "capacity": cap, "kv_bytes": kv_bytes, "copies": copies,
                **measure(name, fn, pin, q, bufs, ref, args, device, sampler)}
         if "us_per_call" in row:
             row["GB/s"] = kv_bytes / row["us_per_call"] / 1e3
+            with pinned(pin):
+                outs[name] = fn(q, *bufs[0])
         rows.append(row)
         print_row(row)
         del bufs
+    if "flash" in outs and "flash-bchd" in outs:  # the head-major call computes what the old one did, bit for bit
+        same = bool(torch.equal(outs["flash"], outs["flash-bchd"]))
+        print(f"{bsz:5d} flash == flash-bchd bit for bit: {same}", flush=True)
+        for row in rows:
+            row["flash_equals_bchd"] = same
     return rows
 
 

@@ -391,6 +391,7 @@ def compare_batch(loaded, batch: int, args, sampler, t0: float) -> dict:
     row = {"batch": batch, "ctx": args.ctx, "kv_fill": args.kv_fill, "weight_bytes": weight_bytes,
            "kv_bytes": kv_bytes, "kvlab_cuda_graph": decoder.graph is not None,
            "minimal_cuda_graph": minimal.graph is not None}
+    row["greedy_equals_argmax"] = greedy_check(batch, model.config.vocab_size, param.device, param.dtype)
     runners = {"kvlab": fast, "minimal": minimal}
     ms = {key: time_ms(r, args.steps, args.device) for key, r in runners.items()}
     energies = energy_rounds(runners, ms, sampler, args.seconds, batch, args.repeats)
@@ -422,6 +423,22 @@ def compare_batch(loaded, batch: int, args, sampler, t0: float) -> dict:
     row["variants"] = [engine_variant(loaded, batch, spec, kv, args, sampler, tables["kvlab"], t0)
                        for spec in args.variants]
     return row
+
+
+def greedy_check(batch: int, vocab: int, device, dtype, rounds: int = 8) -> bool:
+    """Whether kvlab's two-stage greedy token (:func:`kvlab.engine.llama.greedy_tokens`) is torch's
+    argmax on this device, over random logits rows in the model dtype (ties between chunks included)."""
+    from kvlab.engine.llama import greedy_tokens
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    same = True
+    for i in range(rounds):
+        logits = torch.randn(batch, vocab, generator=gen, device=device).to(dtype)
+        if i % 2:
+            logits = logits.round()  # few distinct values: the maximum in many chunks
+        same &= bool(torch.equal(greedy_tokens(logits), logits.argmax(-1, keepdim=True)))
+    print(f"b{batch} greedy token == argmax on {str(device)}: {same}", flush=True)
+    return same
 
 
 def totals(tables: dict[str, dict]) -> dict:

@@ -53,6 +53,7 @@ def test_the_script_runs_on_cpu(bench, monkeypatch, tmp_path):
     assert bench.main() == 0
     row = json.loads(out.read_text())["batches"][0]
     assert row["kv_fill"] == "random" and len(row["kvlab_windows"]) == 2 and row["energy_per_step"] is None
+    assert row["greedy_equals_argmax"] is True
     assert set(row["work"]) == {"kvlab", "minimal"} and row["kernel_diff"]
     splits, cudnn = row["variants"]
     assert splits["variant"] == "flash_splits=4" and (splits.get("ms_step", 0) > 0 or "num_splits" in splits["error"])
