@@ -1,10 +1,11 @@
 """The fast engine's dense decode attention on the GPU, kernel by kernel, with its power (issue #28).
 
-    python benchmarks/fast_attention.py --ctx 16384 --batch 1 16 --splits 0 8 16 64 --seconds 3 --out $OUT/fast_attention.json
+    python benchmarks/fast_attention.py --ctx 16384 --batch 1 16 --splits 8 16 --seconds 2 --out $OUT/fast_attention.json
 
 At the Llama-3.1-8B attention shape (32 query heads, 8 KV heads, head dim 128), bf16 K/V of
-``ctx + new`` slots with ``ctx`` used, random values (attention's power depends on the data: a
-zero-filled cache draws less), per batch and variant:
+``ctx + new`` slots with ``ctx`` used, random values (``--fills zeros``: zeros, as the minimal step's
+buffers held on 2026-12-03f; the same bytes, but the power drawn may depend on them), per batch and
+variant:
 
 - ``flash``: what the engine runs, flash's varlen kernel over the head-major store, one sequence
   per (row, KV head) (:func:`kvlab.engine.kvstore.flash_decode`);
@@ -188,7 +189,9 @@ def measure(name, fn, pin, q, bufs, ref, args, device, sampler) -> dict:
         return {"variant": name, "error": f"{type(err).__name__}: {str(err)[:300]}"}
 
 
-def batch_rows(bsz: int, args, device, sampler) -> list[dict]:
+def batch_rows(bsz: int, fill: str, args, device, sampler) -> list[dict]:
+    """Every variant at one batch over K/V holding ``fill`` (``random`` or ``zeros``: the same bytes
+    read, the power they draw may differ)."""
     hq, hkv, d = 32, 8, 128
     cap = args.ctx + args.new_tokens
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -197,12 +200,15 @@ def batch_rows(bsz: int, args, device, sampler) -> list[dict]:
     g = torch.Generator(device=device).manual_seed(0)
     heads = [tuple(torch.randn(bsz, hkv, cap, d, device=device, dtype=dtype, generator=g) for _ in range(2))
              for _ in range(copies)]
+    if fill == "zeros":
+        heads = [(k.zero_(), v.zero_()) for k, v in heads]
     q = torch.randn(bsz, hq, 1, d, device=device, dtype=dtype, generator=g)
     ref = reference(q, *heads[0], args.ctx, d**-0.5)
     rows, outs = [], {}
-    for name, (fn, pin, bchd) in variants(args, bsz, hkv, cap, device).items():
+    chosen = {n: v for n, v in variants(args, bsz, hkv, cap, device).items() if not args.only or n in args.only}
+    for name, (fn, pin, bchd) in chosen.items():
         bufs = [(k, v, tuple(t.transpose(1, 2).contiguous() for t in (k, v)) if bchd else None) for k, v in heads]
-        row = {"batch": bsz, "ctx": args.ctx, "capacity": cap, "kv_bytes": kv_bytes, "copies": copies,
+        row = {"batch": bsz, "fill": fill, "ctx": args.ctx, "capacity": cap, "kv_bytes": kv_bytes, "copies": copies,
                **measure(name, fn, pin, q, bufs, ref, args, device, sampler)}
         if "us_per_call" in row:
             row["GB/s"] = kv_bytes / row["us_per_call"] / 1e3
@@ -221,13 +227,13 @@ def batch_rows(bsz: int, args, device, sampler) -> list[dict]:
 
 def print_row(row: dict) -> None:
     if "error" in row:
-        print(f"{row['batch']:5d} {row['variant']:11s} failed: {row['error']}", flush=True)
+        print(f"{row['batch']:5d} {row['fill']:6s} {row['variant']:11s} failed: {row['error']}", flush=True)
         return
     power = f"{row['mean_power_w']:6.0f} W {row['uj_per_call']:8.1f} uJ" if "mean_power_w" in row else ""
-    print(f"{row['batch']:5d} {row['variant']:11s} {row['max_err']:.1e} {row['us_per_call']:8.1f} us "
+    print(f"{row['batch']:5d} {row['fill']:6s} {row['variant']:11s} {row['max_err']:.1e} {row['us_per_call']:8.1f} us "
           f"{row['GB/s']:7.0f} GB/s {power}", flush=True)
     for k, c in list(row["kernels"].items())[:4]:
-        print(f"{'':18s}{c['launches']:4.1f}x {c['us']:7.1f} us  {k[:90]}", flush=True)
+        print(f"{'':25s}{c['launches']:4.1f}x {c['us']:7.1f} us  {k[:90]}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -241,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=4, help="passes over the buffer copies per captured run")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--seconds", type=float, default=0.0, help="energy window per variant (0: none)")
+    ap.add_argument("--fills", nargs="+", choices=["random", "zeros"], default=["random"],
+                    help="what the K/V hold (the minimal step's buffers were zeros, a prefilled cache is not)")
+    ap.add_argument("--only", nargs="*", default=[], help="run only these variants (names as printed)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     from kvlab.energy import make_sampler
@@ -248,13 +257,14 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     sampler = make_sampler(args.device)
     print(f"torch {torch.__version__}, flash takes num_splits: {flash_takes_splits()}, energy: {sampler.source}")
-    print("batch variant     max_err   per call      K/V read   power")
+    print("batch fill   variant     max_err   per call      K/V read   power")
     rows = []
     with torch.no_grad():
-        for bsz in args.batch:
-            rows += batch_rows(bsz, args, device, sampler)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+        for fill in args.fills:
+            for bsz in args.batch:
+                rows += batch_rows(bsz, fill, args, device, sampler)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "torch": torch.__version__, "flash_takes_splits": flash_takes_splits(),
