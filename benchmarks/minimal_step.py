@@ -24,7 +24,8 @@ On the H200 (Llama-3.1-8B shape, synthetic weights, 16k, batch 1 and 16; ~2 min)
     python benchmarks/minimal_step.py --batch 1 16 --ctx 16384 --seconds 5 --repeats 2 --kv-fill random \
         --out $OUT/minimal_step.json
 
-Both steps read the same K/V: kvlab's store is filled from the minimal step's buffers (same layout).
+Both steps read the same K/V: the minimal step's buffers are kvlab's store (the same layout), so
+batch 16 at 16k holds one store (50 GB with the weights), not two.
 ``--kv-fill zeros`` (the default) leaves them zero; ``random`` fills them with normal values, as a
 prefilled cache holds: the kernels read the same bytes either way, but the power drawn depends on
 the data (a zero cache draws less), and the engine's own runs (``engines.py``) read a prefilled one.
@@ -50,11 +51,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 class MinimalStep:
     """One decode step, gpt-fast style, over the weights of a :class:`kvlab.engine.llama.LlamaFamilyStep`.
 
-    ``kv_keys``/``kv_values``: per layer ``[B, Hkv, C, D]`` static buffers; ``token [B, 1]``; ``pos
+    ``kv_keys``/``kv_values``: per layer ``[B, Hkv, C, D]`` static buffers (``kv``: per layer ``(keys,
+    values)`` to use instead, e.g. kvlab's dense store, whose layout this is); ``token [B, 1]``; ``pos
     [1]`` (the slot and position of the token, the same for every row). ``step()`` writes the next
     token into ``token`` and advances ``pos``; it returns the logits ``[B, V]`` (model dtype)."""
 
-    def __init__(self, fam, batch: int, capacity: int, device, dtype):
+    def __init__(self, fam, batch: int, capacity: int, device, dtype, kv=None):
         self.fam = fam
         inner = fam.layers
         self.hq, self.hkv, self.d = fam.heads
@@ -73,8 +75,10 @@ class MinimalStep:
         self.head_w = fam.lm_head.weight
         self.scale = fam.scaling
         shape = (batch, self.hkv, capacity, self.d)
-        self.kv_keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in inner]
-        self.kv_values = [torch.zeros(shape, dtype=dtype, device=device) for _ in inner]
+        if kv is not None and any(k.shape != shape or v.shape != shape for k, v in kv):
+            raise ValueError(f"the minimal step's K/V buffers are {list(shape)} per layer")
+        self.kv_keys = [k for k, _ in kv] if kv else [torch.zeros(shape, dtype=dtype, device=device) for _ in inner]
+        self.kv_values = [v for _, v in kv] if kv else [torch.zeros(shape, dtype=dtype, device=device) for _ in inner]
         positions = torch.arange(capacity, device=device)
         dummy = torch.zeros(1, 1, self.hidden, dtype=dtype, device=device)
         cos, sin = fam.rotary(dummy, positions[None])  # [1, C, D], the model's own RoPE (scaling included)
@@ -144,17 +148,15 @@ class Runner:
             done += k
 
 
-def kvlab_runner(loaded, batch, ctx, new_tokens, name="kvlab fast", kv=None, **options):
+def kvlab_runner(loaded, batch, ctx, new_tokens, name="kvlab fast", fill="zeros", **options):
     """kvlab's fast step (``options``: :class:`~kvlab.engine.fast.FastEngine` keyword arguments), its
-    store holding ``kv`` (per layer ``(keys, values)`` ``[B, Hkv, C, D]``: the minimal step's buffers)."""
+    store's K/V filled per :func:`fill_kv` after the capture (every variant gets the same values)."""
     from kvlab.engine.engines import make_engine
     from kvlab.policies import make_policy
 
     engine = make_engine("fast", loaded, **options)
     decoder = engine.decoder(make_policy("full"), batch, ctx, new_tokens)  # captured here on CUDA
-    for layer, (k, v) in enumerate(kv or []):
-        decoder.store.keys[layer].copy_(k)
-        decoder.store.values[layer].copy_(v)
+    fill_kv(decoder.store.keys + decoder.store.values, fill)
 
     def reset():
         decoder.store.step.zero_()
@@ -164,9 +166,10 @@ def kvlab_runner(loaded, batch, ctx, new_tokens, name="kvlab fast", kv=None, **o
     return engine, decoder, Runner(name, step, reset, new_tokens - 1, decoder.graph)
 
 
-def minimal_runner(step, batch, ctx, new_tokens, device, dtype, fill="zeros"):
-    m = MinimalStep(step, batch, ctx + new_tokens, device, dtype)
-    fill_kv(m.kv_keys + m.kv_values, fill)
+def minimal_runner(step, batch, ctx, new_tokens, device, dtype, kv=None):
+    """The minimal step over ``step``'s weights; ``kv``: its K/V buffers (kvlab's store: both steps read
+    the same bytes, and one store's memory, not two, at batch 16)."""
+    m = MinimalStep(step, batch, ctx + new_tokens, device, dtype, kv)
 
     def reset():
         m.pos.fill_(ctx)
@@ -379,14 +382,12 @@ def print_runner(batch: int, name: str, ms: float, e: dict, t0: float) -> None:
 def compare_batch(loaded, batch: int, args, sampler, t0: float) -> dict:
     """kvlab's step and the minimal step at one batch, over the same K/V: time, energy, kernels."""
     from kvlab.budget import DecodeBytes
-    from kvlab.engine.llama import LlamaFamilyStep
 
     model, param = loaded.model, next(loaded.model.parameters())
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    m, minimal = minimal_runner(LlamaFamilyStep(model), batch, args.ctx, args.new_tokens, param.device,
-                                param.dtype, args.kv_fill)
-    kv = list(zip(m.kv_keys, m.kv_values, strict=True))
-    engine, decoder, fast = kvlab_runner(loaded, batch, args.ctx, args.new_tokens, kv=kv)
+    engine, decoder, fast = kvlab_runner(loaded, batch, args.ctx, args.new_tokens, fill=args.kv_fill)
+    kv = list(zip(decoder.store.keys, decoder.store.values, strict=True))
+    m, minimal = minimal_runner(engine.step, batch, args.ctx, args.new_tokens, param.device, param.dtype, kv)
     kv_bytes = 2 * batch * args.ctx * len(m.kv_keys) * m.hkv * m.d * param.element_size()
     row = {"batch": batch, "ctx": args.ctx, "kv_fill": args.kv_fill, "weight_bytes": weight_bytes,
            "kv_bytes": kv_bytes, "kvlab_cuda_graph": decoder.graph is not None,
@@ -417,10 +418,10 @@ def compare_batch(loaded, batch: int, args, sampler, t0: float) -> dict:
         text = eager_ops(r, args.device, args.rows)
         row[f"{name}_eager_ops"] = text
         print(f"\n  one eager step, {name}:\n{text}", flush=True)
-    del runners, engine, decoder, fast  # before a variant's store is built: one kvlab store at a time
+    del runners, engine, decoder, fast, m, minimal, kv  # before a variant's store: one store at a time
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
-    row["variants"] = [engine_variant(loaded, batch, spec, kv, args, sampler, tables["kvlab"], t0)
+    row["variants"] = [engine_variant(loaded, batch, spec, args, sampler, tables["kvlab"], t0)
                        for spec in args.variants]
     return row
 
@@ -455,7 +456,7 @@ def engine_options(spec: str) -> dict:
     return out
 
 
-def engine_variant(loaded, batch: int, spec: str, kv, args, sampler, default: dict, t0: float) -> dict:
+def engine_variant(loaded, batch: int, spec: str, args, sampler, default: dict, t0: float) -> dict:
     """kvlab's step built with other engine options (``spec``: :func:`engine_options`), over the same
     K/V: time, energy and its kernels grouped by work against the default step's (e.g. fewer flash
     splits: a shorter combine pass, maybe a slower K/V read; ``attention=cudnn``: another kernel)."""
@@ -463,8 +464,8 @@ def engine_variant(loaded, batch: int, spec: str, kv, args, sampler, default: di
 
     name = f"kvlab {spec}"
     try:
-        engine, decoder, runner = kvlab_runner(loaded, batch, args.ctx, args.new_tokens, name=name, kv=kv,
-                                               **engine_options(spec))
+        engine, decoder, runner = kvlab_runner(loaded, batch, args.ctx, args.new_tokens, name=name,
+                                               fill=args.kv_fill, **engine_options(spec))
     except (EngineError, ValueError, RuntimeError) as err:  # refused here, or its kernel cannot take the call
         print(f"b{batch} {name}: {type(err).__name__}: {err}", flush=True)
         return {"variant": spec, "error": f"{type(err).__name__}: {str(err)[:300]}"}

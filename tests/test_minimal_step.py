@@ -80,11 +80,14 @@ def test_every_kernel_of_the_h200_tables_is_named_for_its_work(bench):
     assert bench.work_of("triton_per_fused_argmax_copy_gather_index_copy_1") == "greedy token"
 
 
-def test_kvlab_s_store_reads_the_minimal_step_s_kv(bench, tiny):
-    m, _ = bench.minimal_runner(LlamaFamilyStep(tiny.model), 2, 8, 4, "cpu", torch.float32, "random")
-    assert m.kv_keys[0].abs().sum() > 0 and not torch.equal(m.kv_keys[0], m.kv_values[0])
-    kv = list(zip(m.kv_keys, m.kv_values, strict=True))
-    _, decoder, runner = bench.kvlab_runner(tiny, 2, 8, 4, kv=kv)
-    assert all(torch.equal(a, b) for a, b in zip(decoder.store.keys, m.kv_keys, strict=True))
-    assert all(torch.equal(a, b) for a, b in zip(decoder.store.values, m.kv_values, strict=True))
-    assert runner.room == 3
+def test_the_minimal_step_reads_kvlab_s_store_and_every_variant_the_same_kv(bench, tiny):
+    _, decoder, runner = bench.kvlab_runner(tiny, 2, 8, 4, fill="random")
+    keys = decoder.store.keys
+    assert keys[0].abs().sum() > 0 and not torch.equal(keys[0], decoder.store.values[0]) and runner.room == 3
+    kv = list(zip(keys, decoder.store.values, strict=True))
+    m, _ = bench.minimal_runner(LlamaFamilyStep(tiny.model), 2, 8, 4, "cpu", torch.float32, kv)
+    assert all(a is b for a, b in zip(m.kv_keys, keys, strict=True))
+    _, other, _ = bench.kvlab_runner(tiny, 2, 8, 4, fill="random", attention="sdpa")
+    assert all(torch.equal(a, b) for a, b in zip(other.store.keys, keys, strict=True))
+    with pytest.raises(ValueError, match="K/V buffers are"):
+        bench.MinimalStep(LlamaFamilyStep(tiny.model), 2, 9, "cpu", torch.float32, kv)
