@@ -110,14 +110,14 @@ def kernel_rows(spec, args) -> list[dict]:
     cu_q = torch.arange(bsz * hkv + 1, dtype=torch.int32, device=device)
     cu_k = torch.cat([offsets, torch.tensor([n_rows], device=device)]).to(torch.int32)
     ref = segment_reference(q, keys, values, offsets, used, scale)
-    dense_k = keys.view(bsz, hkv, budget + new, dim).transpose(1, 2).contiguous()  # [B, C, Hkv, D]
-    dense_v = values.view(bsz, hkv, budget + new, dim).transpose(1, 2).contiguous()
-    dense_used = torch.full((bsz,), budget + new // 2, dtype=torch.int32, device=device)
+    dense_k = keys.view(bsz, hkv, budget + new, dim).clone()  # [B, Hkv, C, D], the dense store's layout
+    dense_v = values.view(bsz, hkv, budget + new, dim).clone()
+    dense_used = torch.full((bsz * hkv,), budget + new // 2, dtype=torch.int32, device=device)  # per segment
     kernels = {
         "ragged flash": lambda: ragged_flash_decode(q, keys, values, cu_q, cu_k, used, hkv * budget + new, scale),
         "ragged sdpa": lambda: ragged_sdpa_decode(q, keys, values, offsets, used, scale),
         "dense flash": lambda: flash_decode(q, dense_k, dense_v, dense_used, scale,
-                                            *cumulative_offsets(bsz, budget + new, device)),
+                                            *cumulative_offsets(bsz * hkv, budget + new, device)),
     }
     rows = []
     base = {"part": "kernel", "ctx": args.ctx, "batch": bsz, "keep": args.keep, "budget": budget,

@@ -123,7 +123,7 @@ def attention_kernel_bandwidth(decoder, ctx: int, device: str, copy_gbps: float 
     those bytes' GB/s as a fraction of a copy of the same bytes timed here (:func:`kvlab.budget.bandwidth_fields`).
     The new token's write is not included; the store's content is whatever the last run left."""
     from kvlab.budget import bandwidth_fields
-    from kvlab.engine.kvstore import DenseStore, flash_decode, sdpa_decode
+    from kvlab.engine.kvstore import DenseStore, flash_decode, sdpa_decode, segment_lengths
     from kvlab.kernels import decode_attention
 
     store, layout, step = decoder.store, decoder.layout, decoder.step_fn
@@ -138,9 +138,12 @@ def attention_kernel_bandwidth(decoder, ctx: int, device: str, copy_gbps: float 
     if isinstance(store, DenseStore):
         q4 = q.unsqueeze(2)
         if store.attention == "flash":
+            segments = segment_lengths(used, layout.kv_heads)
+
             def run():
                 for i in layers:
-                    flash_decode(q4, store.keys[i], store.values[i], used, store.scale, *store._offsets[i])
+                    flash_decode(q4, store.keys[i], store.values[i], segments, store.scale, *store.offsets[i],
+                                 splits=store.splits)
         else:
             def run():
                 for i in layers:

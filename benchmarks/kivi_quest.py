@@ -99,17 +99,18 @@ def run_case(batch, length, args, device, rows):
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    # flash on the dense [B, C, H, D] cache
-    dense = [(k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()) for _ in range(copies)]
+    # flash on the dense [B, H, C, D] cache (the fast engine's head-major store: one segment per row and head)
+    dense = [(k.contiguous(), v.contiguous()) for _ in range(copies)]
     if device.type == "cuda":
-        from kvlab.engine.kvstore import cumulative_offsets, flash_decode
+        from kvlab.engine.kvstore import cumulative_offsets, flash_decode, segment_lengths
 
-        offsets = cumulative_offsets(batch, length, device)
+        offsets = cumulative_offsets(batch * hkv, length, device)
+        segments = segment_lengths(lengths, hkv)
         q4 = q.unsqueeze(2)
-        out = flash_decode(q4, *dense[0], lengths, scale, *offsets)
+        out = flash_decode(q4, *dense[0], segments, scale, *offsets)
         ref = decode_attention_reference(q.float(), make_format("bf16").quantize(k), make_format("bf16").quantize(v),
                                          lengths, scale)
-        ms = timed(lambda i: flash_decode(q4, *dense[i], lengths, scale, *offsets), copies, device, args.reps)
+        ms = timed(lambda i: flash_decode(q4, *dense[i], segments, scale, *offsets), copies, device, args.reps)
         record("flash-bf16", ms, dense_bytes, rel_err(out, ref))
 
     for name, group in (("bf16", None), ("int4", 64)):

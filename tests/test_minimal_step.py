@@ -48,10 +48,46 @@ def test_the_script_runs_on_cpu(bench, monkeypatch, tmp_path):
     out = tmp_path / "m.json"
     monkeypatch.setattr(sys, "argv", ["minimal_step.py", "--model", "tiny-llama", "--device", "cpu", "--ctx", "32",
                                       "--batch", "2", "--new-tokens", "4", "--steps", "5", "--seconds", "0.01",
-                                      "--profile-steps", "2", "--rows", "5", "--out", str(out)])
+                                      "--profile-steps", "2", "--rows", "5", "--repeats", "2", "--kv-fill", "random",
+                                      "--variants", "flash_splits=4", "attention=cudnn", "--out", str(out)])
     assert bench.main() == 0
     row = json.loads(out.read_text())["batches"][0]
+    assert row["kv_fill"] == "random" and len(row["kvlab_windows"]) == 2 and row["energy_per_step"] is None
+    assert row["greedy_equals_argmax"] is True
+    assert set(row["work"]) == {"kvlab", "minimal"} and row["kernel_diff"]
+    splits, cudnn = row["variants"]
+    assert splits["variant"] == "flash_splits=4" and (splits.get("ms_step", 0) > 0 or "num_splits" in splits["error"])
+    assert "needs a CUDA device" in cudnn["error"]  # refused on CPU, in its row
+    assert bench.engine_options("attention=cudnn,flash_splits=8") == {"attention": "cudnn", "flash_splits": 8}
     assert row["batch"] == 2 and row["kvlab_ms_step"] > 0 and row["minimal_ms_step"] > 0
     assert row["kvlab_j_per_token"] is None  # no counter on CPU
     assert set(row["kernel_totals"]) == {"kvlab", "minimal"} and row["kernels"]
     assert "aten::" in row["kvlab_eager_ops"] and "aten::" in row["minimal_eager_ops"]
+
+
+def test_every_kernel_of_the_h200_tables_is_named_for_its_work(bench):
+    """The kernel names of both steps on the H200 (reports/h200-2026-12-03f) each land in the work
+    the attribution of issue #28 gives them."""
+    report = Path(__file__).resolve().parents[1] / "reports" / "h200-2026-12-03f" / "minimal_step.json"
+    names = {r["kernel"] for b in json.loads(report.read_text())["batches"] for r in b["kernels"]}
+    work = {n: bench.work_of(n) for n in names}
+    assert "other" not in work.values(), [n for n, w in work.items() if w == "other"]
+    by = {w: {n for n in names if work[n] == w} for w in set(work.values())}
+    assert all("combine" in n or "lean_reduction" in n for n in by["attention: combine splits"])
+    assert all("splitkv_kernel" in n or "sdpa" in n for n in by["attention: read K/V"])
+    assert all("index_copy" in n for n in by["cache writes"]) and len(by["copies"]) == 1
+    assert all("ArgMax" in n for n in by["greedy token"])
+    assert bench.work_of("triton_per_fused_argmax_copy_gather_index_copy_1") == "greedy token"
+
+
+def test_the_minimal_step_reads_kvlab_s_store_and_every_variant_the_same_kv(bench, tiny):
+    _, decoder, runner = bench.kvlab_runner(tiny, 2, 8, 4, fill="random")
+    keys = decoder.store.keys
+    assert keys[0].abs().sum() > 0 and not torch.equal(keys[0], decoder.store.values[0]) and runner.room == 3
+    kv = list(zip(keys, decoder.store.values, strict=True))
+    m, _ = bench.minimal_runner(LlamaFamilyStep(tiny.model), 2, 8, 4, "cpu", torch.float32, kv)
+    assert all(a is b for a, b in zip(m.kv_keys, keys, strict=True))
+    _, other, _ = bench.kvlab_runner(tiny, 2, 8, 4, fill="random", attention="sdpa")
+    assert all(torch.equal(a, b) for a, b in zip(other.store.keys, keys, strict=True))
+    with pytest.raises(ValueError, match="K/V buffers are"):
+        bench.MinimalStep(LlamaFamilyStep(tiny.model), 2, 9, "cpu", torch.float32, kv)

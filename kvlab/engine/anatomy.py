@@ -40,13 +40,16 @@ from kvlab.policies import make_policy
 from kvlab.policies.cache import profiler_scopes
 
 KERNEL_RULES: tuple[tuple[re.Pattern, str], ...] = (
+    # the greedy token and the step's bookkeeping (kvlab.engine.llama.record_token): one compiled kernel
+    # whose name may also name its index_copy into the output row
+    (re.compile(r"argmax", re.I), "other ops"),
     # a graph replay has no scopes: of a Quest step's page selection only topk's kernels are known by name
     # (its bound products are batched GEMMs, counted as weight GEMMs there; eager steps use the scope)
     (re.compile(r"quest_select|gatherTopK|radixSort|bitonicSort", re.I), "page selection"),
     (re.compile(r"quantize_write|_kivi_append|index_copy|scatter|_put_slots", re.I), "cache update/concat"),
     (re.compile(r"dequant|unpack", re.I), "dequantize"),
     (re.compile(r"flash|fmha|attention|_decode_(split|fold|reduce)_kernel|_(kivi|quest)_split_kernel|"
-                r"merge_partials|scaled_dot_product", re.I), "attention"),
+                r"merge_partials|scaled_dot_product|_sdpa_|lean_reduction", re.I), "attention"),
     (re.compile(r"gemm|gemv|cutlass|xmma|nvjet|cublas|^aten::(linear|mm|addmm|bmm|matmul)$", re.I),
      "weight GEMMs"),
 )

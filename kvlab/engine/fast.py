@@ -31,7 +31,7 @@ from kvlab.columns import engine_columns
 from kvlab.engine import EngineError, prefill_rows
 from kvlab.engine.anatomy import fast_anatomy
 from kvlab.engine.generation import chunk_bounds, prefill
-from kvlab.engine.kvstore import ATTENTION, DenseStore, Layout, QuantizedStore
+from kvlab.engine.kvstore import DENSE_ATTENTION, DenseStore, Layout, QuantizedStore, flash_takes_splits
 from kvlab.engine.kvstore_ragged import RaggedStore, per_head_budget
 from kvlab.engine.kvstore_reads import read_store
 from kvlab.engine.llama import LlamaFamilyStep, check_model
@@ -80,10 +80,8 @@ class FastDecoder:
     # -- the step, as captured --------------------------------------------------------------
     def _step(self) -> None:
         logits = self.step_fn(self.token, self.position, self.store)
-        nxt = logits.argmax(dim=-1, keepdim=True)  # [B, 1]
-        self.tokens.index_copy_(1, self.store.step + 1, nxt)
-        self.token.copy_(nxt)
-        self.position.add_(1)
+        # greedy token -> next input and output column step + 1 (a view from column 1: no index kernel)
+        self.step_fn.record(logits, self.token, self.position, self.tokens[:, 1:], self.store.step)
         self.store.advance()
 
     @torch.no_grad()
@@ -259,12 +257,24 @@ class FastDecoder:
                 "fast_compile": stats.get("step_compile"), "cache_bytes_allocated": stats["bytes_allocated"]}
 
 
+def check_flash_splits(splits: int | None) -> None:
+    """``flash_splits`` is None or 1..128 (flash's own bound), on a torch whose flash op takes it."""
+    if splits is None:
+        return
+    if not isinstance(splits, int) or not 1 <= splits <= 128:
+        raise EngineError(f"flash_splits={splits!r}: use None (flash's heuristic) or a count from 1 to 128")
+    if not flash_takes_splits():
+        raise EngineError(f"flash_splits={splits}: torch {torch.__version__}'s flash attention op takes no "
+                          f"num_splits (torch 2.13's does); use None")
+
+
 class FastEngine:
     """Builds and keeps :class:`FastDecoder` s for one loaded model (captured graphs are reused).
 
     ``capture``: ``None`` = on CUDA only. ``attention``: the dense store's kernel (``auto``, ``flash``,
-    ``sdpa``, or ``triton``: the cache in kvlab's bf16 format read by the same split-K kernel as the
-    quantized formats, the like-for-like baseline of the fused kernels); ``quant_attention``: a
+    ``sdpa``, ``cudnn``: cuDNN's attention over a length bias, opt-in until measured, or ``triton``:
+    the cache in kvlab's bf16 format read by the same split-K kernel as the quantized formats, the
+    like-for-like baseline of the fused kernels); ``quant_attention``: a
     quantized store's (``fused`` Triton kernel or ``dequantize`` then attend). ``compile``: how the
     step is compiled (:data:`~kvlab.engine.llama.STEP_COMPILE`; ``None``: :data:`DEFAULT_COMPILE`
     for the device). ``max_decoders`` bounds how many layouts keep their buffers and graphs alive at
@@ -272,15 +282,22 @@ class FastEngine:
     ``keep_fraction``: the buffers kept alive for reuse, with the new layout's (counted as a dense
     cache), stay under that share of the device's memory (at batch 16 and 16k a full cache's buffers
     alone are 34 GB, so every other layout is dropped before one is built; a layout evicted here is simply
-    built and captured again when next asked for, outside any measured window).
+    built and captured again when next asked for, outside any measured window). ``flash_splits``: the
+    dense store's flash split-KV count (None: flash's heuristic, 33 splits at batch 1 and 2 at batch
+    16 on the H200 at 16k, each split's partial results then merged by a combine kernel: 0.33 ms of a
+    5.65 ms step at batch 1); needs a torch whose flash op takes ``num_splits``. A knob to measure
+    with (benchmarks/minimal_step.py ``--variants flash_splits=N``), not recorded in a run's columns.
     """
 
     name = "fast"
 
     def __init__(self, model, attention: str = "auto", capture: bool | None = None, max_decoders: int = 4,
-                 quant_attention: str = "auto", keep_fraction: float = 0.25, compile: str | None = None):
-        if attention not in (*ATTENTION, "triton"):
-            raise EngineError(f"attention={attention!r}: use one of {', '.join((*ATTENTION, 'triton'))}")
+                 quant_attention: str = "auto", keep_fraction: float = 0.25, compile: str | None = None,
+                 flash_splits: int | None = None):
+        if attention not in (*DENSE_ATTENTION, "triton"):
+            raise EngineError(f"attention={attention!r}: use one of {', '.join((*DENSE_ATTENTION, 'triton'))}")
+        check_flash_splits(flash_splits)
+        self.flash_splits = flash_splits
         self.loaded = model
         self.model = hf_model(model)
         check_model(self.model)
@@ -350,9 +367,9 @@ class FastEngine:
 
     def _store(self, layout: Layout, kv_format):
         if isinstance(kv_format, RaggedHeads):  # per-KV-head budgets (adakv): flash varlen or masked SDPA
-            if self.attention == "triton":
-                raise EngineError("attention='triton' reads kvlab's bf16 format, which holds one length per layer; "
-                                  "per-KV-head budgets (adakv) need the ragged store: use attention auto, flash or sdpa")
+            if self.attention in ("triton", "cudnn"):
+                raise EngineError(f"attention={self.attention!r} reads one length per layer; per-KV-head budgets "
+                                  "(adakv) need the ragged store: use attention auto, flash or sdpa")
             return RaggedStore(layout, self.dtype, self.device, self.step.scaling, self.attention)
         if not isinstance(kv_format, str):  # issue 29's reads: a KIVI spec or a Quest read
             return read_store(layout, kv_format, self.step.num_heads, self.dtype, self.device, self.step.scaling,
@@ -363,7 +380,7 @@ class FastEngine:
             return QuantizedStore(layout, "bf16", self.step.num_heads, self.dtype, self.device, self.step.scaling,
                                   "fused")
         if kv_format == "model":
-            return DenseStore(layout, self.dtype, self.device, self.step.scaling, self.attention)
+            return DenseStore(layout, self.dtype, self.device, self.step.scaling, self.attention, self.flash_splits)
         return QuantizedStore(layout, kv_format, self.step.num_heads, self.dtype, self.device, self.step.scaling,
                               self.quant_attention)
 

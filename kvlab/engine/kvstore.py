@@ -6,9 +6,14 @@ batch is prefilled in row groups); decode step ``s`` writes its token at slot ``
 attends over the first ``kept_l + s + 1`` slots. ``step`` is a device tensor advanced inside the step, so a
 captured CUDA graph replays every step unchanged: nothing on the host changes between tokens.
 
-:class:`DenseStore` keeps K/V at the model dtype in ``[B, C, Hkv, D]`` (the layout flash attention's
-variable-length kernel reads, with per-sequence used lengths ``seqused_k``); attention is either
-that kernel (``flash``, CUDA) or SDPA with a length mask (``sdpa``, any device, the CPU reference).
+:class:`DenseStore` keeps K/V at the model dtype in ``[B, Hkv, C, D]``, head-major: each (row, KV head)
+is one contiguous segment of ``C`` slots, which flash attention's variable-length kernel reads as a
+sequence of its own (one KV head, the GQA group's query heads; ``seqused_k`` per segment). Attention
+is either that kernel (``flash``, CUDA) or SDPA with a length mask (``sdpa``, any device, the CPU
+reference). Why segments: handed ``[B, C, Hkv, D]`` with ``B > 1``, the kernel's own GQA transpose
+of the queries is not a view, and torch copies q before it and the output (twice) after it: three
+copy kernels per layer, 96 per step and 0.25 ms of 13.2 at batch 16 on the H200
+(reports/h200-2026-12-03f/minimal_step.json); with one KV head per sequence they are views.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch.nn.functional as F
 from kvlab.kernels import decode_attention, make_workspace, parse_format, quantize_write
 
 ATTENTION = ("auto", "flash", "sdpa")
+DENSE_ATTENTION = (*ATTENTION, "cudnn")  # the dense store's: cuDNN's attention over a length bias too
 
 
 @dataclass(frozen=True)
@@ -46,14 +52,15 @@ def flash_available(device, dtype) -> bool:
     return torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16)
 
 
-def dense_attention(attention: str, device, dtype) -> str:
-    """A model-dtype store's kernel: ``attention`` checked, ``auto`` resolved (flash where it runs)."""
-    if attention not in ATTENTION:
-        raise ValueError(f"attention={attention!r}: use one of {', '.join(ATTENTION)}")
+def dense_attention(attention: str, device, dtype, kernels: tuple[str, ...] = ATTENTION) -> str:
+    """A model-dtype store's kernel: ``attention`` checked against ``kernels``, ``auto`` resolved
+    (flash where it runs)."""
+    if attention not in kernels:
+        raise ValueError(f"attention={attention!r}: use one of {', '.join(kernels)}")
     if attention == "auto":
         return "flash" if flash_available(device, dtype) else "sdpa"
-    if attention == "flash" and not flash_available(device, dtype):
-        raise ValueError("attention='flash' needs a CUDA device and bf16/fp16: use 'sdpa'")
+    if attention in ("flash", "cudnn") and not flash_available(device, dtype):
+        raise ValueError(f"attention={attention!r} needs a CUDA device and bf16/fp16: use 'sdpa'")
     return attention
 
 
@@ -61,41 +68,90 @@ def sdpa_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengt
                 scale: float) -> torch.Tensor:
     """Attention of one query per sequence over the first ``length`` slots; ``[B, Hq, D]``.
 
-    ``q`` ``[B, Hq, 1, D]``; ``keys``/``values`` ``[B, C, Hkv, D]``; ``length`` a device tensor ``[1]``.
+    ``q`` ``[B, Hq, 1, D]``; ``keys``/``values`` ``[B, Hkv, C, D]``; ``length`` a device tensor ``[1]``.
     The GQA group's queries become the query rows of their KV head, so K/V are never repeated.
     """
     bsz, n_heads, _, dim = q.shape
-    cap, n_kv = keys.shape[1], keys.shape[2]
+    n_kv, cap = keys.shape[1], keys.shape[2]
     groups = n_heads // n_kv
     valid = torch.arange(cap, device=keys.device) < length  # [C]
     out = F.scaled_dot_product_attention(
-        q.reshape(bsz, n_kv, groups, dim), keys.transpose(1, 2), values.transpose(1, 2),
-        attn_mask=valid.view(1, 1, 1, cap), scale=scale)
+        q.reshape(bsz, n_kv, groups, dim), keys, values, attn_mask=valid.view(1, 1, 1, cap), scale=scale)
     return out.reshape(bsz, n_heads, dim)
 
 
-def flash_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, used: torch.Tensor,
-                 scale: float, cu_q: torch.Tensor | None = None, cu_k: torch.Tensor | None = None) -> torch.Tensor:
-    """flash attention's varlen kernel: sequence ``b`` attends over its first ``used[b]`` slots.
+def cudnn_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """cuDNN's attention over a head-major store, lengths as an additive ``bias`` ``[1, 1, 1, C]``
+    (0 over the used slots, -inf past them); ``[B, Hq, D]``.
 
-    ``used`` is int32 ``[B]`` on the device, so the same launch serves every step (graph-safe);
-    GQA is native. ``cu_q``/``cu_k`` (the cumulative offsets, constants of the shape) may be passed
-    in precomputed, so that a step launches no kernel to build them.
+    Why beside flash: the minimal step's cuDNN kernel (``enable_gqa``, the same K/V bytes) read 16k
+    slots in 0.74 ms per step at batch 1 where flash's split-KV kernel and its combine pass took 0.99
+    (reports/h200-2026-12-03f). One bias serves every row (all rows hold the same length), and the
+    shapes are fixed, so cuDNN builds one plan per layout, not one per length. SDPA is pinned to
+    cuDNN (:func:`cudnn_pin`): a call it cannot take fails instead of falling back."""
+    bsz, n_heads, _, dim = q.shape
+    with cudnn_pin():
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=scale, enable_gqa=True)
+    return out.reshape(bsz, n_heads, dim)
+
+
+def cudnn_pin():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.CUDNN_ATTENTION])
+
+
+def flash_varlen(q, keys, values, cu_q, cu_k, max_k: int, used, scale: float,
+                 splits: int | None = None) -> torch.Tensor:
+    """flash attention's varlen forward, one query position per sequence: ``q`` ``[S, G, D]``,
+    ``keys``/``values`` ``[N, 1, D]`` (one KV head); sequence ``i`` attends rows ``cu_k[i] .. cu_k[i] +
+    used[i]``; ``[S, G, D]``. With one KV head the kernel's GQA transpose of ``q`` and of its output
+    are views at any batch (no copy kernels). ``splits``: the split-KV count (None: flash's own
+    heuristic; only where torch's op takes ``num_splits``, :func:`flash_takes_splits`)."""
+    extra = {} if splits is None else {"num_splits": splits}
+    return torch.ops.aten._flash_attention_forward(q, keys, values, cu_q, cu_k, 1, max_k, 0.0, False, False,
+                                                   scale=scale, seqused_k=used, **extra)[0]
+
+
+def flash_takes_splits() -> bool:
+    """Whether this torch's ``_flash_attention_forward`` takes ``num_splits`` (torch 2.13 does)."""
+    schema = torch.ops.aten._flash_attention_forward.default._schema
+    return any(arg.name == "num_splits" for arg in schema.arguments)
+
+
+def flash_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, used: torch.Tensor,
+                 scale: float, cu_q: torch.Tensor | None = None, cu_k: torch.Tensor | None = None,
+                 splits: int | None = None) -> torch.Tensor:
+    """flash attention's varlen kernel over a head-major store; ``[B, Hq, D]``.
+
+    ``q`` ``[B, Hq, 1, D]``; ``keys``/``values`` ``[B, Hkv, C, D]``: each (row, KV head) is a sequence
+    (:func:`flash_varlen`) with its GQA group's ``Hq / Hkv`` query heads. ``used`` is int32 ``[B Hkv]``
+    (each segment's used slots, :func:`segment_lengths`) on the device, so the same launch serves
+    every step (graph-safe). ``cu_q``/``cu_k`` (:func:`cumulative_offsets` of the ``B Hkv`` segments,
+    constants of the shape) may be passed in precomputed, so that a step launches no kernel to build them.
     """
     bsz, n_heads, _, dim = q.shape
-    cap, n_kv = keys.shape[1], keys.shape[2]
+    n_kv, cap = keys.shape[1], keys.shape[2]
+    segments = bsz * n_kv
     if cu_q is None:
-        cu_q, cu_k = cumulative_offsets(bsz, cap, q.device)
-    out = torch.ops.aten._flash_attention_forward(
-        q.reshape(bsz, n_heads, dim), keys.view(bsz * cap, n_kv, dim), values.view(bsz * cap, n_kv, dim),
-        cu_q, cu_k, 1, cap, 0.0, False, False, scale=scale, seqused_k=used)[0]
+        cu_q, cu_k = cumulative_offsets(segments, cap, q.device)
+    out = flash_varlen(q.reshape(segments, n_heads // n_kv, dim), keys.view(-1, 1, dim), values.view(-1, 1, dim),
+                       cu_q, cu_k, cap, used, scale, splits)
     return out.view(bsz, n_heads, dim)
 
 
-def cumulative_offsets(batch: int, capacity: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """flash varlen's ``cu_seqlens`` for one query per sequence and ``capacity`` slots each."""
-    cu_q = torch.arange(batch + 1, device=device, dtype=torch.int32)
+def cumulative_offsets(sequences: int, capacity: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """flash varlen's ``cu_seqlens`` for one query position per sequence and ``capacity`` slots each
+    (a head-major store's sequences are its ``B Hkv`` segments)."""
+    cu_q = torch.arange(sequences + 1, device=device, dtype=torch.int32)
     return cu_q, cu_q * capacity
+
+
+def segment_lengths(used: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Per-row used lengths ``[B]`` as :func:`flash_decode`'s per-segment ``[B Hkv]`` (int32; outside
+    a step, e.g. a benchmark: the store's :class:`StepSlots` fill theirs in the same kernel)."""
+    return used.to(torch.int32).repeat_interleave(kv_heads).contiguous()
 
 
 def row_slice(rows: slice | None, batch: int, got: int, layer: int) -> slice:
@@ -114,17 +170,20 @@ def row_slice(rows: slice | None, batch: int, got: int, layer: int) -> slice:
 class StepSlots:
     """Where each layer writes this step's token and how many slots it then attends over.
 
-    Computed once per step for every layer (:meth:`begin`: two small kernels) instead of once per
+    Computed once per step for every layer (:meth:`begin`: three small kernels) instead of once per
     layer, since a graph-captured step is bound by the number of kernels it launches as much as by
     bytes. ``slot(l)`` is a ``[1]`` view (``index_copy_``'s index), ``used(l)`` an int32 ``[B]``
-    view (the attention kernels' lengths).
+    view (the attention kernels' lengths). With ``segments`` (a head-major store's KV heads),
+    ``segment_used(l)`` is the same length per (row, KV head), ``[B segments]``, for
+    :func:`flash_decode`: both are slices of one buffer, filled by the same kernel.
     """
 
-    def __init__(self, kept: tuple[int, ...], batch: int, device):
+    def __init__(self, kept: tuple[int, ...], batch: int, device, segments: int = 0):
         self.step = torch.zeros(1, dtype=torch.long, device=device)
         self._base = torch.tensor(kept, dtype=torch.long, device=device)
         self._slots = self._base.clone()
-        self._used = torch.zeros(len(kept), batch, dtype=torch.int32, device=device)
+        self._batch = batch
+        self._used = torch.zeros(len(kept), batch * (1 + segments), dtype=torch.int32, device=device)
 
     def begin(self) -> None:
         torch.add(self._base, self.step, out=self._slots)
@@ -134,7 +193,14 @@ class StepSlots:
         return self._slots[layer:layer + 1]
 
     def used(self, layer: int) -> torch.Tensor:
-        return self._used[layer]
+        return self._used[layer, :self._batch]
+
+    def used_column(self) -> torch.Tensor:
+        """Every layer's used slots as an int32 ``[L, 1]`` view (the same for every row)."""
+        return self._used[:, :1]
+
+    def segment_used(self, layer: int) -> torch.Tensor:
+        return self._used[layer, self._batch:]
 
     def advance(self) -> None:
         self.step.add_(1)
@@ -214,32 +280,58 @@ class ModelDtypeStore(SlotStore):
 
 
 class DenseStore(ModelDtypeStore):
-    """Per-layer K/V at the model dtype, ``[B, C_l, Hkv, D]``, attended with ``flash`` or ``sdpa``."""
+    """Per-layer K/V at the model dtype, ``[B, Hkv, C_l, D]``, attended with ``flash``, ``sdpa`` or
+    ``cudnn`` (:func:`cudnn_decode`, opt-in: ``auto`` stays flash until it is measured faster).
+
+    ``offsets[l]``: flash's ``cu_seqlens`` for layer ``l``'s ``B Hkv`` segments (constants).
+    ``splits``: flash's split-KV count (None: its heuristic; :func:`flash_varlen`). ``bias[l]``:
+    cuDNN's length bias for layer ``l``, computed for every layer in :meth:`begin` (two kernels)."""
 
     kv_format = "model dtype"
 
-    def __init__(self, layout: Layout, dtype, device, scale: float, attention: str = "auto"):
+    def __init__(self, layout: Layout, dtype, device, scale: float, attention: str = "auto",
+                 splits: int | None = None):
         self.layout = layout
-        self.attention = dense_attention(attention, device, dtype)
+        self.attention = dense_attention(attention, device, dtype, DENSE_ATTENTION)
         self.scale = scale
-        shape = (layout.batch, 0, layout.kv_heads, layout.head_dim)
-        self.keys = [torch.zeros(shape[0], c, *shape[2:], dtype=dtype, device=device) for c in layout.capacity]
+        self.splits = splits
+        b, h, d = layout.batch, layout.kv_heads, layout.head_dim
+        self.keys = [torch.zeros(b, h, c, d, dtype=dtype, device=device) for c in layout.capacity]
         self.values = [torch.zeros_like(k) for k in self.keys]
-        self.slots = StepSlots(layout.kept, layout.batch, device)
-        self._offsets = [cumulative_offsets(layout.batch, c, device) for c in layout.capacity]
+        self.slots = StepSlots(layout.kept, layout.batch, device, segments=h)
+        self.offsets = [cumulative_offsets(b * h, c, device) for c in layout.capacity]
+        width = -(-max(layout.capacity) // 8) * 8  # rows 16-byte aligned, as cuDNN wants its operands
+        self._slot_index = torch.arange(width, dtype=torch.int32, device=device)
+        self._bias = torch.zeros(len(layout.kept), width, dtype=dtype, device=device)
+        self._open, self._shut = (torch.tensor(x, dtype=dtype, device=device) for x in (0.0, float("-inf")))
+
+    def begin(self) -> None:
+        """Every layer's slot and length, and with ``cudnn`` its length bias."""
+        super().begin()
+        if self.attention == "cudnn":
+            torch.where(self._slot_index < self.slots.used_column(), self._open, self._shut, out=self._bias)
+
+    def bias(self, layer: int) -> torch.Tensor:
+        return self._bias[layer, :self.layout.capacity[layer]].view(1, 1, 1, -1)
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every tensor a step writes or reads in place, the cuDNN length bias included."""
+        return [*super().buffers(), self._bias]
 
     def _load_layer(self, layer: int, rows: slice, k: torch.Tensor, v: torch.Tensor) -> None:
         n = k.shape[-2]
-        self.keys[layer][rows, :n].copy_(k.transpose(1, 2))
-        self.values[layer][rows, :n].copy_(v.transpose(1, 2))
+        self.keys[layer][rows, :, :n].copy_(k)
+        self.values[layer][rows, :, :n].copy_(v)
 
     def _attend(self, layer: int, q, k, v) -> torch.Tensor:
         slot = self.slots.slot(layer)
-        self.keys[layer].index_copy_(1, slot, k.transpose(1, 2))
-        self.values[layer].index_copy_(1, slot, v.transpose(1, 2))
+        self.keys[layer].index_copy_(2, slot, k)
+        self.values[layer].index_copy_(2, slot, v)
         if self.attention == "flash":
-            return flash_decode(q, self.keys[layer], self.values[layer], self.slots.used(layer), self.scale,
-                                *self._offsets[layer])
+            return flash_decode(q, self.keys[layer], self.values[layer], self.slots.segment_used(layer), self.scale,
+                                *self.offsets[layer], splits=self.splits)
+        if self.attention == "cudnn":
+            return cudnn_decode(q, self.keys[layer], self.values[layer], self.bias(layer), self.scale)
         return sdpa_decode(q, self.keys[layer], self.values[layer], slot + 1, self.scale)
 
 
@@ -293,6 +385,6 @@ class QuantizedStore(SlotStore):
             out = decode_attention(q.reshape(bsz, n_heads, dim).contiguous(), self.keys[layer], self.values[layer],
                                    self.slots.used(layer), self.scale, workspace=self.workspaces[layer])
             return out.to(q.dtype)
-        keys = self.keys[layer].dequantize().to(self.dtype).transpose(1, 2)
-        values = self.values[layer].dequantize().to(self.dtype).transpose(1, 2)
+        keys = self.keys[layer].dequantize().to(self.dtype)
+        values = self.values[layer].dequantize().to(self.dtype)
         return sdpa_decode(q, keys, values, slot + 1, self.scale)

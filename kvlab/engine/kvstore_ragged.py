@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvlab.engine.kvstore import Layout, ModelDtypeStore, dense_attention, row_slice
+from kvlab.engine.kvstore import Layout, ModelDtypeStore, dense_attention, flash_varlen, row_slice
 
 
 def segment_offsets(lengths: torch.Tensor, kept: int, new_tokens: int, first_row: int = 0) -> torch.Tensor:
@@ -54,14 +54,6 @@ def per_head_budget(lengths: torch.Tensor) -> int:
         raise ValueError(f"the rows keep {totals.tolist()} positions over {heads} KV heads: a ragged store needs the "
                          f"same multiple of {heads} in every row (adakv scope='layer')")
     return total // heads
-
-
-def flash_varlen(q, keys, values, cu_q, cu_k, max_k: int, used, scale: float) -> torch.Tensor:
-    """flash attention's varlen forward, one query per sequence (as :func:`~kvlab.engine.kvstore.flash_decode`
-    calls it): ``q`` ``[S, G, D]``, ``keys``/``values`` ``[N, 1, D]``; sequence ``i`` attends rows
-    ``cu_k[i] .. cu_k[i] + used[i]``. ``[S, G, D]``."""
-    return torch.ops.aten._flash_attention_forward(q, keys, values, cu_q, cu_k, 1, max_k, 0.0, False, False,
-                                                   scale=scale, seqused_k=used)[0]
 
 
 def ragged_flash_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cu_q: torch.Tensor,

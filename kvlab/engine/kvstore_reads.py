@@ -115,15 +115,15 @@ class QuestStore(DenseStore):
         if layer < self.read.dense_layers:
             return super()._attend(layer, q, k, v)
         slot, used = self.slots.slot(layer), self.slots.used(layer)
-        self.keys[layer].index_copy_(1, slot, k.transpose(1, 2))
-        self.values[layer].index_copy_(1, slot, v.transpose(1, 2))
+        self.keys[layer].index_copy_(2, slot, k)
+        self.values[layer].index_copy_(2, slot, v)
         quest.append_bounds(self.bounds[layer], k, slot)
         bsz, n_heads, _, dim = q.shape
         q3 = q.reshape(bsz, n_heads, dim).contiguous()
         with record_function(SCOPE_SELECT):
             pages = quest.select_pages(q3, self.bounds[layer], used)
         out = quest_decode_attention(q3, self.keys[layer], self.values[layer], pages, used, self.scale,
-                                     self.read.spec.page, token_dim=1, workspace=self.quest_workspaces[layer],
+                                     self.read.spec.page, token_dim=2, workspace=self.quest_workspaces[layer],
                                      backend=self.backend)
         return out.to(q.dtype)
 

@@ -78,6 +78,52 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
+def step_inputs(embed, rotary, token: torch.Tensor, position: torch.Tensor):
+    """The model's embedding and rotary tables for one step: ``hidden [B, 1, H]``, ``cos``/``sin``
+    ``[B, 1, 1, D]``. A function of the model's own modules, so that compiled with the layers it is
+    one or two kernels instead of the rotary module's ~8 eager ones (casts, cat, cos, sin, scales)."""
+    hidden = embed(token)
+    cos, sin = rotary(hidden, position)
+    return hidden, cos.unsqueeze(1), sin.unsqueeze(1)
+
+
+def argmax_chunks(vocab: int) -> int:
+    """How many equal chunks :func:`greedy_tokens` splits a vocabulary row into: the largest divisor
+    of ``vocab`` up to 256 that leaves at least 64 entries per chunk (1: a plain argmax)."""
+    return max(d for d in range(1, 257) if vocab % d == 0 and vocab // d >= 64) if vocab >= 64 else 1
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The greedy tokens of ``logits [B, V]`` as ``[B, 1]``: exactly ``logits.argmax(-1, keepdim=True)``
+    (the first maximal index on ties), in two stages.
+
+    Why: torch's argmax over a row of 128,256 logits runs one thread block per row, 36 µs of a 5.65 ms
+    step on the H200 at batch 1 and 16 alike (reports/h200-2026-12-03f/minimal_step.json), and
+    inductor does not split arg-reductions. Each chunk's first maximum (``max`` returns the first
+    index on ties), then the first chunk holding the row's maximum, give the row's first maximum:
+    the same token, from ``B x chunks`` parallel reductions. The logits stay in the model dtype."""
+    bsz, vocab = logits.shape
+    chunks = argmax_chunks(vocab)
+    if chunks == 1:
+        return logits.argmax(dim=-1, keepdim=True)
+    width = vocab // chunks
+    best, where = logits.view(bsz, chunks, width).max(dim=-1)  # [B, chunks] each: first maximum per chunk
+    chunk = best.argmax(dim=-1, keepdim=True)  # [B, 1]: the first chunk holding the row's maximum
+    return chunk * width + where.gather(-1, chunk)
+
+
+def record_token(logits: torch.Tensor, token: torch.Tensor, position: torch.Tensor, outputs: torch.Tensor,
+                 column: torch.Tensor) -> None:
+    """A decode step's bookkeeping after the model, on the device: the greedy token becomes the next
+    step's input ``token [B, 1]`` and column ``column [1]`` of ``outputs [B, n]``; ``position [B, 1]``
+    advances. One function so that compiled with the layers its writes fuse into the argmax's last
+    kernel instead of a kernel each."""
+    nxt = greedy_tokens(logits)
+    outputs.index_copy_(1, column, nxt)
+    token.copy_(nxt)
+    position.add_(1)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -119,7 +165,9 @@ class LlamaFamilyStep:
     ``compile="layers"`` runs :func:`attention_inputs` and :func:`layer_output` through
     ``torch.compile`` (one compiled graph each, shared by all layers): inductor fuses the norms,
     RoPE, residual adds and the activation, which eagerly are ~20 small kernels per layer. The
-    store's writes and attention stay outside (their kernels are already single launches).
+    store's writes and attention stay outside (their kernels are already single launches). The
+    step's own work around the layers is compiled too: :func:`step_inputs`, the final norm and
+    :func:`record_token` (the decoder's bookkeeping, :attr:`record`).
     ``"reduce-overhead"`` leaves the layers eager here: :class:`kvlab.engine.fast.FastDecoder`
     compiles the whole step with torch's own CUDA graphs instead of capturing one itself.
     """
@@ -149,19 +197,22 @@ class LlamaFamilyStep:
         if any(type(la.mlp.act_fn) is not type(self.act) for la in self.layers):
             raise EngineError("the fast engine needs one activation function in every layer: use --engine hf")
         self.compile = compile
-        self._inputs, self._output = attention_inputs, layer_output
+        self.final_eps = norm_eps(self.norm)
+        self._start, self._inputs, self._output, self._norm = step_inputs, attention_inputs, layer_output, _rms
+        self.record = record_token
         if compile == "layers":  # dynamic=False: one shape per engine; the graph fixes it anyway
+            self._start = torch.compile(step_inputs, dynamic=False)
             self._inputs = torch.compile(attention_inputs, dynamic=False)
             self._output = torch.compile(layer_output, dynamic=False)
+            self._norm = torch.compile(_rms, dynamic=False)
+            self.record = torch.compile(record_token, dynamic=False)
 
     @property
     def num_layers(self) -> int:
         return len(self.layers)
 
     def __call__(self, token: torch.Tensor, position: torch.Tensor, kv) -> torch.Tensor:
-        hidden = self.embed(token)  # [B, 1, H]
-        cos, sin = self.rotary(hidden, position)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, 1, D]
+        hidden, cos, sin = self._start(self.embed, self.rotary, token, position)  # [B, 1, H], [B, 1, 1, D]
         kv.begin()
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
@@ -171,4 +222,4 @@ class LlamaFamilyStep:
             hidden = self._output(hidden, out, attn.o_proj.weight, attn.o_proj.bias,
                                   layer.post_attention_layernorm.weight, eps_post,
                                   *self.gate_up[i], mlp.down_proj.weight, mlp.down_proj.bias, self.act)
-        return self.lm_head(rms_norm(self.norm, hidden))[:, -1]
+        return self.lm_head(self._norm(hidden, self.norm.weight, self.final_eps))[:, -1]

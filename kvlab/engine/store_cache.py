@@ -46,9 +46,9 @@ class StoreLayer(StoredLengthMixin, DynamicLayer):
         self.stored_tokens = end
         if isinstance(self.store, DenseStore):
             keys, values = self.store.keys[self.layer][rows], self.store.values[self.layer][rows]
-            keys[:, start:end].copy_(key_states.transpose(1, 2))
-            values[:, start:end].copy_(value_states.transpose(1, 2))
-            return keys[:, :end].transpose(1, 2), values[:, :end].transpose(1, 2)
+            keys[:, :, start:end].copy_(key_states)
+            values[:, :, start:end].copy_(value_states)
+            return keys[:, :, :end], values[:, :, :end]
         slots = torch.arange(start, end, device=key_states.device)
         kstore, vstore = self.store.keys[self.layer].rows(rows), self.store.values[self.layer].rows(rows)
         quantize_write(kstore, key_states.contiguous(), slots)

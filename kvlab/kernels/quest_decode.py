@@ -69,7 +69,7 @@ def quest_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
                            out: torch.Tensor | None = None, workspace: QuestWorkspace | None = None,
                            backend: str = "auto") -> torch.Tensor:
     """Attention of ``q [B, Hq, D]`` over the selected ``pages [B, Hkv, k]`` of ``keys``/``values``
-    (``[B, H, C, D]`` with ``token_dim=2``, the fast engine's ``[B, C, H, D]`` with ``token_dim=1``);
+    (``[B, H, C, D]`` with ``token_dim=2``, the fast engine's dense store; ``[B, C, H, D]`` with ``token_dim=1``);
     ``q.dtype`` from the kernel, float32 from the reference."""
     if backend not in BACKENDS:
         raise FormatError(f"backend must be one of {', '.join(BACKENDS)}, not {backend!r}")

@@ -4,8 +4,8 @@ Split-K over the selected list: grid ``(B * Hkv, num_splits)``; program ``(b, h,
 ``[s * per, min((s + 1) * per, k))`` of row ``pages[b, h]`` (``-1``: no page, skipped by masking), one
 page of ``P`` tokens per iteration, for all ``GQ`` query heads of the KV head (``BLOCK_H >= 16`` rows,
 ``tl.dot`` on float16 operands, float32 online softmax), tokens past the row's length masked.
-K/V are read in place through their strides, so both the fast engine's dense ``[B, C, Hkv, D]``
-buffers and ``[B, Hkv, C, D]`` stores work. The partials are merged by
+K/V are read in place through their strides, so both ``[B, C, Hkv, D]`` buffers and ``[B, Hkv, C, D]``
+stores (the fast engine's dense store) work. The partials are merged by
 :func:`kvlab.kernels.merge_triton.merge_partials` (a split whose entries are all ``-1`` saw nothing).
 """
 
