@@ -93,11 +93,16 @@ class LaunchConfig:
 # (reports/h200-2026-12-03e/kernels/tune.json, best geometric mean over batch 1/16/32): 128 slots per
 # block, 3 stages, 2 programs per SM; against the default geometry int4-g64 0.66x/0.61x/0.81x the time
 # at batch 1/16/32 and fp8 (now fold, was split) 0.73x/0.74x/0.77x. The other int formats keep the
-# default geometry (not tuned).
+# default geometry (not tuned). Since 2026-12-05 fp8 and int4-g64 run the ``warp_asm`` kernel
+# (:mod:`kvlab.kernels.decode_warp`: each warp its own split, 16-bit code words) at that geometry: on
+# an H100 at the default geometry it took 0.71-0.94x fold_asm's time for int4-g64 and 0.79-0.86x
+# fold's for fp8 at batch 1/16/32, and in the fast engine at batch 16 (the tuned geometry) its
+# attention kernels read at 0.71x (int4-g64) and 0.94x (fp8) a copy of the same bytes
+# (reports/h100-2026-12-05). int4-g32 (slower) and int4-g128 (slower at batch 1) stay on fold_asm.
 TUNED_CONFIGS: dict[str, LaunchConfig] = {
     **{f"int4-g{g}": LaunchConfig(variant="fold_asm") for g in (32, 128)},
-    "int4-g64": LaunchConfig(block_n=128, num_warps=4, num_stages=3, programs_per_sm=2, variant="fold_asm"),
-    "fp8": LaunchConfig(block_n=128, num_warps=4, num_stages=3, programs_per_sm=2, variant="fold"),
+    "int4-g64": LaunchConfig(block_n=128, num_warps=4, num_stages=3, programs_per_sm=2, variant="warp_asm"),
+    "fp8": LaunchConfig(block_n=128, num_warps=4, num_stages=3, programs_per_sm=2, variant="warp_asm"),
     **{f"int2-g{g}": LaunchConfig(variant="fold") for g in (64, 128)},
 }
 
