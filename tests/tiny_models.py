@@ -5,19 +5,24 @@ import dataclasses
 import torch
 
 
-def load_tiny_d32():
+def load_tiny_d32(dtype=torch.float32, init_range: float | None = None):
     """tiny-llama with head_dim 32: the preset's 16 is smaller than the smallest int group (32), so
-    this is the tiny model every quantized format of the registry can store."""
+    this is the tiny model every quantized format of the registry can store (``dtype``: its weights'
+    and activations' dtype, e.g. bfloat16 as on the GPU; ``init_range``: the weights' init std, the
+    config's 0.02 when None)."""
     from transformers import AutoModelForCausalLM
 
     from kvlab.models import LoadedModel, preset_config, spec_from_config
 
     config = preset_config("tiny-llama")
     config.head_dim = 32
+    if init_range is not None:
+        config.initializer_range = init_range
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
-    return LoadedModel(model, None, spec_from_config(config, name="tiny-llama-d32", dtype="float32"),
-                       "synthetic", "tiny-llama-d32", "cpu", "float32")
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
+    name = str(dtype).removeprefix("torch.")
+    return LoadedModel(model, None, spec_from_config(config, name="tiny-llama-d32", dtype=name),
+                       "synthetic", "tiny-llama-d32", "cpu", name)
 
 
 

@@ -16,14 +16,27 @@ from kvlab.engine.generation import fork_cache, forward, greedy_decode, position
 from kvlab.policies import cache_stats
 from kvlab.policies.base import hf_model
 
+FEEDS = ("batched", "stepwise")
+
 
 class HFDecoder:
-    """One generation in a policy's transformers cache: prefill into it, then greedy decode in it."""
+    """One generation in a policy's transformers cache: prefill into it, then greedy decode in it.
 
-    def __init__(self, model, cache, prefill_stats: dict[str, Any] | None = None):
+    ``feed``: how :meth:`feed` appends its tokens: ``batched`` (one forward, the default) or
+    ``stepwise`` (one forward per token, as the fast engine feeds). Same storage and the same codes
+    for everything before the fed tokens; only the float rounding of the fed tokens' own K/V differs.
+    In a quantized store that rounding moves codes across rounding boundaries and the difference
+    grows layer by layer (issue #28), so ``stepwise`` against ``batched`` is the yardstick of the
+    noise any two implementations of one format show (``benchmarks/quality_engines.py``'s ``hf1``).
+    """
+
+    def __init__(self, model, cache, prefill_stats: dict[str, Any] | None = None, feed: str = "batched"):
+        if feed not in FEEDS:
+            raise ValueError(f"feed={feed!r}: use one of {', '.join(FEEDS)}")
         self.model = model
         self.cache = cache
         self._prefill_stats = prefill_stats
+        self.feed_mode = feed
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, chunk: int | None = None, rows: int | None = None) -> torch.Tensor:
@@ -35,11 +48,18 @@ class HFDecoder:
 
     @torch.no_grad()
     def feed(self, input_ids: torch.Tensor, start_position: int | torch.Tensor) -> torch.Tensor:
-        """Teacher forcing: ``input_ids [B, n]`` appended to the cache in one forward at positions
-        ``start_position, ...``; the logits ``[B, n, V]`` (float32). Each token attends what the
-        cache returns for the tokens before it and itself (a quantized layer: the stored codes)."""
+        """Teacher forcing: ``input_ids [B, n]`` appended to the cache in one forward (``stepwise``:
+        one per token) at positions ``start_position, ...``; the logits ``[B, n, V]`` (float32). Each
+        token attends what the cache returns for the tokens before it and itself (a quantized
+        layer: the stored codes)."""
         ids = torch.as_tensor(input_ids, device=next(self.model.parameters()).device)
         ids = ids.reshape(-1, ids.shape[-1])
+        if self.feed_mode == "stepwise":
+            return torch.cat([self._forward(ids[:, j:j + 1], start_position + j) for j in range(ids.shape[1])], dim=1)
+        return self._forward(ids, start_position)
+
+    def _forward(self, ids: torch.Tensor, start_position: int | torch.Tensor) -> torch.Tensor:
+        """One forward of ``ids`` through the cache from ``start_position``: the logits (float32)."""
         seen = self.cache.get_seq_length()
         if isinstance(start_position, int) and seen != start_position:
             raise RuntimeError(f"the cache reports {seen} tokens seen, feeding at {start_position}: its "
@@ -73,13 +93,17 @@ class HFDecoder:
 
 
 class HFEngine:
-    """Decoders that run transformers' forward in the policy's own cache; nothing is held between runs."""
+    """Decoders that run transformers' forward in the policy's own cache; nothing is held between runs.
+    ``feed``: how its decoders feed tokens (:class:`HFDecoder`; ``stepwise`` is the noise yardstick)."""
 
     name = "hf"
 
-    def __init__(self, loaded):
+    def __init__(self, loaded, feed: str = "batched"):
+        if feed not in FEEDS:
+            raise ValueError(f"feed={feed!r}: use one of {', '.join(FEEDS)}")
         self.loaded = loaded
         self.model = hf_model(loaded)
+        self.feed = feed
 
     def storage_policy(self, policy):
         """The policy whose cache the prefill fills (and whose warm-up runs): the policy itself."""
@@ -87,13 +111,13 @@ class HFEngine:
 
     def decoder(self, policy, batch: int, ctx: int, new_tokens: int) -> HFDecoder:
         """A decoder with a fresh cache of ``policy`` (built before a measured window opens)."""
-        return HFDecoder(self.model, policy.make_cache(self.model))
+        return HFDecoder(self.model, policy.make_cache(self.model), feed=self.feed)
 
     def decoder_for_cache(self, policy, cache, new_tokens: int, prefill_stats: dict[str, Any] | None = None) -> HFDecoder:
         """A decoder that goes on in ``cache``, already prefilled (e.g. a context, then a question
         appended uncompressed). ``prefill_stats``: what :meth:`HFDecoder.stats` reports for the
         prefill (the cache before the question); None: the cache as it is now."""
-        return HFDecoder(self.model, cache, prefill_stats)
+        return HFDecoder(self.model, cache, prefill_stats, feed=self.feed)
 
     def release(self) -> bool:
         """Nothing is held between runs: False."""

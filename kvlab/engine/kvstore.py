@@ -341,10 +341,12 @@ QUANT_ATTENTION = ("auto", "fused", "dequantize")
 class QuantizedStore(SlotStore):
     """Per-layer K/V in a :mod:`kvlab.kernels` format (``[B, Hkv, C_l, ...]`` codes and scales).
 
-    The new token is quantized on write (one Triton launch per tensor on CUDA). Attention is
-    ``fused`` (the split-K Triton kernel reads the codes; the float32 reference on CPU) or
-    ``dequantize``: the whole store converted to the model dtype, then masked SDPA, i.e. what an
-    implementation without a fused kernel does, kept as the explicit baseline.
+    The new token is quantized on write (one Triton launch per tensor on CUDA), before it attends,
+    as ``hf``'s :class:`~kvlab.policies.quantized.kvq_layers.KVQLayer` does. Attention is ``fused``
+    (the split-K Triton kernel reads the codes: float16 operands, float32 accumulation and softmax;
+    the float32 reference on CPU) or ``dequantize``: the whole store converted to the model dtype,
+    then masked SDPA, i.e. what an implementation without a fused kernel does (``hf``'s arithmetic),
+    kept as the explicit baseline.
     """
 
     def __init__(self, layout: Layout, kv_format: str, num_heads: int, dtype, device, scale: float,

@@ -10,6 +10,23 @@ transformers' quantized layers and kvlab's fast engine do (its prefill runs unqu
 On the ``fast`` engine the same formats are stored in static buffers and read by the fused kernels
 (:mod:`kvlab.engine.kvstore`); both engines dequantize the same codes.
 
+Format semantics, the same on both engines (issue #28, reports/cpu-quality-engines-2026-12-05): the
+prompt is quantized after its own prefill attention (exact K/V); every later token (a question, a
+gold answer, a reply) is quantized before it attends, itself included; no token is kept unquantized
+(no residual window). Codes, scales (int: float16 scale and zero per group, the zero rounded down
+and the scale up; fp8: a float32 scale per token) and rounding (``floor(v + 0.5)``) are the format
+object's (``fast``'s CUDA write kernel repeats its steps); on CPU the prompt's stored bits are equal
+on both engines. Only attention's arithmetic differs: here the codes are dequantized in float32,
+rounded to the model dtype and attended by transformers' SDPA in that dtype; ``fast`` attends in
+float32 on CPU (the reference) and with float16 operands and float32 accumulation on CUDA, never
+rounding a dequantized value. On SmolLM2's own q/K/V in bf16 each path's attention error against
+float64 over the same codes is a small share of the format's own error (this path 1.7% for int4-g64
+and 6.6% for fp8, medians over layers; the bf16 rounding of the output alone 0.8% / 3.4%; the Triton
+kernels under the interpreter, first three layers, 1.8% / 12%). Those rounding differences still
+move codes of the tokens stored after the prompt across rounding boundaries, and the moves grow
+layer by layer, as between any two implementations (hf fed in one forward or token by token alike):
+compare the engines' quality over many items (``benchmarks/quality_engines.py``), not item by item.
+
 :class:`EvictingKVQLayer` evicts at prefill (:class:`kvlab.policies.cache.EvictionMixin`) and
 quantizes the kept K/V.
 """
