@@ -19,6 +19,7 @@ import time
 from contextlib import contextmanager
 
 import torch
+from torch.nn.attention.bias import CausalBias
 
 import kvlab.policies.kvzip as kvzip
 from kvlab.engine.engines import make_engine
@@ -27,19 +28,36 @@ from kvlab.models import load_model
 from kvlab.policies import make_policy
 
 
+def mask_form(mask) -> list | str | None:
+    """None, ``"lower_right"`` (torch's causal bias: no mask materialized on CUDA) or ``[shape, dtype]``."""
+    if mask is None:
+        return None
+    if isinstance(mask, CausalBias):
+        return "lower_right"
+    return [list(mask.shape), str(mask.dtype).replace("torch.", "")]
+
+
 @contextmanager
 def counted_sdpa(rows: list):
-    """Record every SDPA call: query and key shapes, the mask's shape and dtype, is_causal, enable_gqa."""
+    """Record every SDPA call kvlab or transformers makes (not those torch makes inside one): query and
+    key shapes, the mask's form and bytes, is_causal, enable_gqa."""
     fn = torch.nn.functional.scaled_dot_product_attention
+    depth = [0]
 
     def recording(query, key, value, attn_mask=None, *args, **kwargs):
-        mask = attn_mask
-        rows.append({"q": list(query.shape), "k": list(key.shape),
-                     "mask": None if mask is None else [list(mask.shape), str(mask.dtype).replace("torch.", "")],
-                     "mask_bytes": 0 if not isinstance(mask, torch.Tensor) else mask.numel() * mask.element_size(),
-                     "is_causal": bool(kwargs.get("is_causal", False)),
-                     "gqa": bool(kwargs.get("enable_gqa", False))})
-        return fn(query, key, value, attn_mask, *args, **kwargs)
+        if depth[0] == 0:
+            rows.append({"q": list(query.shape), "k": list(key.shape), "mask": mask_form(attn_mask),
+                         "mask_bytes": 0 if mask_form(attn_mask) in (None, "lower_right")
+                         else attn_mask.numel() * attn_mask.element_size(),
+                         "is_causal": bool(kwargs.get("is_causal", False)),
+                         "gqa": bool(kwargs.get("enable_gqa", False))})
+        depth[0] += 1
+        try:
+            if isinstance(attn_mask, CausalBias):  # its __torch_function__ only knows torch's own function
+                return CausalBias._dispatch(query, key, value, attn_mask, *args, **kwargs)
+            return fn(query, key, value, attn_mask, *args, **kwargs)
+        finally:
+            depth[0] -= 1
 
     torch.nn.functional.scaled_dot_product_attention = recording
     try:
@@ -110,9 +128,11 @@ def measure(loaded, method: str, ctx: int, batch: int, rows: int, chunk_size: in
     out["forward_tokens"] = sum(b * t for b, t in out["forwards"])
     out["context_s"] = out["prefill_s"] - out["reconstruction_s"]
     out["sdpa_calls"] = len(calls)
-    out["masked_calls"] = sum(c["mask"] is not None for c in calls)
+    out["masked_calls"] = sum(isinstance(c["mask"], list) for c in calls)
     out["max_mask_bytes"] = max((c["mask_bytes"] for c in calls), default=0)
-    out["repeated_kv_calls"] = sum(c["k"][1] == c["q"][1] and c["mask"] is not None for c in calls)
+    grouped = loaded.spec.num_kv_heads < loaded.spec.num_attention_heads
+    out["repeated_kv_calls"] = sum(grouped and c["k"][1] == c["q"][1] for c in calls)  # K/V copied per query head
+    out["lower_right_calls"] = sum(c["mask"] == "lower_right" for c in calls)
     out["sdpa_kinds"] = sorted({json.dumps({k: c[k] for k in ("mask", "is_causal", "gqa")}) for c in calls})
     return out
 
@@ -147,7 +167,7 @@ def main(argv=None) -> None:
                           f"(context {r['context_s']:6.2f}, reconstruction {r['reconstruction_s']:6.2f}, "
                           f"scoring {r['scoring_s']:6.2f}); forwards {len(r['forwards'])} "
                           f"tokens {r['forward_tokens']}; sdpa {r['sdpa_calls']} masked {r['masked_calls']} "
-                          f"max mask {r['max_mask_bytes'] / 2**20:.1f} MiB", flush=True)
+                          f"max mask {r['max_mask_bytes'] / 2**20:.1f} MiB; K/V repeated {r['repeated_kv_calls']}", flush=True)
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(results, f, indent=1)
