@@ -198,9 +198,10 @@ def test_kvzip_reconstruction_runs_inside_the_prefill_call(lm):
 
 def test_kvzip_repeat_forwards_may_use_a_masked_sdpa_backend_under_a_flash_pin(lm):
     """A sweep with sdpa_backend: flash pins SDPA to flash for the whole prefill; KVzip's repeat
-    forwards attend with an explicit mask, which CUDA's flash kernel cannot take ("No available
-    kernel" on the H200, 2026-12-03f; CPU's flash takes masks, so the failure does not show here):
-    the repeat forwards re-open the backends that take a mask, the prompt's forward stays pinned."""
+    forwards attended with an explicit mask, which CUDA's flash kernel cannot take ("No available
+    kernel" on the H200, 2026-12-03f; CPU's flash takes masks, so the failure does not show here).
+    They now attend lower-right with no mask (flash takes that: tests/test_kvzip_cost.py) and still
+    re-open the other backends for inputs flash cannot take; the prompt's forward stays pinned."""
     from kvlab.measure import sdpa_context
 
     seen = []

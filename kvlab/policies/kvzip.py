@@ -19,9 +19,16 @@ top-k over every layer and head) through masked keys; per head inside each layer
 ``adakv(scorer=kvzip, alpha_safeguard=0)``, which is kvpress's ``layerwise=True``.
 
 Cost: the reconstruction forwards run inside the prefill call (a forward hook on the decoder), so
-TTFT and prefill energy include them: about one more prefill of the prompt plus the repeat
-prompts. kvpress also leaves the first ``prefix_length`` tokens (the chat template's system/user
-header it inserts) unscored; kvlab's prompts are plain token ids, so scoring starts at 0.
+TTFT and prefill energy include them: one forward per chunk (per row group with the fast engine's
+``prefill_rows``), the prompt's tokens again plus the repeat prompts, each chunk's queries over the
+whole cached prompt (about twice a causal prefill's attention), plus the float32 scoring (a
+``q x (chunk + q)`` attention per chunk and layer). The repeat forwards attend lower-right causal
+with no mask (:func:`reconstruction_forward`): with transformers' explicit mask they repeated every
+K/V head per query head and kept SDPA off flash on CUDA. On CPU (benchmarks/kvzip_cost.py, SmolLM2,
+4k, chunks of 512) the prefill went from 4.2 to 2.6 full prefills.
+
+kvpress also leaves the first ``prefix_length`` tokens (the chat template's system/user header it
+inserts) unscored; kvlab's prompts are plain token ids, so scoring starts at 0.
 
 A cleaner shared hook: the prefill entry points (``kvlab.engine.generation.prefill_once`` and ``prefill``,
 the fast engine) could call ``policy.after_prefill(model, ids, cache)``, which would replace the
@@ -177,6 +184,20 @@ class ReconstructionMixin:
             self._evict(self.keys, self.values, n_kept, self.kvzip_scores, None)
 
 
+def reconstruction_forward(base_model, cache, repeat: torch.Tensor, start: int, cache_key: str) -> None:
+    """One reconstruction forward: ``repeat`` ``[B, q]`` at positions ``start..`` over the cached prompt.
+
+    The repeat tokens see the whole cached prompt and each other causally: lower-right causal
+    attention, which :func:`kvlab.policies.attention.lower_right_chunks` runs with no mask. Without
+    it transformers builds a ``[B, 1, q, n + q]`` mask, repeats every K/V head per query head (SDPA
+    takes grouped heads only without a mask on CUDA) and keeps SDPA off flash (efficient or math on
+    CUDA; "No available kernel" under a flash pin, H200 2026-12-03f). The other backends stay open
+    for inputs flash cannot take (float32 on CUDA)."""
+    positions = torch.arange(start, start + repeat.shape[1], device=repeat.device).expand(repeat.shape[0], -1)
+    with torch.no_grad(), sdpa_kernel(RECONSTRUCTION_BACKENDS), attention.lower_right_chunks(base_model):
+        base_model(input_ids=repeat, position_ids=positions, use_cache=True, **{cache_key: cache})
+
+
 def _layers(cache) -> list:
     return [layer for layer in getattr(cache, "layers", []) if isinstance(layer, ReconstructionMixin)]
 
@@ -194,12 +215,7 @@ def score_by_reconstruction(base_model, cache, ids: torch.Tensor, policy, cache_
         for start, end, repeat in reconstruction_inputs(ids, prompts, policy.chunk_size, policy.prev_postfix_size):
             for layer in layers:
                 layer._span = (start, end)
-            positions = torch.arange(n, n + repeat.shape[1], device=ids.device).expand(ids.shape[0], -1)
-            # the repeat attends the cached prompt and itself causally: an explicit mask, which a run
-            # pinned to flash SDPA (sdpa_backend: flash) cannot take ("No available kernel", H200
-            # 2026-12-03f); the scoring forwards may use any backend that takes a mask
-            with torch.no_grad(), sdpa_kernel(RECONSTRUCTION_BACKENDS):
-                base_model(input_ids=repeat, position_ids=positions, use_cache=True, **{cache_key: cache})
+            reconstruction_forward(base_model, cache, repeat, n, cache_key)
             missing = [layer.layer_idx for layer in layers if layer._scoring_keys is not None]
             if missing:
                 raise EvictionError(f"kvzip: layers {missing} got no queries in the reconstruction forward: "
