@@ -171,11 +171,13 @@ def test_kvzip_chunk_scores_rows_are_blocked_exactly():
     import kvlab.policies.kvzip as kvzip
 
     whole = kvzip_chunk_scores(q, keys, 4, 150, 4)
-    block, kvzip.ROW_BLOCK = kvzip.ROW_BLOCK, 64
+    assert kvzip.score_rows(1, 4, 146 + 700) >= 700  # one block here by default
+    block, kvzip.SCORE_BLOCK_BYTES = kvzip.SCORE_BLOCK_BYTES, 4 * 4 * (146 + 700) * 64  # 64 rows a block
     try:
-        torch.testing.assert_close(kvzip_chunk_scores(q, keys, 4, 150, 4), whole)
+        assert kvzip.score_rows(1, 4, 146 + 700) == 64
+        assert torch.equal(kvzip_chunk_scores(q, keys, 4, 150, 4), whole)
     finally:
-        kvzip.ROW_BLOCK = block
+        kvzip.SCORE_BLOCK_BYTES = block
 
 
 def test_kvzip_reconstruction_runs_inside_the_prefill_call(lm):

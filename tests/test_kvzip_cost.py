@@ -1,7 +1,8 @@
 """What KVzip's prefill costs (issue #27; it never finished a 16k warm-up on the GPU): one forward of
 the prompt plus one per context chunk, per row group of the fast engine and never more; the repeat
 tokens attend lower-right causal with no attention mask and the K/V heads as they are (the form flash
-takes on CUDA). Counts and shapes, not wall-clock timings (benchmarks/kvzip_cost.py times the phases)."""
+takes on CUDA), and the scoring's float32 transient stays within its budget. Counts and shapes,
+not wall-clock timings (benchmarks/kvzip_cost.py times the phases)."""
 
 import importlib.util
 import json
@@ -101,6 +102,17 @@ def test_one_forward_per_chunk_per_row_group(lm, monkeypatch):
     layers, heads = lm.spec.num_layers, lm.spec.num_attention_heads
     assert len(scored) == layers * len(REPEATS) * (1 + 2 + 4)  # once per layer and chunk, per group
     assert scored[: layers * len(REPEATS)] == [(4, heads, q) for q in REPEATS for _ in range(layers)]
+
+
+def test_the_scoring_transient_stays_within_its_budget():
+    """A block's float32 logits ``[B, Hq, rows, cols]`` at Llama-3.1-8B's shape, 16k in chunks of 2048
+    (cols = 4 sinks + the chunk + 2056 repeat keys): within ``SCORE_BLOCK_BYTES`` at batch 16 as at
+    batch 2 (a fixed 512 rows held 4.3 GB at batch 16)."""
+    for batch in (1, 2, 16):
+        rows = kvzip.score_rows(batch, 32, 4 + 2048 + 2056)
+        assert rows >= 1 and 4 * batch * 32 * rows * (4 + 2048 + 2056) <= kvzip.SCORE_BLOCK_BYTES
+    assert kvzip.score_rows(2, 32, 4108) >= 500  # few blocks where memory allows
+    assert kvzip.score_rows(1, 1, 10**12) == 1
 
 
 def test_the_benchmark_counts_the_phases(tmp_path):

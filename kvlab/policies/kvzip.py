@@ -54,7 +54,14 @@ from kvlab.policies.mixed import mixed_cache
 FIRST_PROMPT = "\n\nRepeat the previous context exactly."
 LATER_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
 RECONSTRUCTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-ROW_BLOCK = 512  # repeat queries scored at a time (bounds the attention transient)
+SCORE_BLOCK_BYTES = 512 * 2**20  # float32 logits scored at a time (bounds the scoring transient)
+
+
+def score_rows(bsz: int, n_heads: int, cols: int) -> int:
+    """Repeat queries scored at a time: one block's float32 logits ``[B, Hq, rows, cols]`` within
+    ``SCORE_BLOCK_BYTES`` whatever the batch (a fixed 512 rows held 4.3 GB per block at batch 16 and 16k,
+    three such tensors at once). Rows are independent, so the block size never changes a score."""
+    return max(1, SCORE_BLOCK_BYTES // (4 * bsz * n_heads * cols))
 
 
 def kvzip_chunk_scores(query: torch.Tensor, keys: torch.Tensor, start: int, end: int, n_sink: int) -> torch.Tensor:
@@ -69,14 +76,17 @@ def kvzip_chunk_scores(query: torch.Tensor, keys: torch.Tensor, start: int, end:
     sub = torch.cat([keys[:, :, :sink], keys[:, :, start:end], keys[:, :, -q_len:]], dim=2).float()
     ctx = end - start
     q = query.float().view(bsz, n_kv, groups, q_len, dim)
+    step = score_rows(bsz, n_heads, sub.shape[2])
     best = None
-    for r0 in range(0, q_len, ROW_BLOCK):
-        r1 = min(q_len, r0 + ROW_BLOCK)
-        logits = torch.einsum("bhgqd,bhkd->bhgqk", q[:, :, :, r0:r1], sub) / math.sqrt(dim)
+    for r0 in range(0, q_len, step):
+        r1 = min(q_len, r0 + step)
+        # div_ rounds as ``/`` does, without a second logits-sized transient
+        logits = torch.einsum("bhgqd,bhkd->bhgqk", q[:, :, :, r0:r1], sub).div_(math.sqrt(dim))
         rows = torch.arange(r0, r1, device=keys.device)[:, None]
         cols = torch.arange(q_len, device=keys.device)[None, :]
         logits[..., -q_len:].masked_fill_(cols > rows, float("-inf"))
         probs = torch.softmax(logits, dim=-1)[..., sink:sink + ctx]
+        del logits
         block = probs.amax(dim=(2, 3))
         best = block if best is None else torch.maximum(best, block)
     return best
