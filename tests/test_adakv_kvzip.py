@@ -170,14 +170,17 @@ def test_kvzip_chunk_scores_rows_are_blocked_exactly():
     q, keys = torch.randn(1, 4, 700, 8, generator=g), torch.randn(1, 2, 900, 8, generator=g)
     import kvlab.policies.kvzip as kvzip
 
-    whole = kvzip_chunk_scores(q, keys, 4, 150, 4)
-    assert kvzip.score_rows(1, 4, 146 + 700) >= 700  # one block here by default
-    block, kvzip.SCORE_BLOCK_BYTES = kvzip.SCORE_BLOCK_BYTES, 4 * 4 * (146 + 700) * 64  # 64 rows a block
+    budgets = dict(kvzip.SCORE_BLOCK_BYTES)
     try:
-        assert kvzip.score_rows(1, 4, 146 + 700) == 64
-        assert torch.equal(kvzip_chunk_scores(q, keys, 4, 150, 4), whole)
+        kvzip.SCORE_BLOCK_BYTES["cpu"] = 2**30
+        whole = kvzip_chunk_scores(q, keys, 4, 150, 4)
+        assert kvzip.score_rows(1, 4, 146 + 700, "cpu") >= 700  # one block
+        for rows in (64, 7, 1):
+            kvzip.SCORE_BLOCK_BYTES["cpu"] = 4 * 4 * (146 + 700) * rows
+            assert kvzip.score_rows(1, 4, 146 + 700, "cpu") == rows
+            assert torch.equal(kvzip_chunk_scores(q, keys, 4, 150, 4), whole)
     finally:
-        kvzip.SCORE_BLOCK_BYTES = block
+        kvzip.SCORE_BLOCK_BYTES.update(budgets)
 
 
 def test_kvzip_reconstruction_runs_inside_the_prefill_call(lm):

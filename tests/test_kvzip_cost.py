@@ -106,12 +106,15 @@ def test_one_forward_per_chunk_per_row_group(lm, monkeypatch):
 
 def test_the_scoring_transient_stays_within_its_budget():
     """A block's float32 logits ``[B, Hq, rows, cols]`` at Llama-3.1-8B's shape, 16k in chunks of 2048
-    (cols = 4 sinks + the chunk + 2056 repeat keys): within ``SCORE_BLOCK_BYTES`` at batch 16 as at
-    batch 2 (a fixed 512 rows held 4.3 GB at batch 16)."""
-    for batch in (1, 2, 16):
-        rows = kvzip.score_rows(batch, 32, 4 + 2048 + 2056)
-        assert rows >= 1 and 4 * batch * 32 * rows * (4 + 2048 + 2056) <= kvzip.SCORE_BLOCK_BYTES
-    assert kvzip.score_rows(2, 32, 4108) >= 500  # few blocks where memory allows
+    (cols = 4 sinks + the chunk + 2056 repeat keys): within the device's ``SCORE_BLOCK_BYTES`` at batch
+    16 as at batch 2 (a fixed 512 rows held 4.3 GB at batch 16)."""
+    cols = 4 + 2048 + 2056
+    for device in ("cuda", "cpu"):
+        for batch in (1, 2, 16):
+            rows = kvzip.score_rows(batch, 32, cols, device)
+            assert rows == 1 or 4 * batch * 32 * rows * cols <= kvzip.SCORE_BLOCK_BYTES[device]  # one row at least
+    assert kvzip.score_rows(2, 32, cols, "cuda") >= 500  # few launches where memory allows
+    assert kvzip.score_rows(2, 32, cols, "cpu") < kvzip.score_rows(2, 32, cols, "cuda")
     assert kvzip.score_rows(1, 1, 10**12) == 1
 
 
