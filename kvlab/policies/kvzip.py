@@ -24,8 +24,10 @@ TTFT and prefill energy include them: one forward per chunk (per row group with 
 whole cached prompt (about twice a causal prefill's attention), plus the float32 scoring (a
 ``q x (chunk + q)`` attention per chunk and layer). The repeat forwards attend lower-right causal
 with no mask (:func:`reconstruction_forward`): with transformers' explicit mask they repeated every
-K/V head per query head and kept SDPA off flash on CUDA. On CPU (benchmarks/kvzip_cost.py, SmolLM2,
-4k, chunks of 512) the prefill went from 4.2 to 2.6 full prefills.
+K/V head per query head and kept SDPA off flash on CUDA. On CPU, where SDPA takes masks, this changed
+little: benchmarks/kvzip_cost.py on SmolLM2 (2 shared cores) measures 3.4x a full prefill at 4k in
+chunks of 512 and 4-8x in chunks of 2048 (the float32 scoring alone is 1.7-3.7x there; on a small
+model attention, which the reconstruction does 2.5x of, is half the prefill).
 
 kvpress also leaves the first ``prefix_length`` tokens (the chat template's system/user header it
 inserts) unscored; kvlab's prompts are plain token ids, so scoring starts at 0.
