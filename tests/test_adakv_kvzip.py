@@ -170,12 +170,17 @@ def test_kvzip_chunk_scores_rows_are_blocked_exactly():
     q, keys = torch.randn(1, 4, 700, 8, generator=g), torch.randn(1, 2, 900, 8, generator=g)
     import kvlab.policies.kvzip as kvzip
 
-    whole = kvzip_chunk_scores(q, keys, 4, 150, 4)
-    block, kvzip.ROW_BLOCK = kvzip.ROW_BLOCK, 64
+    budgets = dict(kvzip.SCORE_BLOCK_BYTES)
     try:
-        torch.testing.assert_close(kvzip_chunk_scores(q, keys, 4, 150, 4), whole)
+        kvzip.SCORE_BLOCK_BYTES["cpu"] = 2**30
+        whole = kvzip_chunk_scores(q, keys, 4, 150, 4)
+        assert kvzip.score_rows(1, 4, 146 + 700, "cpu") >= 700  # one block
+        for rows in (64, 7, 1):
+            kvzip.SCORE_BLOCK_BYTES["cpu"] = 4 * 4 * (146 + 700) * rows
+            assert kvzip.score_rows(1, 4, 146 + 700, "cpu") == rows
+            assert torch.equal(kvzip_chunk_scores(q, keys, 4, 150, 4), whole)
     finally:
-        kvzip.ROW_BLOCK = block
+        kvzip.SCORE_BLOCK_BYTES.update(budgets)
 
 
 def test_kvzip_reconstruction_runs_inside_the_prefill_call(lm):
@@ -198,9 +203,10 @@ def test_kvzip_reconstruction_runs_inside_the_prefill_call(lm):
 
 def test_kvzip_repeat_forwards_may_use_a_masked_sdpa_backend_under_a_flash_pin(lm):
     """A sweep with sdpa_backend: flash pins SDPA to flash for the whole prefill; KVzip's repeat
-    forwards attend with an explicit mask, which CUDA's flash kernel cannot take ("No available
-    kernel" on the H200, 2026-12-03f; CPU's flash takes masks, so the failure does not show here):
-    the repeat forwards re-open the backends that take a mask, the prompt's forward stays pinned."""
+    forwards attended with an explicit mask, which CUDA's flash kernel cannot take ("No available
+    kernel" on the H200, 2026-12-03f; CPU's flash takes masks, so the failure does not show here).
+    They now attend lower-right with no mask (flash takes that: tests/test_kvzip_cost.py) and still
+    re-open the other backends for inputs flash cannot take; the prompt's forward stays pinned."""
     from kvlab.measure import sdpa_context
 
     seen = []

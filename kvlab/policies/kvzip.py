@@ -19,9 +19,18 @@ top-k over every layer and head) through masked keys; per head inside each layer
 ``adakv(scorer=kvzip, alpha_safeguard=0)``, which is kvpress's ``layerwise=True``.
 
 Cost: the reconstruction forwards run inside the prefill call (a forward hook on the decoder), so
-TTFT and prefill energy include them: about one more prefill of the prompt plus the repeat
-prompts. kvpress also leaves the first ``prefix_length`` tokens (the chat template's system/user
-header it inserts) unscored; kvlab's prompts are plain token ids, so scoring starts at 0.
+TTFT and prefill energy include them: one forward per chunk (per row group with the fast engine's
+``prefill_rows``), the prompt's tokens again plus the repeat prompts, each chunk's queries over the
+whole cached prompt (about twice a causal prefill's attention), plus the float32 scoring (a
+``q x (chunk + q)`` attention per chunk and layer). The repeat forwards attend lower-right causal
+with no mask (:func:`reconstruction_forward`): with transformers' explicit mask they repeated every
+K/V head per query head and kept SDPA off flash on CUDA. On CPU, where SDPA takes masks, this changed
+little: benchmarks/kvzip_cost.py on SmolLM2 (2 shared cores) measures 3.4x a full prefill at 4k in
+chunks of 512 and 4-8x in chunks of 2048 (the float32 scoring alone is 1.7-3.7x there; on a small
+model attention, which the reconstruction does 2.5x of, is half the prefill).
+
+kvpress also leaves the first ``prefix_length`` tokens (the chat template's system/user header it
+inserts) unscored; kvlab's prompts are plain token ids, so scoring starts at 0.
 
 A cleaner shared hook: the prefill entry points (``kvlab.engine.generation.prefill_once`` and ``prefill``,
 the fast engine) could call ``policy.after_prefill(model, ids, cache)``, which would replace the
@@ -47,7 +56,18 @@ from kvlab.policies.mixed import mixed_cache
 FIRST_PROMPT = "\n\nRepeat the previous context exactly."
 LATER_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
 RECONSTRUCTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-ROW_BLOCK = 512  # repeat queries scored at a time (bounds the attention transient)
+SCORE_BLOCK_BYTES = {"cpu": 64 * 2**20, "cuda": 512 * 2**20}  # float32 logits scored at a time, per device type
+
+
+def score_rows(bsz: int, n_heads: int, cols: int, device_type: str = "cuda") -> int:
+    """Repeat queries scored at a time: one block's float32 logits ``[B, Hq, rows, cols]`` within
+    ``SCORE_BLOCK_BYTES`` whatever the batch. On CUDA a large block (few launches) that still bounds the
+    transient: a fixed 512 rows held 4.3 GB per block at batch 16 and 16k, three such tensors at once. On
+    CPU 64 MiB: 1.1-1.4x faster than 512 MiB at SmolLM2's head shape on 2 cores (cache-sized 4 MiB
+    blocks were 2x faster on idle cores but 3-5x slower on cores other jobs share: many small ops).
+    Rows are independent, so the block size never changes a score."""
+    budget = SCORE_BLOCK_BYTES.get(device_type, SCORE_BLOCK_BYTES["cuda"])
+    return max(1, budget // (4 * bsz * n_heads * cols))
 
 
 def kvzip_chunk_scores(query: torch.Tensor, keys: torch.Tensor, start: int, end: int, n_sink: int) -> torch.Tensor:
@@ -62,14 +82,17 @@ def kvzip_chunk_scores(query: torch.Tensor, keys: torch.Tensor, start: int, end:
     sub = torch.cat([keys[:, :, :sink], keys[:, :, start:end], keys[:, :, -q_len:]], dim=2).float()
     ctx = end - start
     q = query.float().view(bsz, n_kv, groups, q_len, dim)
+    step = score_rows(bsz, n_heads, sub.shape[2], keys.device.type)
     best = None
-    for r0 in range(0, q_len, ROW_BLOCK):
-        r1 = min(q_len, r0 + ROW_BLOCK)
-        logits = torch.einsum("bhgqd,bhkd->bhgqk", q[:, :, :, r0:r1], sub) / math.sqrt(dim)
+    for r0 in range(0, q_len, step):
+        r1 = min(q_len, r0 + step)
+        # div_ rounds as ``/`` does, without a second logits-sized transient
+        logits = torch.einsum("bhgqd,bhkd->bhgqk", q[:, :, :, r0:r1], sub).div_(math.sqrt(dim))
         rows = torch.arange(r0, r1, device=keys.device)[:, None]
         cols = torch.arange(q_len, device=keys.device)[None, :]
         logits[..., -q_len:].masked_fill_(cols > rows, float("-inf"))
         probs = torch.softmax(logits, dim=-1)[..., sink:sink + ctx]
+        del logits
         block = probs.amax(dim=(2, 3))
         best = block if best is None else torch.maximum(best, block)
     return best
@@ -177,6 +200,20 @@ class ReconstructionMixin:
             self._evict(self.keys, self.values, n_kept, self.kvzip_scores, None)
 
 
+def reconstruction_forward(base_model, cache, repeat: torch.Tensor, start: int, cache_key: str) -> None:
+    """One reconstruction forward: ``repeat`` ``[B, q]`` at positions ``start..`` over the cached prompt.
+
+    The repeat tokens see the whole cached prompt and each other causally: lower-right causal
+    attention, which :func:`kvlab.policies.attention.lower_right_chunks` runs with no mask. Without
+    it transformers builds a ``[B, 1, q, n + q]`` mask, repeats every K/V head per query head (SDPA
+    takes grouped heads only without a mask on CUDA) and keeps SDPA off flash (efficient or math on
+    CUDA; "No available kernel" under a flash pin, H200 2026-12-03f). The other backends stay open
+    for inputs flash cannot take (float32 on CUDA)."""
+    positions = torch.arange(start, start + repeat.shape[1], device=repeat.device).expand(repeat.shape[0], -1)
+    with torch.no_grad(), sdpa_kernel(RECONSTRUCTION_BACKENDS), attention.lower_right_chunks(base_model):
+        base_model(input_ids=repeat, position_ids=positions, use_cache=True, **{cache_key: cache})
+
+
 def _layers(cache) -> list:
     return [layer for layer in getattr(cache, "layers", []) if isinstance(layer, ReconstructionMixin)]
 
@@ -194,12 +231,7 @@ def score_by_reconstruction(base_model, cache, ids: torch.Tensor, policy, cache_
         for start, end, repeat in reconstruction_inputs(ids, prompts, policy.chunk_size, policy.prev_postfix_size):
             for layer in layers:
                 layer._span = (start, end)
-            positions = torch.arange(n, n + repeat.shape[1], device=ids.device).expand(ids.shape[0], -1)
-            # the repeat attends the cached prompt and itself causally: an explicit mask, which a run
-            # pinned to flash SDPA (sdpa_backend: flash) cannot take ("No available kernel", H200
-            # 2026-12-03f); the scoring forwards may use any backend that takes a mask
-            with torch.no_grad(), sdpa_kernel(RECONSTRUCTION_BACKENDS):
-                base_model(input_ids=repeat, position_ids=positions, use_cache=True, **{cache_key: cache})
+            reconstruction_forward(base_model, cache, repeat, n, cache_key)
             missing = [layer.layer_idx for layer in layers if layer._scoring_keys is not None]
             if missing:
                 raise EvictionError(f"kvzip: layers {missing} got no queries in the reconstruction forward: "
