@@ -16,6 +16,8 @@
 #   kernels   benchmarks/quant_attention.py's performance section, $VARIANTS (default fold_asm) (#28)
 #   engines   benchmarks/engines.py, fast, batch 16: full, int4 and fp8 with $VARIANTS' first (#28)
 #   minimal   benchmarks/minimal_step.py, batch 1 and 16, 5 s windows (#28)
+#   kvzip     benchmarks/kvzip_cost.py at 16k, batch 2, 2 rows: KVzip's prefill by phase, the SDPA backend
+#             of each call (#27: its 16k warm-up never finished on the H100; run before m16)
 # Usage on the lent H200 (carry .whl and .whl-tf on a fresh machine):
 #   . scripts/device/setup.sh && PARTS="adakv m16 kernels" bash scripts/device/call-2026-12-05.sh
 # Set KVLAB_GIT_SHA to the commit carried (the device copy of .git can be stale).
@@ -52,6 +54,8 @@ part kernels "$(lim kernels 60)" python3 benchmarks/quant_attention.py --skip co
 part engines "$(lim engines 170)" python3 benchmarks/engines.py --batch 16 --ctx 16384 --new-tokens 64 --repeats 1 \
   --max-decoders 1 --methods full quanto4 fp8 --engines fast --compare-steps 0 --kernel-variant "${VARIANTS%% *}" \
   --out "$out/engines-b16-fast.json"
+part kvzip "$(lim kvzip 120)" python3 benchmarks/kvzip_cost.py --model llama-3.1-8b --weights synthetic --device cuda \
+  --dtype bfloat16 --ctx 16384 --batch 2 --rows 2 --sdpa-backend flash --warmup 1 --json-out "$out/kvzip-cost.json"
 part minimal "$(lim minimal 130)" python3 benchmarks/minimal_step.py --batch 1 16 --ctx 16384 --seconds 5 --steps 200 \
   --out "$out/minimal_step.json"
 tar czf "${OUT:-/tmp/out}/h200i.tgz" "$out"
