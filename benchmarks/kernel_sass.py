@@ -126,6 +126,13 @@ def compile_kivi(variant: str, spec, head_dim: int, gqa: int, num_warps: int, nu
     return compiled.asm["cubin"], warps, per_iter
 
 
+def ring_function(variant: str):
+    """The jit helper only a KIVI variant's ring loop calls."""
+    from kvlab.kernels import kivi_triton, kivi_warp
+
+    return kivi_triton.ring_plane if variant == "kivi" else kivi_warp.ring_tile
+
+
 def kivi_rows(args, tmp: Path) -> None:
     """The ``--kivi`` table: SASS of each KIVI variant's code loop per quantized token."""
     print(f"sm_90 KIVI, head dim {args.head_dim}, GQA {args.gqa}, G {args.group}, value group {args.value_group}, "
@@ -137,7 +144,7 @@ def kivi_rows(args, tmp: Path) -> None:
             try:
                 cubin, warps, per_iter_slots = compile_kivi(variant, spec, args.head_dim, args.gqa, args.num_warps,
                                                             args.num_stages)
-                ops, _ = loop_opcodes(cubin, tmp)
+                ops = code_loop(cubin, tmp, ring_function(variant))
             except Exception as err:  # noqa: BLE001 - one failure must not hide the others
                 print(f"{label:<6} {variant:<14} FAILED {type(err).__name__}: {str(err)[:300]}")
                 continue
@@ -146,6 +153,51 @@ def kivi_rows(args, tmp: Path) -> None:
             slot_bytes = spec.token_bytes(args.head_dim)
             print(f"{label:<6} {variant:<14} {per_iter:>8} {per_slot:>8.1f} {slot_bytes / per_slot:>7.2f}  "
                   + ", ".join(f"{k} {v}" for k, v in ops.most_common(8)))
+
+
+def source_lines(fn) -> tuple[str, range]:
+    """The file and line range of a jit function's source (to tell its loop's SASS from another's)."""
+    import inspect
+
+    lines, first = inspect.getsourcelines(fn.fn)
+    return inspect.getsourcefile(fn.fn), range(first, first + len(lines))
+
+
+def loops_with_lines(cubin: bytes, tmp: Path) -> list[tuple[collections.Counter, set]]:
+    """Each backward-branch loop of the cubin's SASS (nvdisasm, with line info): its opcode counts
+    and the ``(file, line)`` pairs its instructions come from."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    tmp.write_bytes(cubin)
+    text = subprocess.run([str(tool), "--print-line-info", "-c", str(tmp)], capture_output=True, text=True,
+                          check=True).stdout.splitlines()
+    labels = {m.group(1): i for i, ln in enumerate(text) if (m := re.match(r"^(\.L_x_\d+):", ln))}
+    loops = []
+    for i, ln in enumerate(text):
+        m = re.search(r"BRA `\((\.L_x_\d+)\)", ln)
+        if not (m and labels.get(m.group(1), i) < i):
+            continue
+        ops, where, here = collections.Counter(), set(), None
+        for body in text[labels[m.group(1)]:i + 1]:
+            f = re.search(r'File "(.*?)", line (\d+)', body)
+            if f:
+                here = (f.group(1), int(f.group(2)))
+                continue
+            ins = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", body)
+            if ins:
+                ops[ins.group(1)] += 1
+                where.add(here)
+        loops.append((ops, where))
+    return loops
+
+
+def code_loop(cubin: bytes, tmp: Path, ring_fn) -> collections.Counter:
+    """Opcodes of the longest loop that runs none of ``ring_fn`` (a KIVI kernel's code loop, not its ring's)."""
+    path, span = source_lines(ring_fn)
+    loops = [ops for ops, where in loops_with_lines(cubin, tmp)
+             if not any(w and w[0] == path and w[1] in span for w in where)]
+    return max(loops, key=lambda ops: sum(ops.values()), default=collections.Counter())
 
 
 def loop_opcodes(cubin: bytes, tmp: Path) -> tuple[collections.Counter, int]:

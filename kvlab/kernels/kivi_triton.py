@@ -57,7 +57,7 @@ def _value_plane(raw, vs_ptr, vz_ptr, vgroups, P: tl.constexpr, BITS: tl.constex
 
 
 @triton.jit
-def _ring_plane(ptr, rslots, offs_j, mask_r, P: tl.constexpr, PACK: tl.constexpr, D: tl.constexpr):
+def ring_plane(ptr, rslots, offs_j, mask_r, P: tl.constexpr, PACK: tl.constexpr, D: tl.constexpr):
     return tl.load(ptr + rslots[:, None] * D + offs_j[None, :] * PACK + P, mask=mask_r[:, None],
                    other=0.0).to(tl.float16)
 
@@ -130,18 +130,18 @@ def _kivi_split_kernel(
         offs_r = r0 + tl.arange(0, BLOCK_R)
         mask_r = (offs_r < W) & ((offs_r - first + W) % W < count)
         rslots = bh.to(tl.int64) * W + offs_r
-        s = tl.dot(q0.to(tl.float16), tl.trans(_ring_plane(rk_ptr, rslots, offs_k, mask_r, 0, KPACK, D)))
-        s += tl.dot(q1.to(tl.float16), tl.trans(_ring_plane(rk_ptr, rslots, offs_k, mask_r, 1, KPACK, D)))
+        s = tl.dot(q0.to(tl.float16), tl.trans(ring_plane(rk_ptr, rslots, offs_k, mask_r, 0, KPACK, D)))
+        s += tl.dot(q1.to(tl.float16), tl.trans(ring_plane(rk_ptr, rslots, offs_k, mask_r, 1, KPACK, D)))
         if KPACK == 4:
-            s += tl.dot(q2.to(tl.float16), tl.trans(_ring_plane(rk_ptr, rslots, offs_k, mask_r, 2, KPACK, D)))
-            s += tl.dot(q3.to(tl.float16), tl.trans(_ring_plane(rk_ptr, rslots, offs_k, mask_r, 3, KPACK, D)))
+            s += tl.dot(q2.to(tl.float16), tl.trans(ring_plane(rk_ptr, rslots, offs_k, mask_r, 2, KPACK, D)))
+            s += tl.dot(q3.to(tl.float16), tl.trans(ring_plane(rk_ptr, rslots, offs_k, mask_r, 3, KPACK, D)))
         s = tl.where(mask_r[None, :], s * qk_scale, float("-inf"))
         m_i, l_i, alpha, p = _online(m_i, l_i, s)
-        acc0 = acc0 * alpha[:, None] + tl.dot(p, _ring_plane(rv_ptr, rslots, offs_v, mask_r, 0, VPACK, D))
-        acc1 = acc1 * alpha[:, None] + tl.dot(p, _ring_plane(rv_ptr, rslots, offs_v, mask_r, 1, VPACK, D))
+        acc0 = acc0 * alpha[:, None] + tl.dot(p, ring_plane(rv_ptr, rslots, offs_v, mask_r, 0, VPACK, D))
+        acc1 = acc1 * alpha[:, None] + tl.dot(p, ring_plane(rv_ptr, rslots, offs_v, mask_r, 1, VPACK, D))
         if VPACK == 4:
-            acc2 = acc2 * alpha[:, None] + tl.dot(p, _ring_plane(rv_ptr, rslots, offs_v, mask_r, 2, VPACK, D))
-            acc3 = acc3 * alpha[:, None] + tl.dot(p, _ring_plane(rv_ptr, rslots, offs_v, mask_r, 3, VPACK, D))
+            acc2 = acc2 * alpha[:, None] + tl.dot(p, ring_plane(rv_ptr, rslots, offs_v, mask_r, 2, VPACK, D))
+            acc3 = acc3 * alpha[:, None] + tl.dot(p, ring_plane(rv_ptr, rslots, offs_v, mask_r, 3, VPACK, D))
 
     has = l_i > 0
     inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)

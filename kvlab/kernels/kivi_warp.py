@@ -47,7 +47,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvlab.kernels.decode_reduce import query_planes, split_state, store_plane
 from kvlab.kernels.decode_warp import INT4_WORDS_PTX
 
 # $8: two int16 words of eight 2-bit codes each (first word in the low half); $0..$7: plane P (bits
@@ -134,53 +133,51 @@ def word_planes(w, BITS: tl.constexpr, ASM: tl.constexpr):
 
 # -- keys: the query folded per group ----------------------------------------------------------------
 @triton.jit
-def _q_plane(q_rows, mask_h, P: tl.constexpr, KP: tl.constexpr, KW: tl.constexpr):
-    """Query elements ``word * KP + P`` (``KW`` words) as float32 ``[KW, GP]`` (the fold's layout)."""
-    d = tl.arange(0, KW) * KP + P
-    return tl.trans(tl.load(q_rows[:, None] + d[None, :], mask=mask_h[:, None], other=0.0).to(tl.float32))
+def _plane_major(KP: tl.constexpr, KW: tl.constexpr):
+    """Head-dim element of each position ``k = P * KW + word`` of the key product's depth: planes
+    one after the other, each ``KW`` deep (``word * KP + P``)."""
+    k = tl.arange(0, KP * KW)
+    return (k % KW) * KP + k // KW
 
 
 @triton.jit
-def _fold_plane(qt, ks, kz, goff, P: tl.constexpr, KP: tl.constexpr, KW: tl.constexpr, BITS: tl.constexpr,
-                qk_scale):
-    """Plane ``P`` of each warp's group folded: ``(qf [W, KW, GP] float16, bias [W, GP])`` with
-    ``qf = qk L q s`` and ``bias = qk q . z - sum qf`` (``goff [W]``: the groups' first scale)."""
-    offs = goff[:, None] + (tl.arange(0, KW) * KP + P)[None, :]
+def _fold(qu, qz, ks, kz, goff, dk):
+    """Each warp's group folded into the query: ``(qf [W, D, GP] float16, bias [W, GP])`` with
+    ``qf = qk L q s`` and ``bias = qk q . z - sum qf`` (the float16 ``qf`` the product sees, so the
+    ``1`` of ``u`` cancels exactly). ``qu = qk L q``, ``qz = qk q``: ``[D, GP]`` in plane-major depth
+    order ``dk``; ``goff [W]``: the groups' first scale."""
+    offs = goff[:, None] + dk[None, :]
     sc = tl.load(ks + offs).to(tl.float32)
     zr = tl.load(kz + offs).to(tl.float32)
-    qf = (qt[None, :, :] * (sc * (qk_scale * _unit(P, BITS)))[:, :, None]).to(tl.float16)
-    bias = tl.sum(qt[None, :, :] * (zr * qk_scale)[:, :, None] - qf.to(tl.float32), 1)
+    qf = (qu[None, :, :] * sc[:, :, None]).to(tl.float16)
+    bias = tl.sum(qz[None, :, :] * zr[:, :, None] - qf.to(tl.float32), 1)
     return qf, bias
 
 
 @triton.jit
-def _key_scores(kc, ks, kz, slots, goff, q0, q1, q2, q3, q4, q5, q6, q7, qk_scale,
+def _planes_along_k(w, BITS: tl.constexpr, ASM: tl.constexpr):
+    """The planes of a key word tile ``[W, BW, KW]`` side by side along the depth: ``[W, BW, D]``,
+    position ``P * KW + word`` (one product of depth D instead of one per plane)."""
+    u0, u1, u2, u3, u4, u5, u6, u7 = word_planes(w, BITS, ASM)
+    if BITS == 2:
+        # [W, BW, word, a, b, c] holds plane 4a + 2b + c (each join adds the last dim)
+        t = tl.join(tl.join(tl.join(u0, u4), tl.join(u2, u6)), tl.join(tl.join(u1, u5), tl.join(u3, u7)))
+        t = tl.permute(t, (0, 1, 3, 4, 5, 2))
+    else:  # [W, BW, word, a, b] holds plane 2a + b
+        t = tl.join(tl.join(u0, u2), tl.join(u1, u3))
+        t = tl.permute(t, (0, 1, 3, 4, 2))
+    return tl.reshape(t, [w.shape[0], w.shape[1], w.shape[2] * (16 // BITS)])
+
+
+@triton.jit
+def _key_scores(kc, ks, kz, slots, goff, qu, qz, dk,
                 KP: tl.constexpr, KW: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
     """Scaled scores ``[W, GP, BW]`` (base 2) of the warps' tokens ``slots [W, BW]``."""
-    f0, b0 = _fold_plane(q0, ks, kz, goff, 0, KP, KW, BITS, qk_scale)
-    f1, b1 = _fold_plane(q1, ks, kz, goff, 1, KP, KW, BITS, qk_scale)
-    f2, b2 = _fold_plane(q2, ks, kz, goff, 2, KP, KW, BITS, qk_scale)
-    f3, b3 = _fold_plane(q3, ks, kz, goff, 3, KP, KW, BITS, qk_scale)
-    bias = b0 + b1 + b2 + b3
-    if KP == 8:
-        f4, b4 = _fold_plane(q4, ks, kz, goff, 4, KP, KW, BITS, qk_scale)
-        f5, b5 = _fold_plane(q5, ks, kz, goff, 5, KP, KW, BITS, qk_scale)
-        f6, b6 = _fold_plane(q6, ks, kz, goff, 6, KP, KW, BITS, qk_scale)
-        f7, b7 = _fold_plane(q7, ks, kz, goff, 7, KP, KW, BITS, qk_scale)
-        bias += b4 + b5 + b6 + b7
+    qf, bias = _fold(qu, qz, ks, kz, goff, dk)
     w = tl.load(kc + slots[:, :, None] * KW + tl.arange(0, KW)[None, None, :])
-    u0, u1, u2, u3, u4, u5, u6, u7 = word_planes(w, BITS, ASM)
+    u = _planes_along_k(w, BITS, ASM)
     part = tl.broadcast_to(bias[:, None, :], [w.shape[0], w.shape[1], bias.shape[1]])
-    part = tl.dot(u0, f0, part)
-    part = tl.dot(u1, f1, part)
-    part = tl.dot(u2, f2, part)
-    part = tl.dot(u3, f3, part)
-    if KP == 8:
-        part = tl.dot(u4, f4, part)
-        part = tl.dot(u5, f5, part)
-        part = tl.dot(u6, f6, part)
-        part = tl.dot(u7, f7, part)
-    return tl.permute(part, (0, 2, 1))
+    return tl.permute(tl.dot(u, qf, part), (0, 2, 1))
 
 
 # -- values: rows per value group --------------------------------------------------------------------
@@ -223,23 +220,22 @@ def _by_group(ptr, slots, row_g, NG: tl.constexpr):
 
 
 @triton.jit
-def _block(kc, ks, kz, vc, vs, vz, slots, goff, valid, row_g, ones,
-           q0, q1, q2, q3, q4, q5, q6, q7, qk_scale,
+def _block(kc, ks, kz, vc, vs, vz, slots, goff, valid, row_g, ones, qu, qz, dk,
            m_i, l_i, zacc, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc_one,
            NG: tl.constexpr, KP: tl.constexpr, KW: tl.constexpr, KBITS: tl.constexpr,
            VP: tl.constexpr, VW: tl.constexpr, VBITS: tl.constexpr, ASM: tl.constexpr, MASKED: tl.constexpr):
     """One block (``BW`` tokens per warp, ``slots [W, BW]``): the online softmax state, updated."""
-    s = _key_scores(kc, ks, kz, slots, goff, q0, q1, q2, q3, q4, q5, q6, q7, qk_scale, KP, KW, KBITS, ASM)
+    s = _key_scores(kc, ks, kz, slots, goff, qu, qz, dk, KP, KW, KBITS, ASM)
     if MASKED:
         s = tl.where(valid[:, None, None], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 2))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, :, None])
-    l_i = l_i * alpha + tl.sum(p, 2)
+    l_i = l_i * alpha[:, :, None] + p  # summed over the tokens after the loop
     p_rows = _rows(p, NG)
     alpha_rows = _row_vec(alpha, NG)
     pv = (p_rows * _by_group(vs, slots, row_g, NG)).to(tl.float16)
-    zacc = zacc * alpha_rows + tl.sum(p_rows * _by_group(vz, slots, row_g, NG), 2)
+    zacc = zacc * alpha_rows[:, :, None] + p_rows * _by_group(vz, slots, row_g, NG)  # summed after the loop
     # the words transposed ([W, VW, BW]): the value product's first operand, tokens along k
     w = tl.load(vc + slots[:, None, :] * VW + tl.arange(0, VW)[None, :, None])
     v0, v1, v2, v3, v4, v5, v6, v7 = word_planes(w, VBITS, ASM)
@@ -281,24 +277,20 @@ def _code_split(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, part_out_
     offs_h = tl.arange(0, GP)
     mask_h = offs_h < GQ
     q_rows = q_ptr + (b * Hq + h * GQ + offs_h) * D
-    q0 = _q_plane(q_rows, mask_h, 0, KP, KW)
-    q1 = _q_plane(q_rows, mask_h, 1, KP, KW)
-    q2 = _q_plane(q_rows, mask_h, 2, KP, KW)
-    q3 = _q_plane(q_rows, mask_h, 3, KP, KW)
-    q4 = q0
-    q5 = q0
-    q6 = q0
-    q7 = q0
-    if KP == 8:
-        q4 = _q_plane(q_rows, mask_h, 4, KP, KW)
-        q5 = _q_plane(q_rows, mask_h, 5, KP, KW)
-        q6 = _q_plane(q_rows, mask_h, 6, KP, KW)
-        q7 = _q_plane(q_rows, mask_h, 7, KP, KW)
+    dk = _plane_major(KP, KW)
+    # the query [D, GP] in plane-major depth order; each position's L times the softmax scale
+    qt = tl.trans(tl.load(q_rows[:, None] + dk[None, :], mask=mask_h[:, None], other=0.0).to(tl.float32))
+    if KBITS == 2:
+        unit = tl.where((tl.arange(0, D) // KW) % 2 == 1, 4.0, 16.0)
+    else:
+        unit = tl.full([D], 16.0, tl.float32)
+    qz = qt * qk_scale
+    qu = qz * unit[:, None]
 
     # finite: a warp whose tokens are all masked keeps alpha = 1 and p = 0 (no inf - inf)
     m_i = tl.full([W, GP], -1e30, tl.float32)
-    l_i = tl.zeros([W, GP], tl.float32)
-    zacc = tl.zeros([W, ROWS], tl.float32)
+    l_i = tl.zeros([W, GP, BW], tl.float32)
+    zacc = tl.zeros([W, ROWS, BW], tl.float32)
     acc0 = tl.zeros([W, VW, ROWS], tl.float32)
     acc1 = tl.zeros([W, VW, ROWS], tl.float32)
     acc2 = tl.zeros([W, VW, ROWS], tl.float32)
@@ -328,7 +320,7 @@ def _code_split(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, part_out_
         base = n0 + first
         m_i, l_i, zacc, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc_one = _block(
             kc, ks, kz, vc, vs, vz, base[:, None] + offs_t[None, :], base // G * D, base < end, row_g, ones,
-            q0, q1, q2, q3, q4, q5, q6, q7, qk_scale, m_i, l_i, zacc,
+            qu, qz, dk, m_i, l_i, zacc,
             acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc_one, NG, KP, KW, KBITS, VP, VW, VBITS, ASM, False)
     if full_end < end:  # whole warps past the end read the split's first tokens again, then drop them
         base = full_end + first
@@ -336,20 +328,20 @@ def _code_split(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, part_out_
         base = tl.where(valid, base, start)
         m_i, l_i, zacc, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc_one = _block(
             kc, ks, kz, vc, vs, vz, base[:, None] + offs_t[None, :], base // G * D, valid, row_g, ones,
-            q0, q1, q2, q3, q4, q5, q6, q7, qk_scale, m_i, l_i, zacc,
+            qu, qz, dk, m_i, l_i, zacc,
             acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc_one, NG, KP, KW, KBITS, VP, VW, VBITS, ASM, True)
 
     # the warps' softmaxes merged (base 2); the products' offsets (the 1 of u) taken off per warp
     m = tl.max(m_i, 0)
     wgt = tl.exp2(m_i - m[None, :])
-    l_sum = tl.sum(l_i * wgt, 0)
+    l_sum = tl.sum(tl.sum(l_i, 2) * wgt, 0)
     has = l_sum > 0
     inv_l = tl.where(has, 1.0 / tl.where(has, l_sum, 1.0), 0.0)
     lse = tl.where(has, m + tl.log2(tl.where(has, l_sum, 1.0)), float("-inf"))
     part = (b * Hq + h * GQ + offs_h) * (num_splits + 1) + split
     tl.store(part_lse_ptr + part, lse, mask=mask_h)
     wgt_rows = _row_vec(wgt, NG)
-    z = tl.sum(zacc * wgt_rows, 0)
+    z = tl.sum(tl.sum(zacc, 2) * wgt_rows, 0)
     off = tl.max(acc_one, 1)
     inv_rows = tl.reshape(tl.broadcast_to(inv_l[None, :], [NG, GP]), [ROWS])
     heads = tl.arange(0, ROWS) % GP
@@ -368,10 +360,11 @@ def _code_split(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, part_out_
         _store_plane(rows, offs_c, keep, acc7, off, wgt_rows, z, inv_rows, 7, VP, VBITS)
 
 
-# -- the ring: bf16, the split kernel's loop ---------------------------------------------------------
+# -- the ring: bf16 ---------------------------------------------------------------------------------
 @triton.jit
-def _ring_tile(ptr, rslots, offs_j, mask_r, P: tl.constexpr, PACK: tl.constexpr, D: tl.constexpr):
-    return tl.load(ptr + rslots[:, None] * D + offs_j[None, :] * PACK + P, mask=mask_r[:, None],
+def ring_tile(ptr, rslots, offs_d, mask_r):
+    """Whole bf16 rows of the ring (``[BLOCK_R, D]``, contiguous) as float16, masked slots 0."""
+    return tl.load(ptr + rslots[:, None] * offs_d.shape[0] + offs_d[None, :], mask=mask_r[:, None],
                    other=0.0).to(tl.float16)
 
 
@@ -389,33 +382,36 @@ def _online(m_i, l_i, s):
 def ring_partial(q_ptr, rk_ptr, rv_ptr, part_out_ptr, part_lse_ptr, qk_scale, b, h, bh, split, Hq, W, nq,
                  length, num_splits, GQ, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr):
     """The ring's tokens ``nq .. length - 1`` (slots ``t % W``) of one KV head: its partial output and
-    log-sum-exp (bf16 tiles converted to float16, two planes of the head dim)."""
+    log-sum-exp. Whole rows per product (the split kernel multiplied strided planes), and a slot's
+    token found without a modulo (``W`` is not a constexpr)."""
     offs_h = tl.arange(0, BLOCK_H)
     mask_h = offs_h < GQ
     heads = h * GQ + offs_h
-    offs_j = tl.arange(0, D // 2)
-    q0, q1, _, _ = query_planes(q_ptr + (b * Hq + heads) * D, offs_j, mask_h, 2, tl.float16)
-    m_i, l_i, acc0, acc1, _, _ = split_state(BLOCK_H, D // 2)
+    offs_d = tl.arange(0, D)
+    q = tl.load(q_ptr + (b * Hq + heads)[:, None] * D + offs_d[None, :], mask=mask_h[:, None], other=0.0)
+    q = (q.to(tl.float32) * qk_scale).to(tl.float16)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D], tl.float32)
     first = nq % W  # ring slot of the oldest exact token
     count = length - nq
     for r0 in range(0, W, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
-        mask_r = (offs_r < W) & ((offs_r - first + W) % W < count)
+        age = offs_r - first  # the slot's token is nq + age (mod W)
+        age = tl.where(age < 0, age + W, age)
+        mask_r = (offs_r < W) & (age < count)
         rslots = bh.to(tl.int64) * W + offs_r
-        s = tl.dot(q0, tl.trans(_ring_tile(rk_ptr, rslots, offs_j, mask_r, 0, 2, D)))
-        s = tl.dot(q1, tl.trans(_ring_tile(rk_ptr, rslots, offs_j, mask_r, 1, 2, D)), s)
-        s = tl.where(mask_r[None, :], s * qk_scale, float("-inf"))
+        s = tl.dot(q, tl.trans(ring_tile(rk_ptr, rslots, offs_d, mask_r)))
+        s = tl.where(mask_r[None, :], s, float("-inf"))
         m_i, l_i, alpha, p = _online(m_i, l_i, s)
-        acc0 = tl.dot(p, _ring_tile(rv_ptr, rslots, offs_j, mask_r, 0, 2, D), acc0 * alpha[:, None])
-        acc1 = tl.dot(p, _ring_tile(rv_ptr, rslots, offs_j, mask_r, 1, 2, D), acc1 * alpha[:, None])
+        acc = tl.dot(p, ring_tile(rv_ptr, rslots, offs_d, mask_r), acc * alpha[:, None])
     has = l_i > 0
     inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     part = (b * Hq + heads) * (num_splits + 1) + split
     tl.store(part_lse_ptr + part, lse, mask=mask_h)
-    out_rows = part_out_ptr + part.to(tl.int64) * D
-    store_plane(out_rows, offs_j, mask_h, acc0, inv_l, 0, 2)
-    store_plane(out_rows, offs_j, mask_h, acc1, inv_l, 1, 2)
+    tl.store(part_out_ptr + part.to(tl.int64)[:, None] * D + offs_d[None, :], acc * inv_l[:, None],
+             mask=mask_h[:, None])
 
 
 @triton.jit(do_not_specialize=["Hq", "Hkv", "TQ", "NKG", "W", "R", "split_groups", "num_splits", "GQ"])
