@@ -29,6 +29,7 @@ BACKENDS = ("auto", "triton", "reference")
 # of kvlab.kernels.kivi_warp (a split per warp, the query folded per key group; split where it cannot
 # read the store); "warp_asm": warp with codes unpacked by inline PTX (CUDA only; warp when interpreted)
 VARIANTS = ("split", "warp", "warp_asm")
+DEFAULT_VARIANT = "split"  # what make_kivi_workspace asks for when not told (read when it runs)
 
 
 @dataclass
@@ -55,7 +56,10 @@ def plan_kivi_splits(batch: int, kv_heads: int, groups: int, sm_count: int,
 
 
 def make_kivi_workspace(q_heads: int, store: kivi.KiviStore, num_splits: int | None = None,
-                        variant: str = "split") -> KiviWorkspace:
+                        variant: str | None = None) -> KiviWorkspace:
+    """Partials for one decode step of ``store``; ``variant`` (:data:`VARIANTS`, else
+    :data:`DEFAULT_VARIANT`) is the kernel it asks for."""
+    variant = variant or DEFAULT_VARIANT
     if variant not in VARIANTS:
         raise FormatError(f"KIVI kernel variant must be one of {', '.join(VARIANTS)}, not {variant!r}")
     device = store.device
