@@ -4,6 +4,11 @@ torch reference (:func:`kvlab.kernels.kivi.attend`) elsewhere.
     ws = make_kivi_workspace(q_heads, store)        # once, before capturing a graph
     out = kivi_decode_attention(q, store, lengths, scale, workspace=ws)
 
+Two kernels read the codes (:data:`VARIANTS`): ``split`` (:mod:`kvlab.kernels.kivi_triton`, the
+default) and ``warp``/``warp_asm`` (:mod:`kvlab.kernels.kivi_warp`: a split per warp, the query
+folded per key group), picked by ``make_kivi_workspace(variant=...)``, ``kivi_decode_attention(variant=...)``
+or :data:`DEFAULT_VARIANT`.
+
 CUDA-graph capturable as :mod:`kvlab.kernels.decode`: ``lengths`` (int32 ``[B]``) stays on the
 device, the grid depends only on B, Hkv and the store's number of groups; the boundary between
 codes and ring is computed on the device from the length. Kernels: :mod:`kvlab.kernels.kivi_triton`.
