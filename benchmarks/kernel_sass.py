@@ -8,6 +8,13 @@ bandwidth; benchmarks/quant_attention.py measures the real thing on the GPU.
 
     TRITON_INTERPRET=0 python benchmarks/kernel_sass.py                      # Llama-3.1-8B shape
     python benchmarks/kernel_sass.py --block-n 128 --num-warps 8 --formats int4-g64 fp8
+    python benchmarks/kernel_sass.py --kivi k2v2 k4v2 --variants kivi kivi_warp_asm   # KIVI stores (G 32)
+
+KIVI (``--kivi``): the code loop of :mod:`kvlab.kernels.kivi_triton`'s split kernel (``kivi``, one key
+group of G tokens per iteration) or of :mod:`kvlab.kernels.kivi_warp` (``kivi_warp``/``kivi_warp_asm``,
+``num_warps`` groups per iteration), per quantized token; bytes per token are the store's
+(:meth:`kvlab.kernels.kivi.KiviSpec.token_bytes`: codes, the key group's scales shared by G tokens,
+the token's value scales).
 
 Pointers are compiled 16-byte aligned (as the JIT specializes them at run time).
 """
@@ -83,6 +90,116 @@ def compile_variant(variant: str, label: str, head_dim: int, gqa: int, block_n: 
     return compiled.asm["cubin"], slot_bytes, num_warps
 
 
+KIVI_SIGNATURE = {"q_ptr": "*bf16", "kc_ptr": "*u8", "ks_ptr": "*fp16", "kz_ptr": "*fp16", "vc_ptr": "*u8",
+                  "vs_ptr": "*fp16", "vz_ptr": "*fp16", "rk_ptr": "*bf16", "rv_ptr": "*bf16", "len_ptr": "*i32",
+                  "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "qk_scale": "fp32", "Hq": "i32", "Hkv": "i32",
+                  "TQ": "i32", "NKG": "i32", "W": "i32", "R": "i32", "split_groups": "i32", "num_splits": "i32",
+                  "GQ": "i32"}
+
+
+def kivi_spec(label: str, group: int, value_group: int):
+    """``k2v2`` -> :class:`kvlab.kernels.kivi.KiviSpec` with those key and value bits."""
+    from kvlab.kernels import kivi
+
+    m = re.fullmatch(r"k([24])v([24])", label)
+    if not m:
+        raise SystemExit(f"KIVI stores are named k<key bits>v<value bits> (k2v2, k4v2, k4v4), not {label!r}")
+    return kivi.KiviSpec(bits=int(m.group(2)), key_bits=int(m.group(1)), group=group, value_group=value_group)
+
+
+def compile_kivi(variant: str, spec, head_dim: int, gqa: int, num_warps: int, num_stages: int):
+    """The cubin of a KIVI decode kernel, and how many quantized tokens one iteration of its code loop
+    reads (all warps)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kvlab.kernels.kivi_triton import launch_constants
+
+    resolved = "split" if variant == "kivi" else variant.removeprefix("kivi_")
+    kernel, consts, warps, per_iter = launch_constants(resolved, spec, head_dim, gqa, num_warps)
+    signature = {**KIVI_SIGNATURE, **{k: "constexpr" for k in consts}}
+    names = list(kernel.arg_names)
+    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k, v in signature.items() if v.startswith("*")}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": num_stages})
+    return compiled.asm["cubin"], warps, per_iter
+
+
+def ring_function(variant: str):
+    """The jit helper only a KIVI variant's ring loop calls."""
+    from kvlab.kernels import kivi_triton, kivi_warp
+
+    return kivi_triton.ring_plane if variant == "kivi" else kivi_warp.ring_tile
+
+
+def kivi_rows(args, tmp: Path) -> None:
+    """The ``--kivi`` table: SASS of each KIVI variant's code loop per quantized token."""
+    print(f"sm_90 KIVI, head dim {args.head_dim}, GQA {args.gqa}, G {args.group}, value group {args.value_group}, "
+          f"{args.num_warps} warps, {args.num_stages} stages: SASS instructions of the code loop")
+    print(f"{'store':<6} {'kernel':<14} {'per iter':>8} {'per slot':>8} {'B/instr':>7}  top opcodes (per warp per iter)")
+    for label in args.kivi:
+        spec = kivi_spec(label, args.group, args.value_group)
+        for variant in args.variants:
+            try:
+                cubin, warps, per_iter_slots = compile_kivi(variant, spec, args.head_dim, args.gqa, args.num_warps,
+                                                            args.num_stages)
+                ops = code_loop(cubin, tmp, ring_function(variant))
+            except Exception as err:  # noqa: BLE001 - one failure must not hide the others
+                print(f"{label:<6} {variant:<14} FAILED {type(err).__name__}: {str(err)[:300]}")
+                continue
+            per_iter = sum(ops.values())
+            per_slot = per_iter * warps / per_iter_slots
+            slot_bytes = spec.token_bytes(args.head_dim)
+            print(f"{label:<6} {variant:<14} {per_iter:>8} {per_slot:>8.1f} {slot_bytes / per_slot:>7.2f}  "
+                  + ", ".join(f"{k} {v}" for k, v in ops.most_common(8)))
+
+
+def source_lines(fn) -> tuple[str, range]:
+    """The file and line range of a jit function's source (to tell its loop's SASS from another's)."""
+    import inspect
+
+    lines, first = inspect.getsourcelines(fn.fn)
+    return inspect.getsourcefile(fn.fn), range(first, first + len(lines))
+
+
+def loops_with_lines(cubin: bytes, tmp: Path) -> list[tuple[collections.Counter, set]]:
+    """Each backward-branch loop of the cubin's SASS (nvdisasm, with line info): its opcode counts
+    and the ``(file, line)`` pairs its instructions come from."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    tmp.write_bytes(cubin)
+    text = subprocess.run([str(tool), "--print-line-info", "-c", str(tmp)], capture_output=True, text=True,
+                          check=True).stdout.splitlines()
+    labels = {m.group(1): i for i, ln in enumerate(text) if (m := re.match(r"^(\.L_x_\d+):", ln))}
+    loops = []
+    for i, ln in enumerate(text):
+        m = re.search(r"BRA `\((\.L_x_\d+)\)", ln)
+        if not (m and labels.get(m.group(1), i) < i):
+            continue
+        ops, where, here = collections.Counter(), set(), None
+        for body in text[labels[m.group(1)]:i + 1]:
+            f = re.search(r'File "(.*?)", line (\d+)', body)
+            if f:
+                here = (f.group(1), int(f.group(2)))
+                continue
+            ins = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", body)
+            if ins:
+                ops[ins.group(1)] += 1
+                where.add(here)
+        loops.append((ops, where))
+    return loops
+
+
+def code_loop(cubin: bytes, tmp: Path, ring_fn) -> collections.Counter:
+    """Opcodes of the longest loop that runs none of ``ring_fn`` (a KIVI kernel's code loop, not its ring's)."""
+    path, span = source_lines(ring_fn)
+    loops = [ops for ops, where in loops_with_lines(cubin, tmp)
+             if not any(w and w[0] == path and w[1] in span for w in where)]
+    return max(loops, key=lambda ops: sum(ops.values()), default=collections.Counter())
+
+
 def loop_opcodes(cubin: bytes, tmp: Path) -> tuple[collections.Counter, int]:
     """Opcode counts of the longest backward-branch loop in the cubin's SASS, and the kernel's length."""
     import triton
@@ -115,8 +232,18 @@ def main() -> None:
     ap.add_argument("--block-n", type=int, default=64)
     ap.add_argument("--num-warps", type=int, default=4)
     ap.add_argument("--num-stages", type=int, default=2)
+    ap.add_argument("--kivi", nargs="+", metavar="STORE",
+                    help="count KIVI stores instead (k2v2, k4v2, k4v4); variants kivi, kivi_warp, kivi_warp_asm")
+    ap.add_argument("--group", type=int, default=32, help="KIVI key group (tokens)")
+    ap.add_argument("--value-group", type=int, default=32, help="KIVI value group (head-dim elements)")
     args = ap.parse_args()
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvlab-kernel-{os.getpid()}.cubin"
+    if args.kivi:
+        if args.variants == ap.get_default("variants"):
+            args.variants = ["kivi", "kivi_warp", "kivi_warp_asm"]
+        kivi_rows(args, tmp)
+        tmp.unlink(missing_ok=True)
+        return
     print(f"sm_90, head dim {args.head_dim}, GQA {args.gqa}, block_n {args.block_n}, {args.num_warps} warps, "
           f"{args.num_stages} stages: SASS instructions of the slot loop")
     print(f"{'format':<10} {'kernel':<9} {'per iter':>8} {'per slot':>8} {'B/instr':>7}  top opcodes (per warp per iter)")

@@ -2,6 +2,8 @@
 then kernel time beside the bf16 and int4 reads. Not a test: a script to run on the H200.
 
     python benchmarks/kivi_quest.py --out kivi_quest.json                   # ~2 min
+    python benchmarks/kivi_quest.py --lengths 16384 --batches 1 16 --kivi-variants split warp_asm \
+        --skip fused quest --out kivi_warp.json                             # the KIVI kernels beside flash
 
 At the Llama-3.1-8B attention shape (Hq 32, Hkv 8, D 128), ``--lengths`` (16k, 32k) and ``--batches``
 (1, 16), per row:
@@ -9,7 +11,8 @@ At the Llama-3.1-8B attention shape (Hq 32, Hkv 8, D 128), ``--lengths`` (16k, 3
 - ``flash-bf16``: flash attention's varlen kernel on the fast engine's dense ``[B, C, Hkv, D]`` cache;
 - ``fused-bf16`` / ``fused-int4-g64``: kvlab's split-K kernel (:func:`kvlab.kernels.decode_attention`);
 - ``kivi2-g32``, ``kivi2-g16``, ``kivi-k4v2``, ``kivi4``: :func:`kvlab.kernels.kivi_decode.kivi_decode_attention`
-  (R 128);
+  (R 128), once per ``--kivi-variants`` kernel (``split``, the default, names the row by the store's label
+  alone; ``warp``/``warp_asm`` append ``:variant``, and ``variant`` says which kernel ran);
 - ``quest-B``: page selection (torch, :func:`kvlab.kernels.quest.select_pages`) plus the sparse kernel
   over the dense cache, budget B tokens (``--budgets``, pages of 16), with the selection's own time
   (``select_ms``) and the kernel's (``attend_ms``) beside the total.
@@ -43,7 +46,12 @@ from kvlab.kernels import (  # noqa: E402
     make_workspace,
     quest,
 )
-from kvlab.kernels.kivi_decode import kivi_decode_attention, make_kivi_workspace  # noqa: E402
+from kvlab.kernels.kivi_decode import (  # noqa: E402
+    VARIANTS,
+    kivi_decode_attention,
+    kivi_variant,
+    make_kivi_workspace,
+)
 from kvlab.kernels.quest_decode import make_quest_workspace, quest_decode_attention  # noqa: E402
 
 L2_BYTES = 256 << 20
@@ -113,7 +121,7 @@ def run_case(batch, length, args, device, rows):
         ms = timed(lambda i: flash_decode(q4, *dense[i], segments, scale, *offsets), copies, device, args.reps)
         record("flash-bf16", ms, dense_bytes, rel_err(out, ref))
 
-    for name, group in (("bf16", None), ("int4", 64)):
+    for name, group in (("bf16", None), ("int4", 64)) if "fused" not in args.skip else ():
         fmt = make_format(name, group)
         stores = [(fmt.quantize(k), fmt.quantize(v)) for _ in range(copies)]
         ws = make_workspace(hq, stores[0][0])
@@ -131,17 +139,20 @@ def run_case(batch, length, args, device, rows):
             store = kivi.alloc(spec, batch, hkv, length, d, device)
             kivi.load(store, k, v)
             stores.append(store)
-        ws = make_kivi_workspace(hq, stores[0])
-        out = kivi_decode_attention(q, stores[0], lengths, scale, workspace=ws, backend=args.backend)
         ref = kivi.attend(q, stores[0], lengths, scale)
         dense_ref = decode_attention_reference(q.float(), make_format("bf16").quantize(k),
                                                make_format("bf16").quantize(v), lengths, scale)
-        ms = timed(lambda i, stores=stores, ws=ws: kivi_decode_attention(q, stores[i], lengths, scale, workspace=ws,
-                                                                          backend=args.backend),
-                   copies, device, args.reps)
-        record(spec.label, ms, stores[0].nbytes(), rel_err(out, ref), err_vs_bf16=rel_err(out, dense_ref))
+        for variant in args.kivi_variants:
+            ws = make_kivi_workspace(hq, stores[0], variant=variant)
+            out = kivi_decode_attention(q, stores[0], lengths, scale, workspace=ws, backend=args.backend)
+            ms = timed(lambda i, stores=stores, ws=ws: kivi_decode_attention(q, stores[i], lengths, scale,
+                                                                              workspace=ws, backend=args.backend),
+                       copies, device, args.reps)
+            name = spec.label if variant == "split" else f"{spec.label}:{variant}"
+            record(name, ms, stores[0].nbytes(), rel_err(out, ref), err_vs_bf16=rel_err(out, dense_ref),
+                   variant=kivi_variant(variant, stores[0], hq // hkv), num_splits=ws.num_splits)
 
-    for budget in args.budgets:
+    for budget in args.budgets if "quest" not in args.skip else ():
         spec = quest.QuestSpec(page=16, budget=budget)
         bounds = quest.alloc_bounds(spec, batch, hkv, length, d, device=device)
         quest.load_bounds(bounds, k)
@@ -176,6 +187,10 @@ def main(argv=None):
     parser.add_argument("--budgets", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--backend", default="triton")
+    parser.add_argument("--kivi-variants", nargs="+", default=["split"], choices=VARIANTS,
+                        help="KIVI decode kernels to time side by side (kvlab.kernels.kivi_decode.VARIANTS)")
+    parser.add_argument("--skip", nargs="+", default=[], choices=["fused", "quest"],
+                        help="leave out kvlab's fused bf16/int4 rows or the Quest rows (flash and KIVI always run)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)

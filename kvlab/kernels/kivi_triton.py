@@ -31,6 +31,7 @@ import triton.language as tl
 
 from kvlab.kernels.append_kernel import bf16_bits, f16_step  # the rounding steps kvlab's int formats use
 from kvlab.kernels.decode_reduce import query_planes, split_state, store_plane
+from kvlab.kernels.kivi_warp import kivi_warp_kernel
 from kvlab.kernels.merge_triton import merge_partials
 
 
@@ -56,7 +57,7 @@ def _value_plane(raw, vs_ptr, vz_ptr, vgroups, P: tl.constexpr, BITS: tl.constex
 
 
 @triton.jit
-def _ring_plane(ptr, rslots, offs_j, mask_r, P: tl.constexpr, PACK: tl.constexpr, D: tl.constexpr):
+def ring_plane(ptr, rslots, offs_j, mask_r, P: tl.constexpr, PACK: tl.constexpr, D: tl.constexpr):
     return tl.load(ptr + rslots[:, None] * D + offs_j[None, :] * PACK + P, mask=mask_r[:, None],
                    other=0.0).to(tl.float16)
 
@@ -129,18 +130,18 @@ def _kivi_split_kernel(
         offs_r = r0 + tl.arange(0, BLOCK_R)
         mask_r = (offs_r < W) & ((offs_r - first + W) % W < count)
         rslots = bh.to(tl.int64) * W + offs_r
-        s = tl.dot(q0.to(tl.float16), tl.trans(_ring_plane(rk_ptr, rslots, offs_k, mask_r, 0, KPACK, D)))
-        s += tl.dot(q1.to(tl.float16), tl.trans(_ring_plane(rk_ptr, rslots, offs_k, mask_r, 1, KPACK, D)))
+        s = tl.dot(q0.to(tl.float16), tl.trans(ring_plane(rk_ptr, rslots, offs_k, mask_r, 0, KPACK, D)))
+        s += tl.dot(q1.to(tl.float16), tl.trans(ring_plane(rk_ptr, rslots, offs_k, mask_r, 1, KPACK, D)))
         if KPACK == 4:
-            s += tl.dot(q2.to(tl.float16), tl.trans(_ring_plane(rk_ptr, rslots, offs_k, mask_r, 2, KPACK, D)))
-            s += tl.dot(q3.to(tl.float16), tl.trans(_ring_plane(rk_ptr, rslots, offs_k, mask_r, 3, KPACK, D)))
+            s += tl.dot(q2.to(tl.float16), tl.trans(ring_plane(rk_ptr, rslots, offs_k, mask_r, 2, KPACK, D)))
+            s += tl.dot(q3.to(tl.float16), tl.trans(ring_plane(rk_ptr, rslots, offs_k, mask_r, 3, KPACK, D)))
         s = tl.where(mask_r[None, :], s * qk_scale, float("-inf"))
         m_i, l_i, alpha, p = _online(m_i, l_i, s)
-        acc0 = acc0 * alpha[:, None] + tl.dot(p, _ring_plane(rv_ptr, rslots, offs_v, mask_r, 0, VPACK, D))
-        acc1 = acc1 * alpha[:, None] + tl.dot(p, _ring_plane(rv_ptr, rslots, offs_v, mask_r, 1, VPACK, D))
+        acc0 = acc0 * alpha[:, None] + tl.dot(p, ring_plane(rv_ptr, rslots, offs_v, mask_r, 0, VPACK, D))
+        acc1 = acc1 * alpha[:, None] + tl.dot(p, ring_plane(rv_ptr, rslots, offs_v, mask_r, 1, VPACK, D))
         if VPACK == 4:
-            acc2 = acc2 * alpha[:, None] + tl.dot(p, _ring_plane(rv_ptr, rslots, offs_v, mask_r, 2, VPACK, D))
-            acc3 = acc3 * alpha[:, None] + tl.dot(p, _ring_plane(rv_ptr, rslots, offs_v, mask_r, 3, VPACK, D))
+            acc2 = acc2 * alpha[:, None] + tl.dot(p, ring_plane(rv_ptr, rslots, offs_v, mask_r, 2, VPACK, D))
+            acc3 = acc3 * alpha[:, None] + tl.dot(p, ring_plane(rv_ptr, rslots, offs_v, mask_r, 3, VPACK, D))
 
     has = l_i > 0
     inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
@@ -155,20 +156,36 @@ def _kivi_split_kernel(
         store_plane(out_rows, offs_v, mask_h, acc3, inv_l, 3, VPACK)
 
 
-def launch_kivi(q, store, lengths, scale, workspace, out):
+def launch_constants(variant: str, spec, head_dim: int, gqa: int, num_warps: int = 4, block_r: int = 32):
+    """``(kernel, constexprs, num_warps, tokens per iteration of the code loop)`` of a resolved variant
+    (:func:`kvlab.kernels.kivi_decode.kivi_variant`): ``split`` (``_kivi_split_kernel``, one key group per
+    iteration) or ``warp``/``warp_asm`` (:mod:`kvlab.kernels.kivi_warp`, one block of ``num_warps`` times
+    ``min(G, 32)`` tokens). benchmarks/kernel_sass.py compiles the same."""
+    gp = triton.next_power_of_2(gqa)
+    if variant == "split":
+        consts = dict(D=head_dim, BLOCK_H=max(16, gp), G=spec.group, VG=spec.value_group, BLOCK_R=block_r,
+                      KBITS=spec.k_bits, KPACK=8 // spec.k_bits, VBITS=spec.v_bits, VPACK=8 // spec.v_bits)
+        return _kivi_split_kernel, consts, num_warps, spec.group
+    bw = min(spec.group, 32)
+    consts = dict(D=head_dim, GP=gp, NG=head_dim // spec.value_group, G=spec.group, BW=bw, NW=num_warps,
+                  KBITS=spec.k_bits, VBITS=spec.v_bits, ASM=variant == "warp_asm", BLOCK_H=max(16, gp),
+                  BLOCK_R=block_r)
+    return kivi_warp_kernel, consts, num_warps, num_warps * bw
+
+
+def launch_kivi(q, store, lengths, scale, workspace, out, variant="split"):
     """Both launches of one decode step (:func:`kvlab.kernels.kivi_decode.kivi_decode_attention`
-    checks the arguments)."""
+    checks the arguments and resolves ``variant``)."""
     batch, q_heads, head_dim = q.shape
     spec, splits = store.spec, workspace.num_splits
     group = q_heads // store.kv_heads
-    _kivi_split_kernel[(batch * store.kv_heads, splits + 1)](
+    kernel, consts, warps, _ = launch_constants(variant, spec, head_dim, group, workspace.num_warps,
+                                                workspace.block_r)
+    kernel[(batch * store.kv_heads, splits + 1)](
         q, store.k_codes, store.k_scale, store.k_zero, store.v_codes, store.v_scale, store.v_zero,
         store.ring_k, store.ring_v, lengths, workspace.part_out, workspace.part_lse,
         float(scale) * math.log2(math.e), q_heads, store.kv_heads, store.k_codes.shape[2], store.k_scale.shape[2],
-        spec.window, spec.residual, workspace.split_groups, splits, group,
-        D=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)), G=spec.group, VG=spec.value_group,
-        BLOCK_R=workspace.block_r, KBITS=spec.k_bits, KPACK=8 // spec.k_bits, VBITS=spec.v_bits,
-        VPACK=8 // spec.v_bits, num_warps=workspace.num_warps,
+        spec.window, spec.residual, workspace.split_groups, splits, group, **consts, num_warps=warps,
     )
     return merge_partials(workspace.part_out, workspace.part_lse, out)
 
