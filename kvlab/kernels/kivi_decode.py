@@ -34,7 +34,7 @@ BACKENDS = ("auto", "triton", "reference")
 # of kvlab.kernels.kivi_warp (a split per warp, the query folded per key group; split where it cannot
 # read the store); "warp_asm": warp with codes unpacked by inline PTX (CUDA only; warp when interpreted)
 VARIANTS = ("split", "warp", "warp_asm")
-DEFAULT_VARIANT = "split"  # what make_kivi_workspace asks for when not told (read when it runs)
+DEFAULT_VARIANT = "warp_asm"  # what make_kivi_workspace asks for when not told (read when it runs)
 
 
 @dataclass
