@@ -37,6 +37,7 @@ block1_wall=0
 block1_cpu=0
 phases=0
 sweep_log=
+kvlab_logs=
 
 # phase NAME IN_BLOCK1 CMD...: run CMD (its output to $work/phase-N.log), add a row to the table.
 phase() {
@@ -45,6 +46,7 @@ phase() {
   phases=$((phases + 1))
   local log="$work/phase-$phases.log" t0 t1 c0 c1 rc
   case $name in "kvlab sweep"*) sweep_log=$log ;; esac
+  case $name in "kvlab "*) kvlab_logs="$kvlab_logs $log" ;; esac
   echo "== $name (log: $log)" >&2
   t0=$(date +%s.%N)
   times > "$work/.times"
@@ -156,6 +158,11 @@ for r in pays.to_dict("records"):
           f"({r['cost']}, {r['n']} vs {r['n_base']} runs)")
 print("  " + "\n  ".join(report.energy_answer(pays)))
 EOF
-  echo "warning lines in the phases' output: $(cat "$work"/phase-*.log | tr '\r' '\n' | grep -ci 'warn')"
+  # kvlab's own phases only: pip's phases print this machine's index warnings, which are not ours
+  warnings=$(cat $kvlab_logs | tr '\r' '\n' | grep -i 'warn')
+  echo "warning lines in the kvlab phases' output: $(printf '%s' "$warnings" | grep -c .)"
+  [ -z "$warnings" ] || printf '%s\n' "$warnings" | sort | uniq -c | sort -rn | head -n 10
 fi
-[ "$keep" = 1 ] && echo "kept $work (table: $table)"
+if [ "$keep" = 1 ]; then
+  echo "kept $work (table: $table)"
+fi
