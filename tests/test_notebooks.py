@@ -185,3 +185,21 @@ def test_execute_notebook_gives_the_kernel_five_minutes_to_start(monkeypatch, tm
     monkeypatch.setattr(pm, "execute_notebook", fake_execute)
     report.execute_notebook(ROOT / "notebooks" / "sweep.ipynb", tmp_path / "out.ipynb")
     assert seen["start_timeout"] == 300 and seen["execution_timeout"] == 1800
+
+
+def test_ipc_kernels_started_together_get_sockets_of_their_own(tmp_path, monkeypatch):
+    """jupyter_client's default IPC address is the relative ``kernel-ipc`` numbered by which files
+    exist: two kernels started at once in one folder shared sockets (the notebook tests' "Invalid
+    Signature" and "Kernel didn't respond" under xdist). Each of kvlab's kernels has its own paths."""
+    from kvlab.reporting.render import ipc_kernel_manager
+
+    monkeypatch.chdir(tmp_path)
+    managers = [ipc_kernel_manager()(kernel_name="python3") for _ in range(2)]
+    for km in managers:
+        km.connection_file = str(tmp_path / f"{id(km)}.json")
+        km.write_connection_file()  # chooses the socket numbers, as the start does
+    paths = [{f"{km.ip}-{getattr(km, p)}" for p in ("shell_port", "iopub_port", "stdin_port",
+                                                    "control_port", "hb_port")} for km in managers]
+    assert all(len(p) == 5 for p in paths) and not paths[0] & paths[1]
+    assert all(Path(km.ip).is_absolute() and Path(km.ip).parent != tmp_path for km in managers)
+    assert all(km.transport == "ipc" for km in managers)

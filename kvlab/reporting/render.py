@@ -25,14 +25,27 @@ OFFLINE_TEMPLATE = """{%- extends 'index.html.j2' -%}
 
 
 def ipc_kernel_manager():
-    """jupyter_client's kernel manager over IPC (a socket file in Jupyter's runtime folder) instead of
+    """jupyter_client's kernel manager over IPC (socket files in Jupyter's runtime folder) instead of
     TCP: the kernel then has no local TCP port to expose and ipykernel does not warn "Kernel is
-    running over TCP without encryption" on every report (a quiet run prints results only)."""
+    running over TCP without encryption" on every report (a quiet run prints results only).
+
+    Each kernel gets socket paths of its own. jupyter_client's default IPC address is the relative
+    ``kernel-ipc``, numbered by whichever ``kernel-ipc-N`` files do not exist yet in the kernel's
+    working folder: kernels started at once in one folder (parallel tests, a sweep notebook beside a
+    report) took the same sockets and read each other's messages ("Invalid Signature", "Kernel
+    didn't respond")."""
+    import uuid
+
     from jupyter_client import AsyncKernelManager
+    from jupyter_core.paths import jupyter_runtime_dir
 
     class IPCKernelManager(AsyncKernelManager):
         def __init__(self, **kwargs):
             kwargs.setdefault("transport", "ipc")
+            if "ip" not in kwargs:
+                runtime = Path(jupyter_runtime_dir())
+                runtime.mkdir(parents=True, exist_ok=True)
+                kwargs["ip"] = str(runtime / f"kvlab-{uuid.uuid4().hex[:12]}-ipc")
             super().__init__(**kwargs)
 
     return IPCKernelManager
