@@ -111,3 +111,26 @@ def test_the_kernel_is_filed_under_page_selection():
     from kvlab.kernels import quest_select
 
     assert classify_kernel(quest_select.quest_select_kernel.__name__) == "page selection"
+
+
+def test_the_benchmark_runs_interpreted_at_a_tiny_shape(tmp_path):
+    """benchmarks/quest_select.py (the GPU timing of torch vs fused): its CPU smoke run agrees, a CPU run
+    without --quick refuses."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    if DEVICE != "cpu":
+        pytest.skip("the smoke run is the CPU path")
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "quest_select.py"
+    spec = importlib.util.spec_from_file_location("quest_select_bench", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "qs.json"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        assert bench.main(["--device", "cpu", "--quick", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["same_pages"] and row["same_masks"] and row["max_score_diff"] < 1e-3
+    with pytest.raises(SystemExit, match="--quick"):
+        bench.main(["--device", "cpu"])
