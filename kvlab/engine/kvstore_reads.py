@@ -9,7 +9,7 @@ the fused split-K kernel on CUDA and the torch reference elsewhere (``kivi_decod
 :class:`QuestStore` is a :class:`~kvlab.engine.kvstore.DenseStore` plus page bounds
 (:mod:`kvlab.kernels.quest`): layers below ``dense_layers`` attend densely; the others select pages
 from the query (inside the profiler scope ``kvlab::quest_select``, so the anatomy shows the
-selection's own cost on eager steps; on CUDA the scoring is one fused kernel,
+selection's own cost on eager steps; with ``backend="triton"`` the scoring is one fused kernel,
 :mod:`kvlab.kernels.quest_select`, then ``topk``) and read only those (``quest_decode_attention``).
 
 :func:`read_store` picks one from what a policy's ``fast_storage()`` returned.

@@ -17,15 +17,15 @@ of the group's summed logit). ``"head"`` is Quest's own choice, a page set per q
 reference reads it; the kernel reads one set per KV head).
 
 Selection is fixed-shape (``topk`` of a constant ``k``): pages past a row's length get ``-inf`` and
-come back as index ``-1`` when fewer pages exist than ``k``; readers skip them. On CUDA the decode
-step's scoring (one query per row, ``group_reduce`` max or sum) is one Triton kernel
-(:mod:`kvlab.kernels.quest_select`) writing what :func:`reference_scores` computes; ``topk`` stays torch.
+come back as index ``-1`` when fewer pages exist than ``k``; readers skip them. The decode step's
+scoring (one query per row, ``group_reduce`` max or sum) can run as one Triton kernel
+(:mod:`kvlab.kernels.quest_select`, ``backend="triton"``) writing what :func:`reference_scores`
+computes; ``topk`` stays torch. ``auto`` keeps torch's scoring until that kernel has been timed on a
+GPU (``benchmarks/quest_select.py``; not yet run).
 """
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import math
 from dataclasses import dataclass
 
@@ -153,8 +153,8 @@ def select_pages(q: torch.Tensor, bounds: PageBounds, lengths: torch.Tensor, bac
     tokens visible to it, itself included) gives ``[B, Hsel, n, k]``: each query its own pages, as
     it would select them decoded alone (pages before its latest are whole, so their bounds are final).
 
-    ``backend`` (``auto``: the fused Triton scoring on CUDA where triton is installed, torch elsewhere;
-    ``triton``: the kernel, interpreted on CPU with ``TRITON_INTERPRET=1``; ``reference``: torch) picks
+    ``backend`` (``triton``: the fused kernel, interpreted on CPU with ``TRITON_INTERPRET=1``; ``auto``
+    and ``reference``: torch, until the kernel is timed on a GPU) picks
     how :func:`selection_scores` runs; the kernel reads one query per row and ``group_reduce`` max or
     sum, so the chunk and ``"head"`` cases always run torch."""
     scores = selection_scores(q, bounds, lengths, backend)
@@ -173,7 +173,7 @@ def selection_scores(q: torch.Tensor, bounds: PageBounds, lengths: torch.Tensor,
     if backend not in SELECT_BACKENDS:
         raise FormatError(f"backend must be one of {', '.join(SELECT_BACKENDS)}, not {backend!r}")
     fused = q.dim() == 3 and bounds.spec.group_reduce != "head"
-    if fused and (backend == "triton" or (backend == "auto" and q.is_cuda and triton_installed())):
+    if fused and backend == "triton":
         return fused_scores(q, bounds, lengths)
     return reference_scores(q, bounds, lengths)
 
@@ -212,10 +212,6 @@ def reference_scores(q: torch.Tensor, bounds: PageBounds, lengths: torch.Tensor)
     scores = torch.where(pages > last, torch.full_like(scores, float("-inf")), scores)
     return scores if chunk else scores.squeeze(2)
 
-
-@functools.cache
-def triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
 
 
 def sparse_attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pages: torch.Tensor,
