@@ -13,7 +13,8 @@ At the Llama-3.1-8B attention shape (Hq 32, Hkv 8, D 128), ``--lengths`` (16k, 3
 - ``kivi2-g32``, ``kivi2-g16``, ``kivi-k4v2``, ``kivi4``: :func:`kvlab.kernels.kivi_decode.kivi_decode_attention`
   (R 128), once per ``--kivi-variants`` kernel (``split``, the default, names the row by the store's label
   alone; ``warp``/``warp_asm`` append ``:variant``, and ``variant`` says which kernel ran);
-- ``quest-B``: page selection (torch, :func:`kvlab.kernels.quest.select_pages`) plus the sparse kernel
+- ``quest-B``: page selection (:func:`kvlab.kernels.quest.select_pages` with ``--backend``: the fused
+  scoring kernel plus ``topk`` for triton, torch for reference; benchmarks/quest_select.py compares them) plus the sparse kernel
   over the dense cache, budget B tokens (``--budgets``, pages of 16), with the selection's own time
   (``select_ms``) and the kernel's (``attend_ms``) beside the total.
 
@@ -156,21 +157,23 @@ def run_case(batch, length, args, device, rows):
         spec = quest.QuestSpec(page=16, budget=budget)
         bounds = quest.alloc_bounds(spec, batch, hkv, length, d, device=device)
         quest.load_bounds(bounds, k)
-        pages = quest.select_pages(q, bounds, lengths)
+        pages = quest.select_pages(q, bounds, lengths, args.backend)
         kd, vd = dense[0]
         ws = make_quest_workspace(hq, batch, hkv, pages.shape[2], d, device)
-        out = quest_decode_attention(q, kd, vd, pages, lengths, scale, 16, token_dim=1, workspace=ws,
+        out = quest_decode_attention(q, kd, vd, pages, lengths, scale, 16, token_dim=2, workspace=ws,
                                      backend=args.backend)
         ref = quest.sparse_attend(q, k, v, pages, lengths, scale, 16)
-        select_ms = timed(lambda i, bounds=bounds: quest.select_pages(q, bounds, lengths), copies, device, args.reps)
+        select_ms = timed(lambda i, bounds=bounds: quest.select_pages(q, bounds, lengths, args.backend), copies, device,
+                          args.reps)
 
         def attend(i, pages=pages, ws=ws):
-            return quest_decode_attention(q, *dense[i], pages, lengths, scale, 16, token_dim=1, workspace=ws,
+            return quest_decode_attention(q, *dense[i], pages, lengths, scale, 16, token_dim=2, workspace=ws,
                                           backend=args.backend)
 
         def step(i, bounds=bounds, ws=ws):
-            return quest_decode_attention(q, *dense[i], quest.select_pages(q, bounds, lengths), lengths, scale, 16,
-                                          token_dim=1, workspace=ws, backend=args.backend)
+            pages = quest.select_pages(q, bounds, lengths, args.backend)
+            return quest_decode_attention(q, *dense[i], pages, lengths, scale, 16, token_dim=2, workspace=ws,
+                                          backend=args.backend)
 
         attend_ms = timed(attend, copies, device, args.reps)
         ms = timed(step, copies, device, args.reps)

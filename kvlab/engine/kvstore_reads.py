@@ -9,7 +9,8 @@ the fused split-K kernel on CUDA and the torch reference elsewhere (``kivi_decod
 :class:`QuestStore` is a :class:`~kvlab.engine.kvstore.DenseStore` plus page bounds
 (:mod:`kvlab.kernels.quest`): layers below ``dense_layers`` attend densely; the others select pages
 from the query (inside the profiler scope ``kvlab::quest_select``, so the anatomy shows the
-selection's own cost on eager steps) and read only those (``quest_decode_attention``).
+selection's own cost on eager steps; with ``backend="triton"`` the scoring is one fused kernel,
+:mod:`kvlab.kernels.quest_select`, then ``topk``) and read only those (``quest_decode_attention``).
 
 :func:`read_store` picks one from what a policy's ``fast_storage()`` returned.
 """
@@ -121,7 +122,7 @@ class QuestStore(DenseStore):
         bsz, n_heads, _, dim = q.shape
         q3 = q.reshape(bsz, n_heads, dim).contiguous()
         with record_function(SCOPE_SELECT):
-            pages = quest.select_pages(q3, self.bounds[layer], used)
+            pages = quest.select_pages(q3, self.bounds[layer], used, backend=self.backend)
         out = quest_decode_attention(q3, self.keys[layer], self.values[layer], pages, used, self.scale,
                                      self.read.spec.page, token_dim=2, workspace=self.quest_workspaces[layer],
                                      backend=self.backend)

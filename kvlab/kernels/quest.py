@@ -17,7 +17,11 @@ of the group's summed logit). ``"head"`` is Quest's own choice, a page set per q
 reference reads it; the kernel reads one set per KV head).
 
 Selection is fixed-shape (``topk`` of a constant ``k``): pages past a row's length get ``-inf`` and
-come back as index ``-1`` when fewer pages exist than ``k``; readers skip them.
+come back as index ``-1`` when fewer pages exist than ``k``; readers skip them. The decode step's
+scoring (one query per row, ``group_reduce`` max or sum) can run as one Triton kernel
+(:mod:`kvlab.kernels.quest_select`, ``backend="triton"``) writing what :func:`reference_scores`
+computes; ``topk`` stays torch. ``auto`` keeps torch's scoring until that kernel has been timed on a
+GPU (``benchmarks/quest_select.py``; not yet run).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch
 from kvlab.kernels.formats import FormatError
 
 GROUP_REDUCE = ("max", "sum", "head")
+SELECT_BACKENDS = ("auto", "triton", "reference")
 
 
 @dataclass(frozen=True)
@@ -139,14 +144,58 @@ def page_scores(q: torch.Tensor, bounds: PageBounds) -> torch.Tensor:
     return scores if chunk else scores.squeeze(2)
 
 
-def select_pages(q: torch.Tensor, bounds: PageBounds, lengths: torch.Tensor) -> torch.Tensor:
+def select_pages(q: torch.Tensor, bounds: PageBounds, lengths: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     """Pages to read: int64 ``[B, Hsel, k]`` (``Hsel`` = KV heads, or query heads for ``"head"``),
     ``k = spec.selected(capacity)``; the first and the latest page of each row, then the top bounds;
     ``-1`` where a row has fewer pages than ``k``. Fixed shapes, no host sync.
 
     A chunk of queries ``q [B, Hq, n, D]`` with ``lengths [B, n]`` (each query's own length: the
     tokens visible to it, itself included) gives ``[B, Hsel, n, k]``: each query its own pages, as
-    it would select them decoded alone (pages before its latest are whole, so their bounds are final)."""
+    it would select them decoded alone (pages before its latest are whole, so their bounds are final).
+
+    ``backend`` (``triton``: the fused kernel, interpreted on CPU with ``TRITON_INTERPRET=1``; ``auto``
+    and ``reference``: torch, until the kernel is timed on a GPU) picks
+    how :func:`selection_scores` runs; the kernel reads one query per row and ``group_reduce`` max or
+    sum, so the chunk and ``"head"`` cases always run torch."""
+    scores = selection_scores(q, bounds, lengths, backend)
+    return top_pages(scores, bounds.spec.selected(bounds.capacity))
+
+
+def top_pages(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``k`` best pages of masked ``scores [..., P]``, ``-1`` where the score is ``-inf``."""
+    top, index = scores.topk(k, dim=-1)
+    return torch.where(top == float("-inf"), torch.full_like(index, -1), index)
+
+
+def selection_scores(q: torch.Tensor, bounds: PageBounds, lengths: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """What :func:`select_pages` ranks: float32 ``[B, Hsel, P]`` (``[B, Hsel, n, P]`` for a chunk), the
+    group-reduced bounds with page 0 and each row's latest page ``+inf`` and pages past it ``-inf``."""
+    if backend not in SELECT_BACKENDS:
+        raise FormatError(f"backend must be one of {', '.join(SELECT_BACKENDS)}, not {backend!r}")
+    fused = q.dim() == 3 and bounds.spec.group_reduce != "head"
+    if fused and backend == "triton":
+        return fused_scores(q, bounds, lengths)
+    return reference_scores(q, bounds, lengths)
+
+
+def fused_scores(q: torch.Tensor, bounds: PageBounds, lengths: torch.Tensor) -> torch.Tensor:
+    """:func:`reference_scores` of one query per row in one Triton kernel (:mod:`kvlab.kernels.quest_select`)."""
+    batch, q_heads, head_dim = q.shape
+    kv_heads = bounds.kmin.shape[1]
+    if bounds.spec.group_reduce == "head" or q_heads % kv_heads or bounds.kmin.shape[::3] != (batch, head_dim):
+        raise FormatError(f"the fused page scoring reads q [B, Hq, D] against bounds [B, Hkv, P, D] with "
+                          f"group_reduce max or sum; got q {list(q.shape)}, bounds {list(bounds.kmin.shape)}, "
+                          f"{bounds.spec.group_reduce!r}")
+    if q.stride(-1) != 1 or bounds.kmin.stride(-1) != 1 or bounds.kmax.stride(-1) != 1:
+        raise FormatError("the fused page scoring needs a unit-stride head dim in q and the bounds")
+    from kvlab.kernels.quest_select import launch_quest_select  # imports triton
+
+    return launch_quest_select(q, bounds.kmin, bounds.kmax, lengths.reshape(batch), bounds.spec.page,
+                               bounds.spec.group_reduce == "sum")
+
+
+def reference_scores(q: torch.Tensor, bounds: PageBounds, lengths: torch.Tensor) -> torch.Tensor:
+    """:func:`selection_scores` in torch (any ``group_reduce``, a chunk or one query per row)."""
     spec = bounds.spec
     scores = page_scores(q, bounds)  # [B, Hq, P] or [B, Hq, n, P]
     chunk = q.dim() == 4
@@ -161,9 +210,8 @@ def select_pages(q: torch.Tensor, bounds: PageBounds, lengths: torch.Tensor) -> 
     pages = torch.arange(n_pages, device=q.device).view(1, 1, 1, n_pages)
     scores = torch.where((pages == 0) | (pages == last), torch.full_like(scores, float("inf")), scores)
     scores = torch.where(pages > last, torch.full_like(scores, float("-inf")), scores)
-    top, index = scores.topk(spec.selected(bounds.capacity), dim=-1)
-    index = torch.where(top == float("-inf"), torch.full_like(index, -1), index)
-    return index if chunk else index.squeeze(2)
+    return scores if chunk else scores.squeeze(2)
+
 
 
 def sparse_attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pages: torch.Tensor,

@@ -1,0 +1,85 @@
+"""Triton kernel of Quest's decode-time page scoring (:func:`kvlab.kernels.quest.select_pages`, one
+query per row, ``group_reduce`` ``"max"`` or ``"sum"``) and its launch (imports triton; import lazily).
+
+One kernel writes the masked, group-reduced float32 scores ``[B, Hkv, P]`` that the torch path builds
+from ~15 small kernels (float casts, clamps, two bound GEMMs, their sum, the group reduction, the
+page-index compares and two ``where``): per KV head and page ``p``, for each query head ``g`` of its
+group ``s_g[p] = sum_d relu(q_d) kmax[p, d] + min(q_d, 0) kmin[p, d]`` (Quest's sign trick, the same
+terms as :func:`kvlab.kernels.quest.page_scores`), reduced over the group by max or sum; page 0 and the
+row's latest page (from its length) ``+inf``, pages past the latest ``-inf`` (never-written pages, whose
+``+-inf`` bounds score NaN or ``+-inf``, are all past it). ``topk`` and the ``-1`` fill stay in torch
+(:func:`kvlab.kernels.quest.top_pages`).
+
+Grid ``(B * Hkv, cdiv(P, BLOCK_P))``: program ``(b, h, j)`` loads the ``BLOCK_P x D`` tiles of both
+bounds once and each of the group's ``G`` query rows once. Fixed shapes, lengths read on the device,
+no host sync: CUDA-graph capturable. Its speed on a GPU is pending a device run
+(``benchmarks/quest_select.py``); the torch path it replaces costs ~2.7 ms of a batch-1 16k step on an
+H100 (reports/h100-2026-12-06, "The step's anatomy").
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_P = 32  # pages per program
+NUM_WARPS = 4
+
+
+# the strides stay specialized: multiples of 16 (D of 16 and up) let the bound tiles load 16 bytes at a time
+@triton.jit(do_not_specialize=["Hq", "Hkv", "n_pages", "page"])
+def quest_select_kernel(
+    q_ptr, kmin_ptr, kmax_ptr, len_ptr, out_ptr,
+    Hq, Hkv, n_pages, page, sqb, sqh, snb, snh, snp, sxb, sxh, sxp,
+    G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, SUM: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    blk = tl.program_id(1)
+    b = bh // Hkv
+    h = bh % Hkv
+    offs_p = blk * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_p = offs_p < n_pages
+    mask_d = offs_d < D
+    tile = mask_p[:, None] & mask_d[None, :]
+    rows = offs_p.to(tl.int64)[:, None]
+    kmin = tl.load(kmin_ptr + b.to(tl.int64) * snb + h.to(tl.int64) * snh + rows * snp + offs_d[None, :],
+                   mask=tile, other=0.0).to(tl.float32)
+    kmax = tl.load(kmax_ptr + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + rows * sxp + offs_d[None, :],
+                   mask=tile, other=0.0).to(tl.float32)
+    q_row = q_ptr + b.to(tl.int64) * sqb + (h * G).to(tl.int64) * sqh
+    acc = tl.zeros([BLOCK_P], tl.float32)
+    for g in tl.static_range(G):
+        q = tl.load(q_row + g * sqh + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+        s = tl.sum(tl.maximum(q, 0.0)[None, :] * kmax + tl.minimum(q, 0.0)[None, :] * kmin, 1)
+        if g == 0:
+            acc = s
+        elif SUM:
+            acc = acc + s
+        else:
+            acc = tl.maximum(acc, s, propagate_nan=tl.PropagateNan.ALL)  # as torch's amax
+    length = tl.load(len_ptr + b).to(tl.int32)
+    last = tl.maximum(length - 1, 0) // page
+    acc = tl.where((offs_p == 0) | (offs_p == last), float("inf"), acc)
+    acc = tl.where(offs_p > last, float("-inf"), acc)
+    tl.store(out_ptr + bh.to(tl.int64) * n_pages + offs_p, acc, mask=mask_p)
+
+
+def launch_quest_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, lengths: torch.Tensor, page: int,
+                        group_sum: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Scores float32 ``[B, Hkv, P]`` of ``q [B, Hq, D]`` (unit-stride head dim) against the bounds
+    ``kmin``/``kmax [B, Hkv, P, D]`` (unit-stride head dim), ``lengths [B]`` (any integer dtype);
+    :func:`kvlab.kernels.quest.select_pages` checks the arguments."""
+    batch, q_heads, head_dim = q.shape
+    kv_heads, n_pages = kmin.shape[1], kmin.shape[2]
+    if out is None:
+        out = torch.empty(batch, kv_heads, n_pages, dtype=torch.float32, device=q.device)
+    sq, sn, sx = q.stride(), kmin.stride(), kmax.stride()
+    quest_select_kernel[(batch * kv_heads, triton.cdiv(n_pages, BLOCK_P))](
+        q, kmin, kmax, lengths, out,
+        q_heads, kv_heads, n_pages, page, sq[0], sq[1], sn[0], sn[1], sn[2], sx[0], sx[1], sx[2],
+        G=q_heads // kv_heads, D=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_P=BLOCK_P,
+        SUM=group_sum, num_warps=NUM_WARPS,
+    )
+    return out
