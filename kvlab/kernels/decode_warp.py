@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from kvlab.kernels.decode_fold import codes_unit, int4_planes
-from kvlab.kernels.decode_reduce import split_bounds
+from kvlab.kernels.decode_reduce import group_rows, query_slots, split_bounds
 from kvlab.kernels.jit_constants import FMT_FP8, FMT_INT
 
 # $4: two int16 words (first slot in the low half); $0..$3: quarter q (bits [4q, 4q + 4)) of both
@@ -129,14 +129,6 @@ def _load(ptrs, mask, MASKED: tl.constexpr):
     if MASKED:
         return tl.load(ptrs, mask=mask, other=0)
     return tl.load(ptrs)
-
-
-@triton.jit
-def _load_q_slice(q_rows, mask_r, SLOT: tl.constexpr, KP: tl.constexpr, KW: tl.constexpr):
-    """Query elements ``(g * KW + j) * KP + p`` for ``g, p = divmod(SLOT, KP)``, as float16 ``[M, KW]``."""
-    offs = tl.arange(0, KW)
-    d = ((SLOT // KP) * KW + offs) * KP + SLOT % KP
-    return tl.load(q_rows[:, None] + d[None, :], mask=mask_r[:, None], other=0.0).to(tl.float16)
 
 
 @triton.jit
@@ -385,30 +377,8 @@ def decode_warp_kernel(
     VW: tl.constexpr = D // VP  # words of one row
     BW: tl.constexpr = BLOCK_N // W  # slots of one warp in a block
 
-    offs_r = tl.arange(0, BLOCK_M)
-    row_g = offs_r // GP
-    row_h = offs_r % GP
-    mask_r = (row_h < G) & (row_g < NG)
-    heads = h * G + row_h
-    q_rows = q_ptr + (b * Hq + heads) * D
-    q0 = _load_q_slice(q_rows, mask_r, 0, KP, KW)
-    q1 = q0
-    q2 = q0
-    q3 = q0
-    q4 = q0
-    q5 = q0
-    q6 = q0
-    q7 = q0
-    if NG * KP >= 2:
-        q1 = _load_q_slice(q_rows, mask_r, 1, KP, KW)
-    if NG * KP >= 4:
-        q2 = _load_q_slice(q_rows, mask_r, 2, KP, KW)
-        q3 = _load_q_slice(q_rows, mask_r, 3, KP, KW)
-    if NG * KP == 8:
-        q4 = _load_q_slice(q_rows, mask_r, 4, KP, KW)
-        q5 = _load_q_slice(q_rows, mask_r, 5, KP, KW)
-        q6 = _load_q_slice(q_rows, mask_r, 6, KP, KW)
-        q7 = _load_q_slice(q_rows, mask_r, 7, KP, KW)
+    row_g, mask_r, heads, q_rows = group_rows(q_ptr, b, h, Hq, G, D, BLOCK_M, GP, NG)
+    q0, q1, q2, q3, q4, q5, q6, q7 = query_slots(q_rows, mask_r, NG * KP, KP, KW)  # slot i: group i // KP
     # each group's sum of q (the zero term), times the softmax scale
     if KP == 4:
         qs0 = _row_sum(q0, q1, q2, q3, KP, qk_scale)
