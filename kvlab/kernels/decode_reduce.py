@@ -11,6 +11,8 @@ Imports triton: the launcher (:mod:`kvlab.kernels.decode`) imports this lazily.
 - :func:`split_state`, :func:`slot_block`: a split's empty online softmax, and the slots of one block;
 - :func:`dense_key_scores`: the scaled scores of a bf16 or fp8 key tile (no group scales; both kernels read those alike);
 - :func:`split_result`: a split's ``1 / l`` and base-2 log-sum-exp (zero and ``-inf`` when it saw no token);
+- :func:`online_step`: the online softmax step of the KIVI kernels' loops (:mod:`kvlab.kernels.kivi_triton`
+  and :mod:`kvlab.kernels.kivi_warp`);
 - :func:`decode_reduce_kernel`, grid ``(B * Hq,)``: merges the splits that saw tokens
   (``cdiv(length, split_len)`` of them) with their log-sum-exps.
 """
@@ -155,6 +157,17 @@ def split_result(m_i, l_i):
     inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     return inv_l, lse
+
+
+@triton.jit
+def online_step(m_i, l_i, s):
+    """One online-softmax step (base 2): ``(m_new, l_new, alpha, p)``, ``p`` float16 for the value
+    product; safe when a row of ``s`` is all ``-inf``."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    return m_new, l_i * alpha + tl.sum(p, 1), alpha, p.to(tl.float16)
 
 
 @triton.jit(do_not_specialize=["Hq", "T", "split_len", "num_splits"])

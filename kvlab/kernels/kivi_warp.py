@@ -54,6 +54,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kvlab.kernels.decode_reduce import online_step
 from kvlab.kernels.decode_warp import INT4_WORDS_PTX
 
 # $8: two int16 words of eight 2-bit codes each (first word in the low half); $0..$7: plane P (bits
@@ -376,16 +377,6 @@ def ring_tile(ptr, rslots, offs_d, mask_r):
 
 
 @triton.jit
-def _online(m_i, l_i, s):
-    """One online-softmax step (base 2): ``(m_new, l_new, alpha, p)``; safe when ``s`` is all ``-inf``."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    return m_new, l_i * alpha + tl.sum(p, 1), alpha, p.to(tl.float16)
-
-
-@triton.jit
 def ring_partial(q_ptr, rk_ptr, rv_ptr, part_out_ptr, part_lse_ptr, qk_scale, b, h, bh, split, Hq, W, nq,
                  length, num_splits, GQ, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr):
     """The ring's tokens ``nq .. length - 1`` (slots ``t % W``) of one KV head: its partial output and
@@ -410,7 +401,7 @@ def ring_partial(q_ptr, rk_ptr, rv_ptr, part_out_ptr, part_lse_ptr, qk_scale, b,
         rslots = bh.to(tl.int64) * W + offs_r
         s = tl.dot(q, tl.trans(ring_tile(rk_ptr, rslots, offs_d, mask_r)))
         s = tl.where(mask_r[None, :], s, float("-inf"))
-        m_i, l_i, alpha, p = _online(m_i, l_i, s)
+        m_i, l_i, alpha, p = online_step(m_i, l_i, s)
         acc = tl.dot(p, ring_tile(rv_ptr, rslots, offs_d, mask_r), acc * alpha[:, None])
     has = l_i > 0
     inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
