@@ -349,6 +349,14 @@ def _block(kc, ks, kz, vc, vs, vz, n0, end, offs_w, row_g, ones,
 
 
 @triton.jit
+def zero_planes(W: tl.constexpr, VW: tl.constexpr, ROWS: tl.constexpr):
+    """Four empty value-plane accumulators of a warp kernel (also :mod:`kvlab.kernels.kivi_warp`'s):
+    ``out^T`` per warp, ``[W, VW, ROWS]`` float32. One zero tensor serves all: the products make new ones."""
+    zero = tl.zeros([W, VW, ROWS], tl.float32)
+    return zero, zero, zero, zero
+
+
+@triton.jit
 def _merge_plane(acc, off, wu, z, inv_l):
     """One value plane of the warps' accumulators merged: ``sum_w wu (acc - off) + z``, normalized (``[VW, M]``)."""
     return (tl.sum((acc - off[:, None, :]) * wu[:, None, :], 0) + z[None, :]) * inv_l[None, :]
@@ -396,10 +404,7 @@ def decode_warp_kernel(
     l_i = tl.zeros([W, BLOCK_M], tl.float32)
     zacc = tl.zeros([W, BLOCK_M], tl.float32)
     unit_i = tl.full([W, BLOCK_M], 1.0, tl.float32)
-    acc0 = tl.zeros([W, VW, BLOCK_M], tl.float32)
-    acc1 = tl.zeros([W, VW, BLOCK_M], tl.float32)
-    acc2 = tl.zeros([W, VW, BLOCK_M], tl.float32)
-    acc3 = tl.zeros([W, VW, BLOCK_M], tl.float32)
+    acc0, acc1, acc2, acc3 = zero_planes(W, VW, BLOCK_M)
     acc_one = tl.zeros([W, 16, BLOCK_M], tl.float32)
     ones = tl.full([W, 16, BW], 1.0, tl.float16)
 

@@ -55,7 +55,7 @@ import triton
 import triton.language as tl
 
 from kvlab.kernels.decode_reduce import online_step
-from kvlab.kernels.decode_warp import INT4_WORDS_PTX
+from kvlab.kernels.decode_warp import INT4_WORDS_PTX, zero_planes
 
 # $8: two int16 words of eight 2-bit codes each (first word in the low half); $0..$7: plane P (bits
 # [2P, 2P + 2)) of both words as float16 1 + c / L, L = 16 for even P (code at bits [6, 8)), 4 for
@@ -299,14 +299,8 @@ def _code_split(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, part_out_
     m_i = tl.full([W, GP], -1e30, tl.float32)
     l_i = tl.zeros([W, GP, BW], tl.float32)
     zacc = tl.zeros([W, ROWS, BW], tl.float32)
-    acc0 = tl.zeros([W, VW, ROWS], tl.float32)
-    acc1 = tl.zeros([W, VW, ROWS], tl.float32)
-    acc2 = tl.zeros([W, VW, ROWS], tl.float32)
-    acc3 = tl.zeros([W, VW, ROWS], tl.float32)
-    acc4 = tl.zeros([W, VW, ROWS], tl.float32)
-    acc5 = tl.zeros([W, VW, ROWS], tl.float32)
-    acc6 = tl.zeros([W, VW, ROWS], tl.float32)
-    acc7 = tl.zeros([W, VW, ROWS], tl.float32)
+    acc0, acc1, acc2, acc3 = zero_planes(W, VW, ROWS)
+    acc4, acc5, acc6, acc7 = zero_planes(W, VW, ROWS)  # planes 4..7: 2-bit values only
     acc_one = tl.zeros([W, 16, ROWS], tl.float32)
     ones = tl.full([W, 16, BW], 1.0, tl.float16)
     row_g = tl.arange(0, ROWS) // GP
