@@ -45,21 +45,25 @@ from kvlab.kernels.decode_fold import codes_unit, int4_planes
 from kvlab.kernels.decode_reduce import group_rows, query_slots, split_bounds
 from kvlab.kernels.jit_constants import FMT_FP8, FMT_INT
 
+
+def words_ptx(masks: tuple[int, ...]) -> tl.constexpr:
+    """PTX making float16 ``1 + c / L`` pairs of a register of two int16 words, two codes per
+    instruction, for int4 (:data:`INT4_WORDS_PTX`) and 2-bit words (``kivi_warp.INT2_WORDS_PTX``)
+    alike: the words shifted so that quarter ``q`` (bits ``[4q, 4q + 4)``) lands at bits ``[6, 10)``,
+    the top of 1.0's mantissa, then one ``lop3`` ``(t & mask) | 0x3C00`` per mask. Output
+    ``$(q * len(masks) + i)`` is quarter ``q`` under ``masks[i]``; the words are the last operand."""
+    words = f"${4 * len(masks)}"
+    lines = ["", "{", ".reg .b32 t;"]
+    for q, (op, bits) in enumerate((("shl", 6), ("shl", 2), ("shr", 2), ("shr", 6))):
+        lines.append(f"{op}.b32 t, {words}, {bits};")
+        lines += [f"lop3.b32 ${q * len(masks) + i}, t, 0x{mask:08X}, 0x3C003C00, 0xEA;"
+                  for i, mask in enumerate(masks)]
+    return tl.constexpr("\n".join(lines + ["}", ""]))  # a constexpr: jit code may read no other globals
+
+
 # $4: two int16 words (first slot in the low half); $0..$3: quarter q (bits [4q, 4q + 4)) of both
 # words as float16 1 + c / 16: one shift and one AND-OR per quarter, two codes at a time.
-INT4_WORDS_PTX = tl.constexpr("""
-{
-.reg .b32 t;
-shl.b32 t, $4, 6;
-lop3.b32 $0, t, 0x03C003C0, 0x3C003C00, 0xEA;
-shl.b32 t, $4, 2;
-lop3.b32 $1, t, 0x03C003C0, 0x3C003C00, 0xEA;
-shr.b32 t, $4, 2;
-lop3.b32 $2, t, 0x03C003C0, 0x3C003C00, 0xEA;
-shr.b32 t, $4, 6;
-lop3.b32 $3, t, 0x03C003C0, 0x3C003C00, 0xEA;
-}
-""")  # a constexpr: jit code may read no other globals
+INT4_WORDS_PTX = words_ptx((0x03C003C0,))
 
 # $2: two int16 words of two float8_e4m3 codes each; $0: both words' low bytes, $1: their high
 # bytes, as float16 pairs (first word in the low half).

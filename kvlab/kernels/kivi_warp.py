@@ -55,28 +55,12 @@ import triton
 import triton.language as tl
 
 from kvlab.kernels.decode_reduce import online_step
-from kvlab.kernels.decode_warp import INT4_WORDS_PTX, zero_planes
+from kvlab.kernels.decode_warp import INT4_WORDS_PTX, words_ptx, zero_planes
 
 # $8: two int16 words of eight 2-bit codes each (first word in the low half); $0..$7: plane P (bits
 # [2P, 2P + 2)) of both words as float16 1 + c / L, L = 16 for even P (code at bits [6, 8)), 4 for
 # odd P (bits [8, 10)): one shift per pair of planes, one AND-OR per plane, two codes at a time.
-INT2_WORDS_PTX = tl.constexpr("""
-{
-.reg .b32 t;
-shl.b32 t, $8, 6;
-lop3.b32 $0, t, 0x00C000C0, 0x3C003C00, 0xEA;
-lop3.b32 $1, t, 0x03000300, 0x3C003C00, 0xEA;
-shl.b32 t, $8, 2;
-lop3.b32 $2, t, 0x00C000C0, 0x3C003C00, 0xEA;
-lop3.b32 $3, t, 0x03000300, 0x3C003C00, 0xEA;
-shr.b32 t, $8, 2;
-lop3.b32 $4, t, 0x00C000C0, 0x3C003C00, 0xEA;
-lop3.b32 $5, t, 0x03000300, 0x3C003C00, 0xEA;
-shr.b32 t, $8, 6;
-lop3.b32 $6, t, 0x00C000C0, 0x3C003C00, 0xEA;
-lop3.b32 $7, t, 0x03000300, 0x3C003C00, 0xEA;
-}
-""")  # a constexpr: jit code may read no other globals
+INT2_WORDS_PTX = words_ptx((0x00C000C0, 0x03000300))
 
 
 def plane_unit(plane: int, bits: int) -> int:
