@@ -35,7 +35,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvlab.kernels.decode_reduce import dense_key_scores, slot_block, split_bounds, split_result, split_state
+from kvlab.kernels.decode_reduce import (
+    dense_key_scores,
+    group_rows,
+    query_slots,
+    slot_block,
+    split_bounds,
+    split_result,
+    split_state,
+)
 from kvlab.kernels.jit_constants import FMT_BF16, FMT_FP8, FMT_INT
 
 # $4: four code bytes b0..b3 (b0 lowest); $0, $1: plane 0 (low nibbles) of b0, b1 and b2, b3 as
@@ -84,14 +92,6 @@ def int4_planes(raw):
     return tl.inline_asm_elementwise(
         asm=INT4_PLANES_PTX, constraints="=r,=r,=r,=r,r", args=[raw], dtype=(tl.float16, tl.float16),
         is_pure=True, pack=4)
-
-
-@triton.jit
-def _load_q_slot(q_rows, mask_r, SLOT: tl.constexpr, PACK: tl.constexpr, GW: tl.constexpr):
-    """Query elements ``(g * GW + j) * PACK + p`` for ``g, p = divmod(SLOT, PACK)``, as float16."""
-    offs = tl.arange(0, GW)
-    d = ((SLOT // PACK) * GW + offs) * PACK + SLOT % PACK
-    return tl.load(q_rows[:, None] + d[None, :], mask=mask_r[:, None], other=0.0).to(tl.float16)
 
 
 @triton.jit
@@ -161,33 +161,11 @@ def decode_fold_kernel(
     DP: tl.constexpr = D // PACK  # bytes (int) or elements (bf16/fp8) of one row
     # NG: quantization groups of a row (int formats; 1 otherwise), each owning GP rows
     GW: tl.constexpr = DP // NG  # bytes of one group of one row
-    offs_r = tl.arange(0, BLOCK_M)
-    row_g = offs_r // GP
-    row_h = offs_r % GP
-    mask_r = (row_h < G) & (row_g < NG)
-    heads = h * G + row_h
-    q_rows = q_ptr + (b * Hq + heads) * D
+    row_g, mask_r, heads, q_rows = group_rows(q_ptr, b, h, Hq, G, D, BLOCK_M, GP, NG)
     offs_j = tl.arange(0, DP)
 
     # Query slices, one per (group, plane) slot: slot i is group i // PACK, plane i % PACK.
-    q0 = _load_q_slot(q_rows, mask_r, 0, PACK, GW)
-    q1 = q0
-    q2 = q0
-    q3 = q0
-    q4 = q0
-    q5 = q0
-    q6 = q0
-    q7 = q0
-    if NG * PACK >= 2:
-        q1 = _load_q_slot(q_rows, mask_r, 1, PACK, GW)
-    if NG * PACK >= 4:
-        q2 = _load_q_slot(q_rows, mask_r, 2, PACK, GW)
-        q3 = _load_q_slot(q_rows, mask_r, 3, PACK, GW)
-    if NG * PACK == 8:
-        q4 = _load_q_slot(q_rows, mask_r, 4, PACK, GW)
-        q5 = _load_q_slot(q_rows, mask_r, 5, PACK, GW)
-        q6 = _load_q_slot(q_rows, mask_r, 6, PACK, GW)
-        q7 = _load_q_slot(q_rows, mask_r, 7, PACK, GW)
+    q0, q1, q2, q3, q4, q5, q6, q7 = query_slots(q_rows, mask_r, NG * PACK, PACK, GW)
     # Each group's sum of q (for the zero term), times the softmax scale, which the group scale
     # also carries (folded into the score below).
     qs0 = (tl.sum(q0.to(tl.float32), 1) + tl.sum(q1.to(tl.float32), 1)) * qk_scale

@@ -6,9 +6,13 @@ Imports triton: the launcher (:mod:`kvlab.kernels.decode`) imports this lazily.
   (grid ``(B * Hkv, num_splits)``; a split that starts past the row's length runs zero iterations);
 - :func:`query_planes`, :func:`store_plane`: a GQA group's query as ``PACK`` strided planes, and one
   output plane stored back strided (also the KIVI split kernel's, :mod:`kvlab.kernels.kivi_triton`);
+- :func:`group_rows`, :func:`query_slots`: the rows of the fold and warp kernels (a query head per
+  quantization group) and the query slices their key products take;
 - :func:`split_state`, :func:`slot_block`: a split's empty online softmax, and the slots of one block;
 - :func:`dense_key_scores`: the scaled scores of a bf16 or fp8 key tile (no group scales; both kernels read those alike);
 - :func:`split_result`: a split's ``1 / l`` and base-2 log-sum-exp (zero and ``-inf`` when it saw no token);
+- :func:`online_step`: the online softmax step of the KIVI kernels' loops (:mod:`kvlab.kernels.kivi_triton`
+  and :mod:`kvlab.kernels.kivi_warp`);
 - :func:`decode_reduce_kernel`, grid ``(B * Hq,)``: merges the splits that saw tokens
   (``cdiv(length, split_len)`` of them) with their log-sum-exps.
 """
@@ -32,6 +36,53 @@ def split_bounds(len_ptr, Hkv, T, split_len):
     start = split * split_len
     end = tl.minimum(start + split_len, length)
     return bh, split, b, h, start, end
+
+
+@triton.jit
+def group_rows(q_ptr, b, h, Hq, G,
+               D: tl.constexpr, BLOCK_M: tl.constexpr, GP: tl.constexpr, NG: tl.constexpr):
+    """``(row_g, mask_r, heads, q_rows)`` of the fold and warp kernels' rows ``r = g * GP + i``: query head
+    ``i`` of KV head ``h``'s ``G`` for quantization group ``g``, masked past ``G`` and ``NG``; ``heads``:
+    each row's query head, ``q_rows``: its query."""
+    offs_r = tl.arange(0, BLOCK_M)
+    row_g = offs_r // GP
+    row_h = offs_r % GP
+    mask_r = (row_h < G) & (row_g < NG)
+    heads = h * G + row_h
+    return row_g, mask_r, heads, q_ptr + (b * Hq + heads) * D
+
+
+@triton.jit
+def _query_slot(q_rows, mask_r, SLOT: tl.constexpr, PACK: tl.constexpr, GW: tl.constexpr):
+    offs = tl.arange(0, GW)
+    d = ((SLOT // PACK) * GW + offs) * PACK + SLOT % PACK
+    return tl.load(q_rows[:, None] + d[None, :], mask=mask_r[:, None], other=0.0).to(tl.float16)
+
+
+@triton.jit
+def query_slots(q_rows, mask_r, SLOTS: tl.constexpr, PACK: tl.constexpr, GW: tl.constexpr):
+    """``(q0, ..., q7)``: slot ``i < SLOTS`` (1, 2, 4 or 8) is plane ``p = i % PACK`` of group
+    ``g = i // PACK`` of each row's query, elements ``(g * GW + j) * PACK + p`` as float16 ``[rows, GW]``
+    (masked rows 0); slots past ``SLOTS`` repeat ``q0`` (unused)."""
+    q0 = _query_slot(q_rows, mask_r, 0, PACK, GW)
+    q1 = q0
+    q2 = q0
+    q3 = q0
+    q4 = q0
+    q5 = q0
+    q6 = q0
+    q7 = q0
+    if SLOTS >= 2:
+        q1 = _query_slot(q_rows, mask_r, 1, PACK, GW)
+    if SLOTS >= 4:
+        q2 = _query_slot(q_rows, mask_r, 2, PACK, GW)
+        q3 = _query_slot(q_rows, mask_r, 3, PACK, GW)
+    if SLOTS == 8:
+        q4 = _query_slot(q_rows, mask_r, 4, PACK, GW)
+        q5 = _query_slot(q_rows, mask_r, 5, PACK, GW)
+        q6 = _query_slot(q_rows, mask_r, 6, PACK, GW)
+        q7 = _query_slot(q_rows, mask_r, 7, PACK, GW)
+    return q0, q1, q2, q3, q4, q5, q6, q7
 
 
 @triton.jit
@@ -106,6 +157,17 @@ def split_result(m_i, l_i):
     inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     return inv_l, lse
+
+
+@triton.jit
+def online_step(m_i, l_i, s):
+    """One online-softmax step (base 2): ``(m_new, l_new, alpha, p)``, ``p`` float16 for the value
+    product; safe when a row of ``s`` is all ``-inf``."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    return m_new, l_i * alpha + tl.sum(p, 1), alpha, p.to(tl.float16)
 
 
 @triton.jit(do_not_specialize=["Hq", "T", "split_len", "num_splits"])

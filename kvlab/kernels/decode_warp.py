@@ -42,24 +42,28 @@ import triton
 import triton.language as tl
 
 from kvlab.kernels.decode_fold import codes_unit, int4_planes
-from kvlab.kernels.decode_reduce import split_bounds
+from kvlab.kernels.decode_reduce import group_rows, query_slots, split_bounds
 from kvlab.kernels.jit_constants import FMT_FP8, FMT_INT
+
+
+def words_ptx(masks: tuple[int, ...]) -> tl.constexpr:
+    """PTX making float16 ``1 + c / L`` pairs of a register of two int16 words, two codes per
+    instruction, for int4 (:data:`INT4_WORDS_PTX`) and 2-bit words (``kivi_warp.INT2_WORDS_PTX``)
+    alike: the words shifted so that quarter ``q`` (bits ``[4q, 4q + 4)``) lands at bits ``[6, 10)``,
+    the top of 1.0's mantissa, then one ``lop3`` ``(t & mask) | 0x3C00`` per mask. Output
+    ``$(q * len(masks) + i)`` is quarter ``q`` under ``masks[i]``; the words are the last operand."""
+    words = f"${4 * len(masks)}"
+    lines = ["", "{", ".reg .b32 t;"]
+    for q, (op, bits) in enumerate((("shl", 6), ("shl", 2), ("shr", 2), ("shr", 6))):
+        lines.append(f"{op}.b32 t, {words}, {bits};")
+        lines += [f"lop3.b32 ${q * len(masks) + i}, t, 0x{mask:08X}, 0x3C003C00, 0xEA;"
+                  for i, mask in enumerate(masks)]
+    return tl.constexpr("\n".join(lines + ["}", ""]))  # a constexpr: jit code may read no other globals
+
 
 # $4: two int16 words (first slot in the low half); $0..$3: quarter q (bits [4q, 4q + 4)) of both
 # words as float16 1 + c / 16: one shift and one AND-OR per quarter, two codes at a time.
-INT4_WORDS_PTX = tl.constexpr("""
-{
-.reg .b32 t;
-shl.b32 t, $4, 6;
-lop3.b32 $0, t, 0x03C003C0, 0x3C003C00, 0xEA;
-shl.b32 t, $4, 2;
-lop3.b32 $1, t, 0x03C003C0, 0x3C003C00, 0xEA;
-shr.b32 t, $4, 2;
-lop3.b32 $2, t, 0x03C003C0, 0x3C003C00, 0xEA;
-shr.b32 t, $4, 6;
-lop3.b32 $3, t, 0x03C003C0, 0x3C003C00, 0xEA;
-}
-""")  # a constexpr: jit code may read no other globals
+INT4_WORDS_PTX = words_ptx((0x03C003C0,))
 
 # $2: two int16 words of two float8_e4m3 codes each; $0: both words' low bytes, $1: their high
 # bytes, as float16 pairs (first word in the low half).
@@ -129,14 +133,6 @@ def _load(ptrs, mask, MASKED: tl.constexpr):
     if MASKED:
         return tl.load(ptrs, mask=mask, other=0)
     return tl.load(ptrs)
-
-
-@triton.jit
-def _load_q_slice(q_rows, mask_r, SLOT: tl.constexpr, KP: tl.constexpr, KW: tl.constexpr):
-    """Query elements ``(g * KW + j) * KP + p`` for ``g, p = divmod(SLOT, KP)``, as float16 ``[M, KW]``."""
-    offs = tl.arange(0, KW)
-    d = ((SLOT // KP) * KW + offs) * KP + SLOT % KP
-    return tl.load(q_rows[:, None] + d[None, :], mask=mask_r[:, None], other=0.0).to(tl.float16)
 
 
 @triton.jit
@@ -357,6 +353,14 @@ def _block(kc, ks, kz, vc, vs, vz, n0, end, offs_w, row_g, ones,
 
 
 @triton.jit
+def zero_planes(W: tl.constexpr, VW: tl.constexpr, ROWS: tl.constexpr):
+    """Four empty value-plane accumulators of a warp kernel (also :mod:`kvlab.kernels.kivi_warp`'s):
+    ``out^T`` per warp, ``[W, VW, ROWS]`` float32. One zero tensor serves all: the products make new ones."""
+    zero = tl.zeros([W, VW, ROWS], tl.float32)
+    return zero, zero, zero, zero
+
+
+@triton.jit
 def _merge_plane(acc, off, wu, z, inv_l):
     """One value plane of the warps' accumulators merged: ``sum_w wu (acc - off) + z``, normalized (``[VW, M]``)."""
     return (tl.sum((acc - off[:, None, :]) * wu[:, None, :], 0) + z[None, :]) * inv_l[None, :]
@@ -385,30 +389,8 @@ def decode_warp_kernel(
     VW: tl.constexpr = D // VP  # words of one row
     BW: tl.constexpr = BLOCK_N // W  # slots of one warp in a block
 
-    offs_r = tl.arange(0, BLOCK_M)
-    row_g = offs_r // GP
-    row_h = offs_r % GP
-    mask_r = (row_h < G) & (row_g < NG)
-    heads = h * G + row_h
-    q_rows = q_ptr + (b * Hq + heads) * D
-    q0 = _load_q_slice(q_rows, mask_r, 0, KP, KW)
-    q1 = q0
-    q2 = q0
-    q3 = q0
-    q4 = q0
-    q5 = q0
-    q6 = q0
-    q7 = q0
-    if NG * KP >= 2:
-        q1 = _load_q_slice(q_rows, mask_r, 1, KP, KW)
-    if NG * KP >= 4:
-        q2 = _load_q_slice(q_rows, mask_r, 2, KP, KW)
-        q3 = _load_q_slice(q_rows, mask_r, 3, KP, KW)
-    if NG * KP == 8:
-        q4 = _load_q_slice(q_rows, mask_r, 4, KP, KW)
-        q5 = _load_q_slice(q_rows, mask_r, 5, KP, KW)
-        q6 = _load_q_slice(q_rows, mask_r, 6, KP, KW)
-        q7 = _load_q_slice(q_rows, mask_r, 7, KP, KW)
+    row_g, mask_r, heads, q_rows = group_rows(q_ptr, b, h, Hq, G, D, BLOCK_M, GP, NG)
+    q0, q1, q2, q3, q4, q5, q6, q7 = query_slots(q_rows, mask_r, NG * KP, KP, KW)  # slot i: group i // KP
     # each group's sum of q (the zero term), times the softmax scale
     if KP == 4:
         qs0 = _row_sum(q0, q1, q2, q3, KP, qk_scale)
@@ -426,10 +408,7 @@ def decode_warp_kernel(
     l_i = tl.zeros([W, BLOCK_M], tl.float32)
     zacc = tl.zeros([W, BLOCK_M], tl.float32)
     unit_i = tl.full([W, BLOCK_M], 1.0, tl.float32)
-    acc0 = tl.zeros([W, VW, BLOCK_M], tl.float32)
-    acc1 = tl.zeros([W, VW, BLOCK_M], tl.float32)
-    acc2 = tl.zeros([W, VW, BLOCK_M], tl.float32)
-    acc3 = tl.zeros([W, VW, BLOCK_M], tl.float32)
+    acc0, acc1, acc2, acc3 = zero_planes(W, VW, BLOCK_M)
     acc_one = tl.zeros([W, 16, BLOCK_M], tl.float32)
     ones = tl.full([W, 16, BW], 1.0, tl.float16)
 

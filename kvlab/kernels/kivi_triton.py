@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from kvlab.kernels.append_kernel import bf16_bits, f16_step  # the rounding steps kvlab's int formats use
-from kvlab.kernels.decode_reduce import query_planes, split_state, store_plane
+from kvlab.kernels.decode_reduce import online_step, query_planes, split_state, store_plane
 from kvlab.kernels.kivi_warp import kivi_warp_kernel
 from kvlab.kernels.merge_triton import merge_partials
 
@@ -60,16 +60,6 @@ def _value_plane(raw, vs_ptr, vz_ptr, vgroups, P: tl.constexpr, BITS: tl.constex
 def ring_plane(ptr, rslots, offs_j, mask_r, P: tl.constexpr, PACK: tl.constexpr, D: tl.constexpr):
     return tl.load(ptr + rslots[:, None] * D + offs_j[None, :] * PACK + P, mask=mask_r[:, None],
                    other=0.0).to(tl.float16)
-
-
-@triton.jit
-def _online(m_i, l_i, s):
-    """One online-softmax step (base 2): ``(m_new, l_new, alpha, p)``; safe when ``s`` is all ``-inf``."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    return m_new, l_i * alpha + tl.sum(p, 1), alpha, p.to(tl.float16)
 
 
 @triton.jit(do_not_specialize=["Hq", "Hkv", "TQ", "NKG", "W", "R", "split_groups", "num_splits", "GQ"])
@@ -115,7 +105,7 @@ def _kivi_split_kernel(
         if KPACK == 4:
             s += _key_scores(q2, k_raw, ks_ptr, kz_ptr, goff, offs_k, 2, KPACK, KBITS)
             s += _key_scores(q3, k_raw, ks_ptr, kz_ptr, goff, offs_k, 3, KPACK, KBITS)
-        m_i, l_i, alpha, p = _online(m_i, l_i, s * qk_scale)
+        m_i, l_i, alpha, p = online_step(m_i, l_i, s * qk_scale)
         v_raw = tl.load(vc_ptr + toks[:, None] * VDP + offs_v[None, :]).to(tl.int32)
         vgroups = toks[:, None] * NVG + (offs_v[None, :] * VPACK) // VG
         acc0 = acc0 * alpha[:, None] + tl.dot(p, _value_plane(v_raw, vs_ptr, vz_ptr, vgroups, 0, VBITS))
@@ -136,7 +126,7 @@ def _kivi_split_kernel(
             s += tl.dot(q2.to(tl.float16), tl.trans(ring_plane(rk_ptr, rslots, offs_k, mask_r, 2, KPACK, D)))
             s += tl.dot(q3.to(tl.float16), tl.trans(ring_plane(rk_ptr, rslots, offs_k, mask_r, 3, KPACK, D)))
         s = tl.where(mask_r[None, :], s * qk_scale, float("-inf"))
-        m_i, l_i, alpha, p = _online(m_i, l_i, s)
+        m_i, l_i, alpha, p = online_step(m_i, l_i, s)
         acc0 = acc0 * alpha[:, None] + tl.dot(p, ring_plane(rv_ptr, rslots, offs_v, mask_r, 0, VPACK, D))
         acc1 = acc1 * alpha[:, None] + tl.dot(p, ring_plane(rv_ptr, rslots, offs_v, mask_r, 1, VPACK, D))
         if VPACK == 4:

@@ -54,28 +54,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvlab.kernels.decode_warp import INT4_WORDS_PTX
+from kvlab.kernels.decode_reduce import online_step
+from kvlab.kernels.decode_warp import INT4_WORDS_PTX, words_ptx, zero_planes
 
 # $8: two int16 words of eight 2-bit codes each (first word in the low half); $0..$7: plane P (bits
 # [2P, 2P + 2)) of both words as float16 1 + c / L, L = 16 for even P (code at bits [6, 8)), 4 for
 # odd P (bits [8, 10)): one shift per pair of planes, one AND-OR per plane, two codes at a time.
-INT2_WORDS_PTX = tl.constexpr("""
-{
-.reg .b32 t;
-shl.b32 t, $8, 6;
-lop3.b32 $0, t, 0x00C000C0, 0x3C003C00, 0xEA;
-lop3.b32 $1, t, 0x03000300, 0x3C003C00, 0xEA;
-shl.b32 t, $8, 2;
-lop3.b32 $2, t, 0x00C000C0, 0x3C003C00, 0xEA;
-lop3.b32 $3, t, 0x03000300, 0x3C003C00, 0xEA;
-shr.b32 t, $8, 2;
-lop3.b32 $4, t, 0x00C000C0, 0x3C003C00, 0xEA;
-lop3.b32 $5, t, 0x03000300, 0x3C003C00, 0xEA;
-shr.b32 t, $8, 6;
-lop3.b32 $6, t, 0x00C000C0, 0x3C003C00, 0xEA;
-lop3.b32 $7, t, 0x03000300, 0x3C003C00, 0xEA;
-}
-""")  # a constexpr: jit code may read no other globals
+INT2_WORDS_PTX = words_ptx((0x00C000C0, 0x03000300))
 
 
 def plane_unit(plane: int, bits: int) -> int:
@@ -298,14 +283,8 @@ def _code_split(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, part_out_
     m_i = tl.full([W, GP], -1e30, tl.float32)
     l_i = tl.zeros([W, GP, BW], tl.float32)
     zacc = tl.zeros([W, ROWS, BW], tl.float32)
-    acc0 = tl.zeros([W, VW, ROWS], tl.float32)
-    acc1 = tl.zeros([W, VW, ROWS], tl.float32)
-    acc2 = tl.zeros([W, VW, ROWS], tl.float32)
-    acc3 = tl.zeros([W, VW, ROWS], tl.float32)
-    acc4 = tl.zeros([W, VW, ROWS], tl.float32)
-    acc5 = tl.zeros([W, VW, ROWS], tl.float32)
-    acc6 = tl.zeros([W, VW, ROWS], tl.float32)
-    acc7 = tl.zeros([W, VW, ROWS], tl.float32)
+    acc0, acc1, acc2, acc3 = zero_planes(W, VW, ROWS)
+    acc4, acc5, acc6, acc7 = zero_planes(W, VW, ROWS)  # planes 4..7: 2-bit values only
     acc_one = tl.zeros([W, 16, ROWS], tl.float32)
     ones = tl.full([W, 16, BW], 1.0, tl.float16)
     row_g = tl.arange(0, ROWS) // GP
@@ -376,16 +355,6 @@ def ring_tile(ptr, rslots, offs_d, mask_r):
 
 
 @triton.jit
-def _online(m_i, l_i, s):
-    """One online-softmax step (base 2): ``(m_new, l_new, alpha, p)``; safe when ``s`` is all ``-inf``."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    return m_new, l_i * alpha + tl.sum(p, 1), alpha, p.to(tl.float16)
-
-
-@triton.jit
 def ring_partial(q_ptr, rk_ptr, rv_ptr, part_out_ptr, part_lse_ptr, qk_scale, b, h, bh, split, Hq, W, nq,
                  length, num_splits, GQ, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr):
     """The ring's tokens ``nq .. length - 1`` (slots ``t % W``) of one KV head: its partial output and
@@ -410,7 +379,7 @@ def ring_partial(q_ptr, rk_ptr, rv_ptr, part_out_ptr, part_lse_ptr, qk_scale, b,
         rslots = bh.to(tl.int64) * W + offs_r
         s = tl.dot(q, tl.trans(ring_tile(rk_ptr, rslots, offs_d, mask_r)))
         s = tl.where(mask_r[None, :], s, float("-inf"))
-        m_i, l_i, alpha, p = _online(m_i, l_i, s)
+        m_i, l_i, alpha, p = online_step(m_i, l_i, s)
         acc = tl.dot(p, ring_tile(rv_ptr, rslots, offs_d, mask_r), acc * alpha[:, None])
     has = l_i > 0
     inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
