@@ -107,7 +107,7 @@ def test_anatomy_executes_on_the_tiny_model(tmp_path):
     assert "quanto int4" in text
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # a module fixture ended whenever the worker ran another module in between
 def smoke_sweep(tmp_path_factory):
     """The sweep notebook on the smoke params (reduced: 3 methods, ctx 256, 4 new tokens)."""
     tmp = tmp_path_factory.mktemp("smoke")
@@ -116,7 +116,7 @@ def smoke_sweep(tmp_path_factory):
     return tmp, nb
 
 
-# Both smoke-sweep tests share one module fixture: one xdist worker runs them, so the notebook runs once.
+# Both smoke-sweep tests share one session fixture: one xdist worker runs them, so the notebook runs once.
 @pytest.mark.xdist_group("smoke-sweep-notebook")
 @pytest.mark.slow(reason="a Jupyter kernel loads SmolLM2 and runs a reduced smoke sweep")
 def test_sweep_notebook_runs_the_smoke_sweep(smoke_sweep):

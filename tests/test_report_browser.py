@@ -7,10 +7,12 @@ from synthetic_records import write_fake_sweep
 
 from kvlab import report
 
-pytestmark = pytest.mark.slow(reason="renders a report (a Jupyter kernel) and draws it in headless Chromium")
+# one xdist worker renders the two reports once for all three tests (split across workers, each rendered them)
+pytestmark = [pytest.mark.slow(reason="renders a report (a Jupyter kernel) and draws it in headless Chromium"),
+              pytest.mark.xdist_group("report-browser")]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def rendered(tmp_path_factory):
     require_chromium()
     tmp = tmp_path_factory.mktemp("browser")
