@@ -221,3 +221,13 @@ def test_a_ray_gpu_task_takes_its_share_of_the_cpus():
     assert task_resources(SimpleNamespace(device="cpu", threads=None), {"CPU": 8.0}) == {"num_cpus": 1}
     four = task_resources(gpu, {"CPU": 32.0, "GPU": 4.0})
     assert slots_for(four, {"CPU": 32.0, "GPU": 4.0}) == 4
+
+
+@pytest.mark.xdist_group("ray")
+def test_xdist_groups_reach_the_workers(request):
+    """The Ray tests rely on --dist loadgroup to share one worker (one local cluster at a time). pytest
+    9.2's structured node ids silently dropped the group (pytest-xdist issue 1386; pyproject pins
+    pytest < 9.2): under xdist with loadgroup, a grouped test's id carries its group."""
+    if not getattr(request.config.option, "loadgroup", False):  # set on an xdist worker under --dist loadgroup
+        pytest.skip("runs under pytest-xdist with --dist loadgroup (the default addopts)")
+    assert request.node.nodeid.endswith("@ray"), request.node.nodeid
