@@ -13,9 +13,10 @@ At the Llama-3.1-8B attention shape (Hq 32, Hkv 8, D 128), ``--lengths`` (16k, 3
 - ``kivi2-g32``, ``kivi2-g16``, ``kivi-k4v2``, ``kivi4``: :func:`kvlab.kernels.kivi_decode.kivi_decode_attention`
   (R 128), once per ``--kivi-variants`` kernel (``split``, the default, names the row by the store's label
   alone; ``warp``/``warp_asm`` append ``:variant``, and ``variant`` says which kernel ran);
-- ``quest-B``: page selection (:func:`kvlab.kernels.quest.select_pages` with ``--backend``: the fused
-  scoring kernel plus ``topk`` for triton, torch for reference; benchmarks/quest_select.py compares them) plus the sparse kernel
-  over the dense cache, budget B tokens (``--budgets``, pages of 16), with the selection's own time
+- ``quest-B:tN``: page selection (:func:`kvlab.kernels.quest.select_pages` with ``--backend``: the
+  scoring and top-pages kernels for triton, torch for reference; benchmarks/quest_select.py compares
+  them) plus the sparse kernel gathering N tokens per iteration (``--quest-tokens-per-iter``) over the
+  dense cache, budget B tokens (``--budgets``, pages of 16), with the selection's own time
   (``select_ms``) and the kernel's (``attend_ms``) beside the total.
 
 Times: median of CUDA-event-timed replays of a CUDA graph holding ``copies`` launches over
@@ -153,13 +154,14 @@ def run_case(batch, length, args, device, rows):
             record(name, ms, stores[0].nbytes(), rel_err(out, ref), err_vs_bf16=rel_err(out, dense_ref),
                    variant=kivi_variant(variant, stores[0], hq // hkv), num_splits=ws.num_splits)
 
-    for budget in args.budgets if "quest" not in args.skip else ():
+    quest_cases = [(b, t) for b in args.budgets for t in args.quest_tokens_per_iter] if "quest" not in args.skip else []
+    for budget, per_iter in quest_cases:
         spec = quest.QuestSpec(page=16, budget=budget)
         bounds = quest.alloc_bounds(spec, batch, hkv, length, d, device=device)
         quest.load_bounds(bounds, k)
         pages = quest.select_pages(q, bounds, lengths, args.backend)
         kd, vd = dense[0]
-        ws = make_quest_workspace(hq, batch, hkv, pages.shape[2], d, device)
+        ws = make_quest_workspace(hq, batch, hkv, pages.shape[2], d, device, page=16, tokens_per_iter=per_iter)
         out = quest_decode_attention(q, kd, vd, pages, lengths, scale, 16, token_dim=2, workspace=ws,
                                      backend=args.backend)
         ref = quest.sparse_attend(q, k, v, pages, lengths, scale, 16)
@@ -178,8 +180,8 @@ def run_case(batch, length, args, device, rows):
         attend_ms = timed(attend, copies, device, args.reps)
         ms = timed(step, copies, device, args.reps)
         read = bounds.kmin.numel() * 2 * 2 + 2 * batch * hkv * pages.shape[2] * 16 * d * 2
-        record(f"quest-{budget}", ms, read, rel_err(out, ref), select_ms=select_ms, attend_ms=attend_ms,
-               pages=pages.shape[2])
+        record(f"quest-{budget}:t{per_iter}", ms, read, rel_err(out, ref), select_ms=select_ms, attend_ms=attend_ms,
+               pages=pages.shape[2], num_splits=ws.num_splits)
 
 
 def main(argv=None):
@@ -190,6 +192,8 @@ def main(argv=None):
     parser.add_argument("--budgets", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--backend", default="triton")
+    parser.add_argument("--quest-tokens-per-iter", type=int, nargs="+", default=[64],
+                        help="tokens the sparse kernel gathers per iteration (pages of 16: 16, 32, 64, ...)")
     parser.add_argument("--kivi-variants", nargs="+", default=["split"], choices=VARIANTS,
                         help="KIVI decode kernels to time side by side (kvlab.kernels.kivi_decode.VARIANTS)")
     parser.add_argument("--skip", nargs="+", default=[], choices=["fused", "quest"],

@@ -7,12 +7,16 @@ an H100/H200.
 
 At the Llama-3.1-8B attention shape (Hq 32, Hkv 8, D 128, bf16 bounds, pages of 16), ``--lengths``
 (16k, 32k), ``--batches`` (1, 16) and ``--budgets`` (512, 2048 tokens), per row: ``torch_ms`` and
-``fused_ms`` (:func:`kvlab.kernels.quest.select_pages` with ``backend='reference'`` / ``'triton'``),
-``ratio`` = torch / fused, ``bounds_GB/s`` (the bounds read once per call over the fused time),
+``fused_ms`` (:func:`kvlab.kernels.quest.select_pages` with ``backend='reference'`` / ``'triton'``: the
+scoring kernel and the top-pages kernel), ``ratio`` = torch / fused, ``fused_scores_ms`` (the scoring
+kernel alone), ``topk_ms`` / ``top_kernel_ms`` (torch's ``topk`` and ``-1`` fill against the top-pages
+kernel, on the same scores), ``append_torch_ms`` / ``append_kernel_ms`` (one token's bounds append,
+:func:`kvlab.kernels.quest.append_bounds`), ``bounds_GB/s`` (the bounds read once per call over the
+scoring kernel's time),
 whether the page sets agree (``same_pages``, sorted per row; a near tie of two pages can swap one) and
 the largest score difference where both are finite. Times: median of CUDA-event-timed replays of a
 CUDA graph of ``copies`` calls over distinct copies of the bounds (past L2), divided by ``copies``
-(:func:`kivi_quest.timed`). The fused kernel's speed is pending this device run.
+(:func:`kivi_quest.timed`); the append runs on one copy (its bytes are a page's bounds).
 """
 
 from __future__ import annotations
@@ -56,12 +60,23 @@ def run_case(batch, length, budget, args, device, rows):
     finite = want.isfinite() & got.isfinite()
     same_inf = bool(torch.equal(want.isfinite(), got.isfinite()))
     same_pages = bool(torch.equal(want_pages.sort(-1).values, got_pages.sort(-1).values))
+    k_sel = want_pages.shape[-1]
     torch_ms = timed(lambda i: quest.select_pages(q, copies_of[i], lengths, "reference"), copies, device, args.reps)
     fused_ms = timed(lambda i: quest.select_pages(q, copies_of[i], lengths, "triton"), copies, device, args.reps)
     scores_ms = timed(lambda i: quest.selection_scores(q, copies_of[i], lengths, "triton"), copies, device, args.reps)
+    topk_ms = timed(lambda i: quest.top_pages(got, k_sel, "reference"), copies, device, args.reps)
+    top_kernel_ms = timed(lambda i: quest.top_pages(got, k_sel, "triton"), copies, device, args.reps)
+    # the bounds' append of one decode token: torch's ops against the kernel (on a spare copy)
+    key = torch.randn(batch, hkv, 1, d, generator=gen).to(device, torch.bfloat16)
+    pos = torch.tensor([length - 3], device=device)
+    spare = quest.PageBounds(spec, bounds.kmin.clone(), bounds.kmax.clone())
+    append_torch_ms = timed(lambda i: quest.append_bounds(spare, key, pos, "reference"), 1, device, args.reps)
+    append_kernel_ms = timed(lambda i: quest.append_bounds(spare, key, pos, "triton"), 1, device, args.reps)
     row = {"batch": batch, "length": length, "budget": budget, "pages": bounds.kmin.shape[2],
-           "selected": want_pages.shape[-1], "torch_ms": torch_ms, "fused_ms": fused_ms,
+           "selected": k_sel, "torch_ms": torch_ms, "fused_ms": fused_ms,
            "fused_scores_ms": scores_ms, "ratio": torch_ms / fused_ms if fused_ms > 0 else None,
+           "topk_ms": topk_ms, "top_kernel_ms": top_kernel_ms,
+           "append_torch_ms": append_torch_ms, "append_kernel_ms": append_kernel_ms,
            "bounds_GB/s": bound_bytes / scores_ms / 1e6 if scores_ms > 0 else None,
            "same_pages": same_pages, "same_masks": same_inf,
            "max_score_diff": float((want[finite] - got[finite]).abs().max()) if finite.any() else 0.0}

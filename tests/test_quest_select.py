@@ -101,16 +101,68 @@ def test_chunk_and_head_run_the_reference_and_auto_scores_in_torch():
     assert quest.select_pages(chunk, maxed, rows, "triton").shape == (2, 2, 3, 2)
     with pytest.raises(FormatError, match="backend"):
         quest.select_pages(q, maxed, lengths, "cuda")
-    # auto: torch's scoring on any device until the kernel is timed on a GPU
-    assert torch.equal(quest.selection_scores(q, maxed, lengths), quest.reference_scores(q, maxed, lengths))
+    # auto: the kernels on CUDA, torch's scoring elsewhere
+    if DEVICE == "cpu":
+        assert torch.equal(quest.selection_scores(q, maxed, lengths), quest.reference_scores(q, maxed, lengths))
 
 
-def test_the_kernel_is_filed_under_page_selection():
-    """A graph replay knows the kernel by its name only (kvlab.engine.anatomy.KERNEL_RULES)."""
+def test_the_kernels_are_filed_under_page_selection_and_cache_update():
+    """A graph replay knows the kernels by their names only (kvlab.engine.anatomy.KERNEL_RULES)."""
     from kvlab.engine.anatomy import classify_kernel
-    from kvlab.kernels import quest_select
+    from kvlab.kernels import quest_bounds, quest_select
 
     assert classify_kernel(quest_select.quest_select_kernel.__name__) == "page selection"
+    assert classify_kernel(quest_select.quest_select_top_kernel.__name__) == "page selection"
+    assert classify_kernel(quest_bounds.quest_bounds_append_kernel.__name__) == "cache update/concat"
+
+
+def assert_top_pages(got, scores, k):
+    """``got`` holds, per row in page order, the ``k`` best pages (ties to the lowest page numbers),
+    then ``-1`` where fewer than ``k`` score above ``-inf``: what ``topk`` selects, ties aside."""
+    assert got.dtype == torch.int64 and got.shape == (*scores.shape[:-1], k)
+    for row, want in zip(got.reshape(-1, k).tolist(), scores.reshape(-1, scores.shape[-1]).tolist(), strict=True):
+        live = [p for p, v in enumerate(want) if v > float("-inf")]
+        best = sorted(live, key=lambda p: (-want[p], p))[:k]
+        assert row == sorted(best) + [-1] * (k - len(best))
+
+
+@pytest.mark.parametrize("n_pages,k", [(1, 1), (70, 8), (64, 64), (300, 128), (1024, 128)])
+def test_top_pages_kernel_selects_what_topk_selects(n_pages, k):
+    gen = torch.Generator().manual_seed(n_pages + k)
+    scores = torch.randn(3, 2, n_pages, generator=gen) * 30
+    scores[0, 0, :2] = float("inf")  # page 0 and the latest
+    scores[0, 1, n_pages // 2:] = float("-inf")  # a short row: pages past its length
+    scores[1, 0, :] = float("-inf")
+    scores[1, 1, n_pages // 3::2] = -0.0  # ties, across signed zeros
+    scores[1, 1, 1::5] = 0.0
+    scores[2, 0] = scores[2, 0].round()  # many ties at integers
+    scores[2, 1, ::3] = -3.4e38  # the most negative float32s
+    scores = scores.to(DEVICE)
+    got = quest.top_pages(scores, k, "triton")
+    assert_top_pages(got.cpu(), scores.cpu(), k)
+    want = quest.top_pages(scores, k, "reference")
+    untied = [(0, 0), (0, 1), (1, 0)]  # topk breaks ties in no stated order: compare the sets where none are
+    for b, h in untied:
+        assert torch.equal(got[b, h].sort().values, want[b, h].sort().values)
+
+
+def test_append_kernel_writes_what_torch_writes():
+    """Token by token over three pages and into a fresh one, bf16 and float32 bounds, a strided key."""
+    gen = torch.Generator().manual_seed(11)
+    for dtype in (torch.bfloat16, torch.float32):
+        spec = quest.QuestSpec(page=16, budget=64)
+        got = quest.alloc_bounds(spec, 2, 3, 64, 48, dtype=dtype, device=DEVICE)
+        want = quest.alloc_bounds(spec, 2, 3, 64, 48, dtype=dtype, device=DEVICE)
+        keys = torch.randn(2, 3, 64, 2, 48, generator=gen).to(DEVICE, torch.bfloat16)[..., 0, :]  # unit head dim
+        for t in range(50):
+            pos = torch.tensor([t], device=DEVICE)
+            quest.append_bounds(got, keys[:, :, t:t + 1], pos, "triton")
+            quest.append_bounds(want, keys[:, :, t:t + 1], pos, "reference")
+            if t in (0, 15, 16, 33, 49):
+                assert torch.equal(got.kmin, want.kmin) and torch.equal(got.kmax, want.kmax), t
+        assert torch.isinf(got.kmin[:, :, 4:]).all()  # pages not reached keep their +-inf
+    with pytest.raises(FormatError, match="unit-stride"):
+        quest.append_bounds(got, keys[..., ::2], torch.tensor([0], device=DEVICE), "triton")
 
 
 def test_the_benchmark_runs_interpreted_at_a_tiny_shape(tmp_path):

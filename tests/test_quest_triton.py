@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvlab.kernels import quest
+from kvlab.kernels.formats import FormatError
 from kvlab.kernels.quest_decode import make_quest_workspace, plan_quest_splits, quest_decode_attention
 
 pytest.importorskip("triton")
@@ -21,8 +22,10 @@ TOL = {"atol": 3e-3, "rtol": 1e-2}
 
 @pytest.mark.parametrize("token_dim", [1, 2])
 @pytest.mark.parametrize("reduce", ["max", "sum"])
-def test_kernel_matches_reference(token_dim, reduce):
-    # rows: full, empty, partial last page; GQA 4; budget 4 of 13 pages; 3 splits over the 4 entries
+@pytest.mark.parametrize("tokens_per_iter", [16, 32, 64])
+def test_kernel_matches_reference(token_dim, reduce, tokens_per_iter):
+    # rows: full, empty, partial last page; GQA 4; budget 4 of 13 pages; 2 splits of 2 entries or 1 of 4
+    # (1, 2 or 4 pages gathered per iteration)
     gen = torch.Generator().manual_seed(0)
     lengths = torch.tensor([200, 0, 77], dtype=torch.int32, device=DEVICE)
     k = torch.randn(3, 2, 200, 32, generator=gen).to(DEVICE, torch.bfloat16)
@@ -36,7 +39,8 @@ def test_kernel_matches_reference(token_dim, reduce):
     want = quest.sparse_attend(q, k, v, pages, lengths, 0.2, spec.page)
     if token_dim == 1:  # the fast engine's dense layout, read through its strides
         k, v = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
-    ws = make_quest_workspace(8, 3, 2, pages.shape[2], 32, DEVICE, num_splits=3)
+    ws = make_quest_workspace(8, 3, 2, pages.shape[2], 32, DEVICE, num_splits=3, tokens_per_iter=tokens_per_iter)
+    assert (ws.num_splits, ws.pages_per_iter) == {16: (2, 1), 32: (2, 2), 64: (1, 4)}[tokens_per_iter]
     got = quest_decode_attention(q, k, v, pages, lengths, 0.2, spec.page, token_dim=token_dim, workspace=ws,
                                  backend="triton")
     assert got.shape == q.shape
@@ -63,3 +67,28 @@ def test_split_plan_covers_the_list():
         for batch in (1, 16):
             n, per = plan_quest_splits(batch, 8, selected, 132)
             assert n * per >= selected and (n - 1) * per < selected
+
+
+def test_gathered_pages_past_a_split_end_and_the_list_end_are_skipped():
+    # 7 pages of 13 selected, 4 gathered per iteration over splits of 4: the second split's one
+    # iteration reads 3 entries and masks the slot past the list; -1 entries from a short row
+    gen = torch.Generator().manual_seed(5)
+    lengths = torch.tensor([208, 90], dtype=torch.int32, device=DEVICE)
+    k = torch.randn(2, 2, 208, 32, generator=gen).to(DEVICE, torch.bfloat16)
+    v = torch.randn(2, 2, 208, 32, generator=gen).to(DEVICE, torch.bfloat16)
+    spec = quest.QuestSpec(page=16, budget=112)
+    bounds = quest.alloc_bounds(spec, 2, 2, 208, 32, device=DEVICE)
+    for b, n in enumerate(lengths.tolist()):
+        quest.load_bounds(quest.PageBounds(spec, bounds.kmin[b:b + 1], bounds.kmax[b:b + 1]), k[b:b + 1, :, :n])
+    q = torch.randn(2, 4, 32, generator=gen).to(DEVICE)
+    pages = quest.select_pages(q, bounds, lengths, "reference")
+    assert pages.shape[2] == 7 and (pages[1] == -1).any()  # row 1 has 6 pages
+    ws = make_quest_workspace(4, 2, 2, 7, 32, DEVICE, num_splits=2)
+    assert (ws.num_splits, ws.per_split, ws.pages_per_iter) == (2, 4, 4)
+    got = quest_decode_attention(q, k, v, pages, lengths, 0.2, 16, workspace=ws, backend="triton")
+    torch.testing.assert_close(got.float(), quest.sparse_attend(q, k, v, pages, lengths, 0.2, 16), **TOL)
+
+
+def test_workspace_rejects_a_gather_that_is_not_a_power_of_two():
+    with pytest.raises(FormatError, match="power of two"):
+        make_quest_workspace(4, 1, 1, 8, 32, DEVICE, page=16, tokens_per_iter=48)

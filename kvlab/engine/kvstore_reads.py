@@ -9,8 +9,9 @@ the fused split-K kernel on CUDA and the torch reference elsewhere (``kivi_decod
 :class:`QuestStore` is a :class:`~kvlab.engine.kvstore.DenseStore` plus page bounds
 (:mod:`kvlab.kernels.quest`): layers below ``dense_layers`` attend densely; the others select pages
 from the query (inside the profiler scope ``kvlab::quest_select``, so the anatomy shows the
-selection's own cost on eager steps; with ``backend="triton"`` the scoring is one fused kernel,
-:mod:`kvlab.kernels.quest_select`, then ``topk``) and read only those (``quest_decode_attention``).
+selection's own cost on eager steps; on CUDA the bounds' append is one kernel and the selection two,
+:mod:`kvlab.kernels.quest_bounds` and :mod:`kvlab.kernels.quest_select`) and read only those
+(``quest_decode_attention``).
 
 :func:`read_store` picks one from what a policy's ``fast_storage()`` returned.
 """
@@ -91,7 +92,7 @@ class QuestStore(DenseStore):
         self.bounds = [quest.alloc_bounds(spec, b, h, c, d, dtype, device) for c in layout.capacity]
         kernel = uses_kernel(backend, device)
         self.quest_workspaces = [
-            make_quest_workspace(num_heads, b, h, spec.selected(bounds.capacity), d, device)
+            make_quest_workspace(num_heads, b, h, spec.selected(bounds.capacity), d, device, page=spec.page)
             if kernel and i >= read.dense_layers else None for i, bounds in enumerate(self.bounds)]
 
     def bytes_allocated(self) -> int:
@@ -118,7 +119,7 @@ class QuestStore(DenseStore):
         slot, used = self.slots.slot(layer), self.slots.used(layer)
         self.keys[layer].index_copy_(2, slot, k)
         self.values[layer].index_copy_(2, slot, v)
-        quest.append_bounds(self.bounds[layer], k, slot)
+        quest.append_bounds(self.bounds[layer], k, slot, backend=self.backend)
         bsz, n_heads, _, dim = q.shape
         q3 = q.reshape(bsz, n_heads, dim).contiguous()
         with record_function(SCOPE_SELECT):

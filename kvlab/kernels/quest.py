@@ -16,12 +16,14 @@ page any head may attend to strongly ranks high; ``"sum"`` by the sum of the bou
 of the group's summed logit). ``"head"`` is Quest's own choice, a page set per query head (the
 reference reads it; the kernel reads one set per KV head).
 
-Selection is fixed-shape (``topk`` of a constant ``k``): pages past a row's length get ``-inf`` and
-come back as index ``-1`` when fewer pages exist than ``k``; readers skip them. The decode step's
-scoring (one query per row, ``group_reduce`` max or sum) can run as one Triton kernel
-(:mod:`kvlab.kernels.quest_select`, ``backend="triton"``) writing what :func:`reference_scores`
-computes; ``topk`` stays torch. ``auto`` keeps torch's scoring until that kernel has been timed on a
-GPU (``benchmarks/quest_select.py``; not yet run).
+Selection is fixed-shape (the top ``k``, a constant of the store): pages past a row's length get
+``-inf`` and come back as index ``-1`` when fewer pages exist than ``k``; readers skip them. On CUDA
+(``backend`` ``"auto"`` or ``"triton"``) the decode step's selection (one query per row,
+``group_reduce`` max or sum) is two Triton kernels (:mod:`kvlab.kernels.quest_select`: the scores
+:func:`reference_scores` computes, then the top pages in place of ``topk``) and the bounds' append
+one more (:mod:`kvlab.kernels.quest_bounds`), where torch takes about 25 small kernels per layer;
+``benchmarks/quest_select.py`` times both paths on a GPU. The torch functions here are their
+reference and the CPU path.
 """
 
 from __future__ import annotations
@@ -114,9 +116,24 @@ def load_bounds(bounds: PageBounds, keys: torch.Tensor) -> None:
     bounds.kmax[:, :, :pages].copy_(hi)
 
 
-def append_bounds(bounds: PageBounds, key: torch.Tensor, position: torch.Tensor) -> None:
+def uses_triton(backend: str, tensor: torch.Tensor) -> bool:
+    """Whether a selection ``backend`` runs the Triton kernels for ``tensor`` (``auto``: on CUDA)."""
+    if backend not in SELECT_BACKENDS:
+        raise FormatError(f"backend must be one of {', '.join(SELECT_BACKENDS)}, not {backend!r}")
+    return backend == "triton" or (backend == "auto" and tensor.is_cuda)
+
+
+def append_bounds(bounds: PageBounds, key: torch.Tensor, position: torch.Tensor, backend: str = "auto") -> None:
     """Fold one token's key ``[B, H, 1, D]`` at ``position`` (``[1]`` int64 on the device) into its
-    page's bounds; the first token of a page replaces them (fixed-shape ops, graph-capturable)."""
+    page's bounds; the first token of a page replaces them (fixed-shape, graph-capturable). ``backend``
+    ``triton`` (or ``auto`` on CUDA): one kernel, :mod:`kvlab.kernels.quest_bounds`."""
+    if uses_triton(backend, key):
+        if key.stride(-1) != 1 or bounds.kmin.stride(-1) != 1 or bounds.kmax.stride(-1) != 1:
+            raise FormatError("the bounds append kernel needs a unit-stride head dim in the key and the bounds")
+        from kvlab.kernels.quest_bounds import launch_bounds_append  # imports triton
+
+        launch_bounds_append(bounds.kmin, bounds.kmax, key, position, bounds.spec.page)
+        return
     page = position // bounds.spec.page
     fresh = (position % bounds.spec.page == 0).view(1, 1, 1, 1)
     key = key.to(bounds.kmin.dtype)
@@ -153,27 +170,36 @@ def select_pages(q: torch.Tensor, bounds: PageBounds, lengths: torch.Tensor, bac
     tokens visible to it, itself included) gives ``[B, Hsel, n, k]``: each query its own pages, as
     it would select them decoded alone (pages before its latest are whole, so their bounds are final).
 
-    ``backend`` (``triton``: the fused kernel, interpreted on CPU with ``TRITON_INTERPRET=1``; ``auto``
-    and ``reference``: torch, until the kernel is timed on a GPU) picks
-    how :func:`selection_scores` runs; the kernel reads one query per row and ``group_reduce`` max or
-    sum, so the chunk and ``"head"`` cases always run torch."""
+    ``backend`` (``triton``: the Triton kernels, interpreted on CPU with ``TRITON_INTERPRET=1``;
+    ``auto``: those on CUDA, torch elsewhere; ``reference``: torch) picks how the scores and the top
+    pages are found; the kernels read one query per row and ``group_reduce`` max or sum, so the chunk
+    and ``"head"`` cases always run torch. The two paths select the same pages (ties aside), in
+    different orders: ``topk``'s by score, the kernel's by page."""
     scores = selection_scores(q, bounds, lengths, backend)
-    return top_pages(scores, bounds.spec.selected(bounds.capacity))
+    k = bounds.spec.selected(bounds.capacity)
+    return top_pages(scores, k, backend if fused_case(q, bounds) else "reference")
 
 
-def top_pages(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """The ``k`` best pages of masked ``scores [..., P]``, ``-1`` where the score is ``-inf``."""
+def top_pages(scores: torch.Tensor, k: int, backend: str = "reference") -> torch.Tensor:
+    """The ``k`` best pages of masked ``scores [..., P]``, ``-1`` where the score is ``-inf``
+    (``triton``, or ``auto`` on CUDA: :func:`kvlab.kernels.quest_select.launch_select_top`)."""
+    if uses_triton(backend, scores):
+        from kvlab.kernels.quest_select import launch_select_top  # imports triton
+
+        return launch_select_top(scores.contiguous(), k)
     top, index = scores.topk(k, dim=-1)
     return torch.where(top == float("-inf"), torch.full_like(index, -1), index)
+
+
+def fused_case(q: torch.Tensor, bounds: PageBounds) -> bool:
+    """Whether the selection kernels read this case: one query per row, one page set per KV head."""
+    return q.dim() == 3 and bounds.spec.group_reduce != "head"
 
 
 def selection_scores(q: torch.Tensor, bounds: PageBounds, lengths: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     """What :func:`select_pages` ranks: float32 ``[B, Hsel, P]`` (``[B, Hsel, n, P]`` for a chunk), the
     group-reduced bounds with page 0 and each row's latest page ``+inf`` and pages past it ``-inf``."""
-    if backend not in SELECT_BACKENDS:
-        raise FormatError(f"backend must be one of {', '.join(SELECT_BACKENDS)}, not {backend!r}")
-    fused = q.dim() == 3 and bounds.spec.group_reduce != "head"
-    if fused and backend == "triton":
+    if uses_triton(backend, q) and fused_case(q, bounds):
         return fused_scores(q, bounds, lengths)
     return reference_scores(q, bounds, lengths)
 

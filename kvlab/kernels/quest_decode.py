@@ -22,6 +22,7 @@ from kvlab.kernels import quest
 from kvlab.kernels.formats import FormatError
 
 PROGRAMS_PER_SM = 4
+TOKENS_PER_ITER = 64  # gathered tokens per iteration of the sparse kernel: 4 pages of 16 (a page at least)
 BACKENDS = ("auto", "triton", "reference")
 
 
@@ -32,6 +33,7 @@ class QuestWorkspace:
     part_out: torch.Tensor  # [B, Hq, num_splits, D] float32
     part_lse: torch.Tensor  # [B, Hq, num_splits] float32
     num_warps: int = 4
+    pages_per_iter: int = 1  # pages the kernel gathers per iteration (a power of two)
 
 
 def plan_quest_splits(batch: int, kv_heads: int, selected: int, sm_count: int,
@@ -44,17 +46,24 @@ def plan_quest_splits(batch: int, kv_heads: int, selected: int, sm_count: int,
 
 
 def make_quest_workspace(q_heads: int, batch: int, kv_heads: int, selected: int, head_dim: int,
-                         device: torch.device | str, num_splits: int | None = None) -> QuestWorkspace:
+                         device: torch.device | str, num_splits: int | None = None, page: int = 16,
+                         tokens_per_iter: int = TOKENS_PER_ITER) -> QuestWorkspace:
+    """Buffers and geometry of the sparse kernel: splits of whole iterations (``tokens_per_iter // page``
+    pages each, at least one)."""
     device = torch.device(device)
+    per_iter = max(1, tokens_per_iter // page)
+    if per_iter & (per_iter - 1):
+        raise FormatError(f"tokens_per_iter // page must be a power of two, got {tokens_per_iter} // {page}")
     if num_splits is None:
         sms = torch.cuda.get_device_properties(cuda_index(device)).multi_processor_count if device.type == "cuda" else 8
         num_splits, per = plan_quest_splits(batch, kv_heads, selected, sms)
     else:
         per = math.ceil(selected / num_splits)
-        num_splits = math.ceil(selected / per)
+    per = math.ceil(per / per_iter) * per_iter
+    num_splits = math.ceil(selected / per)
     shape = (batch, q_heads, num_splits)
     return QuestWorkspace(num_splits, per, torch.empty(*shape, head_dim, dtype=torch.float32, device=device),
-                          torch.empty(shape, dtype=torch.float32, device=device))
+                          torch.empty(shape, dtype=torch.float32, device=device), pages_per_iter=per_iter)
 
 
 def kernel_problem(head_dim: int, page: int) -> str | None:
@@ -93,7 +102,7 @@ def quest_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     from kvlab.kernels.quest_triton import launch_quest  # imports triton
 
     if workspace is None:
-        workspace = make_quest_workspace(q_heads, batch, kv_heads, pages.shape[2], head_dim, q.device)
+        workspace = make_quest_workspace(q_heads, batch, kv_heads, pages.shape[2], head_dim, q.device, page=page)
     if out is None:
         out = torch.empty_like(q)
     if keys.stride(-1) != 1 or values.stride(-1) != 1 or not (q.is_contiguous() and pages.is_contiguous()):

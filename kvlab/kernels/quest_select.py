@@ -1,5 +1,6 @@
-"""Triton kernel of Quest's decode-time page scoring (:func:`kvlab.kernels.quest.select_pages`, one
-query per row, ``group_reduce`` ``"max"`` or ``"sum"``) and its launch (imports triton; import lazily).
+"""Triton kernels of Quest's decode-time page selection (:func:`kvlab.kernels.quest.select_pages`, one
+query per row, ``group_reduce`` ``"max"`` or ``"sum"``): the page scores, then the top pages; and their
+launches (imports triton; import lazily).
 
 One kernel writes the masked, group-reduced float32 scores ``[B, Hkv, P]`` that the torch path builds
 from ~15 small kernels (float casts, clamps, two bound GEMMs, their sum, the group reduction, the
@@ -7,13 +8,20 @@ page-index compares and two ``where``): per KV head and page ``p``, for each que
 group ``s_g[p] = sum_d relu(q_d) kmax[p, d] + min(q_d, 0) kmin[p, d]`` (Quest's sign trick, the same
 terms as :func:`kvlab.kernels.quest.page_scores`), reduced over the group by max or sum; page 0 and the
 row's latest page (from its length) ``+inf``, pages past the latest ``-inf`` (never-written pages, whose
-``+-inf`` bounds score NaN or ``+-inf``, are all past it). ``topk`` and the ``-1`` fill stay in torch
-(:func:`kvlab.kernels.quest.top_pages`).
+``+-inf`` bounds score NaN or ``+-inf``, are all past it).
+
+Then ``quest_select_top_kernel``, grid ``(B * Hkv,)``, in place of ``topk`` and the ``-1`` fill
+(:func:`kvlab.kernels.quest.top_pages`): one program holds a row's ``P`` scores, finds the ``k``-th
+largest by a bit-by-bit search over their order-preserving integer keys (32 counts over the row),
+and writes the pages above it, then the lowest-numbered pages tied with it, in page order, ``-1``
+after them where fewer than ``k`` pages score above ``-inf``. The same page set as ``topk`` (which
+breaks ties in no stated order) in ascending page order, which the sparse kernel reads as well as
+any other.
 
 Grid ``(B * Hkv, cdiv(P, BLOCK_P))``: program ``(b, h, j)`` loads the ``BLOCK_P x D`` tiles of both
 bounds once and each of the group's ``G`` query rows once. Fixed shapes, lengths read on the device,
-no host sync: CUDA-graph capturable. Its speed on a GPU is pending a device run
-(``benchmarks/quest_select.py``). The torch ops it replaces took about 2.1 ms of a batch-1 16k step
+no host sync: CUDA-graph capturable. ``benchmarks/quest_select.py`` times both kernels against
+torch's scoring and ``topk`` on a GPU. The torch ops it replaces took about 2.1 ms of a batch-1 16k step
 under the profiler on an H100 (bound GEMMs 0.39 ms, elementwise ops 1.67 ms), plus the GPU's idle
 time between them (reports/h100-2026-12-06, "The step's anatomy").
 """
@@ -83,4 +91,46 @@ def launch_quest_select(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
         G=q_heads // kv_heads, D=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_P=BLOCK_P,
         SUM=group_sum, num_warps=NUM_WARPS,
     )
+    return out
+
+
+@triton.jit
+def order_key(x):
+    """float32 -> uint32 whose unsigned order is the floats' order (negatives flipped whole, the sign
+    bit set on the rest; -0.0 keyed as 0.0, which it equals)."""
+    bits = tl.where(x == 0.0, 0, x.to(tl.uint32, bitcast=True))
+    return tl.where((bits >> 31) == 1, ~bits, bits | 0x80000000)
+
+
+@triton.jit(do_not_specialize=["n_pages", "k"])
+def quest_select_top_kernel(scores_ptr, out_ptr, n_pages, k, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    s = tl.load(scores_ptr + row * n_pages + offs, mask=offs < n_pages, other=float("-inf"))
+    live = s > float("-inf")  # NaN and -inf are never selected
+    key = tl.where(live, order_key(s), 0)  # every live key is above 0 (-inf's own key is 0x007FFFFF)
+    # the k-th largest key, bit by bit from the top: the largest t with at least k keys >= t
+    t = tl.zeros([], tl.uint32)
+    for i in tl.static_range(32):
+        cand = t | (tl.full([], 1, tl.uint32) << (31 - i))
+        t = tl.where(tl.sum((key >= cand).to(tl.int32), 0) >= k, cand, t)
+    above = key > t
+    tied = live & (key == t)
+    chosen = above | (tied & (tl.cumsum(tied.to(tl.int32), 0) <= k - tl.sum(above.to(tl.int32), 0)))
+    slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
+    tl.store(out_ptr + row * k + slot, offs.to(tl.int64), mask=chosen)
+    offs_k = tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + row * k + offs_k, tl.full([BLOCK_K], -1, tl.int64),
+             mask=(offs_k >= tl.sum(chosen.to(tl.int32), 0)) & (offs_k < k))
+
+
+def launch_select_top(scores: torch.Tensor, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``k`` best pages int64 ``[..., k]`` of contiguous float32 ``scores [..., P]`` (``k <= P``), in
+    page order, ``-1`` after them where fewer than ``k`` score above ``-inf``."""
+    n_pages = scores.shape[-1]
+    rows = scores.numel() // n_pages
+    if out is None:
+        out = torch.empty(*scores.shape[:-1], k, dtype=torch.int64, device=scores.device)
+    quest_select_top_kernel[(rows,)](scores, out, n_pages, k, BLOCK=triton.next_power_of_2(n_pages),
+                                     BLOCK_K=triton.next_power_of_2(k), num_warps=NUM_WARPS)
     return out

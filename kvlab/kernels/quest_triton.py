@@ -1,8 +1,9 @@
 """Triton kernel of :mod:`kvlab.kernels.quest_decode` and its launch (imports triton; import lazily).
 
 Split-K over the selected list: grid ``(B * Hkv, num_splits)``; program ``(b, h, s)`` reads entries
-``[s * per, min((s + 1) * per, k))`` of row ``pages[b, h]`` (``-1``: no page, skipped by masking), one
-page of ``P`` tokens per iteration, for all ``GQ`` query heads of the KV head (``BLOCK_H >= 16`` rows,
+``[s * per, min((s + 1) * per, k))`` of row ``pages[b, h]`` (``-1``: no page, skipped by masking),
+``NPAGES`` pages of ``P`` tokens per iteration (one tile of ``NPAGES * P`` gathered tokens: a 16-token
+page alone is a 4 KB load behind its index's load, too little in flight to stream), for all ``GQ`` query heads of the KV head (``BLOCK_H >= 16`` rows,
 ``tl.dot`` on float16 operands, float32 online softmax), tokens past the row's length masked.
 K/V are read in place through their strides, so both ``[B, C, Hkv, D]`` buffers and ``[B, Hkv, C, D]``
 stores (the fast engine's dense store) work. The partials are merged by
@@ -24,7 +25,7 @@ from kvlab.kernels.merge_triton import merge_partials
 def _quest_split_kernel(
     q_ptr, k_ptr, v_ptr, pages_ptr, len_ptr, part_out_ptr, part_lse_ptr,
     qk_scale, Hq, Hkv, K, per, num_splits, GQ, skb, skh, skt, svb, svh, svt,
-    D: tl.constexpr, P: tl.constexpr, BLOCK_H: tl.constexpr,
+    D: tl.constexpr, P: tl.constexpr, NPAGES: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -35,7 +36,7 @@ def _quest_split_kernel(
     mask_h = offs_h < GQ
     heads = h * GQ + offs_h
     offs_d = tl.arange(0, D)
-    offs_p = tl.arange(0, P)
+    offs_p = tl.arange(0, NPAGES * P)
     q = tl.load(q_ptr + (b * Hq + heads)[:, None] * D + offs_d[None, :], mask=mask_h[:, None], other=0.0)
     q = q.to(tl.float16)
     k_base = k_ptr + b.to(tl.int64) * skb + h.to(tl.int64) * skh
@@ -46,10 +47,12 @@ def _quest_split_kernel(
     acc = tl.zeros([BLOCK_H, D], tl.float32)
     start = split * per
     end = tl.minimum(start + per, K)
-    for i in range(start, end):
-        page = tl.load(pages_ptr + bh.to(tl.int64) * K + i).to(tl.int64)
-        toks = page * P + offs_p
-        mask_t = (toks >= 0) & (toks < length)  # page -1: no page
+    row = pages_ptr + bh.to(tl.int64) * K
+    for i in range(start, end, NPAGES):
+        entry = i + offs_p // P  # NPAGES pages of P tokens per iteration: one index per token
+        page = tl.load(row + entry, mask=entry < end, other=-1).to(tl.int64)
+        toks = page * P + offs_p % P
+        mask_t = (page >= 0) & (toks < length)  # page -1: no page
         k = tl.load(k_base + toks[:, None] * skt + offs_d[None, :], mask=mask_t[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k.to(tl.float16))) * qk_scale
         s = tl.where(mask_t[None, :], s, float("-inf"))
@@ -83,6 +86,7 @@ def launch_quest(q, keys, values, pages, lengths, scale, page, workspace, out, t
         q, keys, values, pages, lengths, workspace.part_out, workspace.part_lse,
         float(scale) * math.log2(math.e), q_heads, kv_heads, pages.shape[2], workspace.per_split, splits, group,
         sk[0], sk[3 - token_dim], sk[token_dim], sv[0], sv[3 - token_dim], sv[token_dim],
-        D=head_dim, P=page, BLOCK_H=max(16, triton.next_power_of_2(group)), num_warps=workspace.num_warps,
+        D=head_dim, P=page, NPAGES=workspace.pages_per_iter, BLOCK_H=max(16, triton.next_power_of_2(group)),
+        num_warps=workspace.num_warps,
     )
     return merge_partials(workspace.part_out, workspace.part_lse, out)
