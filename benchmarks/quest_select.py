@@ -10,7 +10,8 @@ At the Llama-3.1-8B attention shape (Hq 32, Hkv 8, D 128, bf16 bounds, pages of 
 ``fused_ms`` (:func:`kvlab.kernels.quest.select_pages` with ``backend='reference'`` / ``'triton'``: the
 scoring kernel and the top-pages kernel), ``ratio`` = torch / fused, ``fused_scores_ms`` (the scoring
 kernel alone), ``topk_ms`` / ``top_kernel_ms`` (torch's ``topk`` and ``-1`` fill against the top-pages
-kernel, on the same scores), ``append_torch_ms`` / ``append_kernel_ms`` (one token's bounds append,
+kernel, on the same scores; ``top_kernel_ms_radixR``: its threshold search ``R`` bits per reduction),
+``append_torch_ms`` / ``append_kernel_ms`` (one token's bounds append,
 :func:`kvlab.kernels.quest.append_bounds`), ``bounds_GB/s`` (the bounds read once per call over the
 scoring kernel's time),
 whether the page sets agree (``same_pages``, sorted per row; a near tie of two pages can swap one) and
@@ -35,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kivi_quest import L2_BYTES, timed  # noqa: E402
 
 from kvlab.kernels import quest  # noqa: E402
+from kvlab.kernels.quest_select import launch_select_top  # noqa: E402
 
 
 def run_case(batch, length, budget, args, device, rows):
@@ -66,6 +68,8 @@ def run_case(batch, length, budget, args, device, rows):
     scores_ms = timed(lambda i: quest.selection_scores(q, copies_of[i], lengths, "triton"), copies, device, args.reps)
     topk_ms = timed(lambda i: quest.top_pages(got, k_sel, "reference"), copies, device, args.reps)
     top_kernel_ms = timed(lambda i: quest.top_pages(got, k_sel, "triton"), copies, device, args.reps)
+    top_radix_ms = {r: timed(lambda i, r=r: launch_select_top(got, k_sel, radix_bits=r), copies, device, args.reps)
+                    for r in (1, 2, 4)}
     # the bounds' append of one decode token: torch's ops against the kernel (on a spare copy)
     key = torch.randn(batch, hkv, 1, d, generator=gen).to(device, torch.bfloat16)
     pos = torch.tensor([length - 3], device=device)
@@ -76,6 +80,7 @@ def run_case(batch, length, budget, args, device, rows):
            "selected": k_sel, "torch_ms": torch_ms, "fused_ms": fused_ms,
            "fused_scores_ms": scores_ms, "ratio": torch_ms / fused_ms if fused_ms > 0 else None,
            "topk_ms": topk_ms, "top_kernel_ms": top_kernel_ms,
+           **{f"top_kernel_ms_radix{r}": ms for r, ms in top_radix_ms.items()},
            "append_torch_ms": append_torch_ms, "append_kernel_ms": append_kernel_ms,
            "bounds_GB/s": bound_bytes / scores_ms / 1e6 if scores_ms > 0 else None,
            "same_pages": same_pages, "same_masks": same_inf,

@@ -128,6 +128,8 @@ def assert_top_pages(got, scores, k):
 
 @pytest.mark.parametrize("n_pages,k", [(1, 1), (70, 8), (64, 64), (300, 128), (1024, 128)])
 def test_top_pages_kernel_selects_what_topk_selects(n_pages, k):
+    from kvlab.kernels.quest_select import launch_select_top  # imports triton
+
     gen = torch.Generator().manual_seed(n_pages + k)
     scores = torch.randn(3, 2, n_pages, generator=gen) * 30
     scores[0, 0, :2] = float("inf")  # page 0 and the latest
@@ -140,6 +142,8 @@ def test_top_pages_kernel_selects_what_topk_selects(n_pages, k):
     scores = scores.to(DEVICE)
     got = quest.top_pages(scores, k, "triton")
     assert_top_pages(got.cpu(), scores.cpu(), k)
+    for radix_bits in (1, 4):  # the default is 2
+        assert torch.equal(launch_select_top(scores, k, radix_bits=radix_bits), got)
     want = quest.top_pages(scores, k, "reference")
     untied = [(0, 0), (0, 1), (1, 0)]  # topk breaks ties in no stated order: compare the sets where none are
     for b, h in untied:

@@ -12,7 +12,8 @@ row's latest page (from its length) ``+inf``, pages past the latest ``-inf`` (ne
 
 Then ``quest_select_top_kernel``, grid ``(B * Hkv,)``, in place of ``topk`` and the ``-1`` fill
 (:func:`kvlab.kernels.quest.top_pages`): one program holds a row's ``P`` scores, finds the ``k``-th
-largest by a bit-by-bit search over their order-preserving integer keys (32 counts over the row),
+largest by a radix search over their order-preserving integer keys (``RADIX`` bits per reduction
+over the row),
 and writes the pages above it, then the lowest-numbered pages tied with it, in page order, ``-1``
 after them where fewer than ``k`` pages score above ``-inf``. The same page set as ``topk`` (which
 breaks ties in no stated order) in ascending page order, which the sparse kernel reads as well as
@@ -34,6 +35,7 @@ import triton.language as tl
 
 BLOCK_P = 32  # pages per program
 NUM_WARPS = 4
+RADIX_BITS = 2  # threshold bits per reduction of the top-pages kernel: 16 reductions of 4 counts
 
 
 # the strides stay specialized: multiples of 16 (D of 16 and up) let the bound tiles load 16 bytes at a time
@@ -103,17 +105,21 @@ def order_key(x):
 
 
 @triton.jit(do_not_specialize=["n_pages", "k"])
-def quest_select_top_kernel(scores_ptr, out_ptr, n_pages, k, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
+def quest_select_top_kernel(scores_ptr, out_ptr, n_pages, k, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
+                            RADIX: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     s = tl.load(scores_ptr + row * n_pages + offs, mask=offs < n_pages, other=float("-inf"))
     live = s > float("-inf")  # NaN and -inf are never selected
     key = tl.where(live, order_key(s), 0)  # every live key is above 0 (-inf's own key is 0x007FFFFF)
-    # the k-th largest key, bit by bit from the top: the largest t with at least k keys >= t
+    # the k-th largest key: the largest t with at least k keys >= t, RADIX bits at a time from the top
+    # (one reduction counts the keys above each of the 2^RADIX candidates; digit 0 always qualifies)
     t = tl.zeros([], tl.uint32)
-    for i in tl.static_range(32):
-        cand = t | (tl.full([], 1, tl.uint32) << (31 - i))
-        t = tl.where(tl.sum((key >= cand).to(tl.int32), 0) >= k, cand, t)
+    digits = tl.arange(0, 1 << RADIX)
+    for i in tl.static_range(32 // RADIX):
+        cand = t | (digits.to(tl.uint32) << (32 - RADIX * (i + 1)))
+        counts = tl.sum((key[:, None] >= cand[None, :]).to(tl.int32), 0)
+        t = t | (tl.max(tl.where(counts >= k, digits, 0), 0).to(tl.uint32) << (32 - RADIX * (i + 1)))
     above = key > t
     tied = live & (key == t)
     chosen = above | (tied & (tl.cumsum(tied.to(tl.int32), 0) <= k - tl.sum(above.to(tl.int32), 0)))
@@ -124,13 +130,17 @@ def quest_select_top_kernel(scores_ptr, out_ptr, n_pages, k, BLOCK: tl.constexpr
              mask=(offs_k >= tl.sum(chosen.to(tl.int32), 0)) & (offs_k < k))
 
 
-def launch_select_top(scores: torch.Tensor, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def launch_select_top(scores: torch.Tensor, k: int, out: torch.Tensor | None = None,
+                      radix_bits: int = RADIX_BITS) -> torch.Tensor:
     """The ``k`` best pages int64 ``[..., k]`` of contiguous float32 ``scores [..., P]`` (``k <= P``), in
-    page order, ``-1`` after them where fewer than ``k`` score above ``-inf``."""
+    page order, ``-1`` after them where fewer than ``k`` score above ``-inf``; ``radix_bits`` (1, 2, 4)
+    of the threshold found per reduction."""
+    if radix_bits not in (1, 2, 4):
+        raise ValueError(f"radix_bits must be 1, 2 or 4, not {radix_bits!r}")
     n_pages = scores.shape[-1]
     rows = scores.numel() // n_pages
     if out is None:
         out = torch.empty(*scores.shape[:-1], k, dtype=torch.int64, device=scores.device)
     quest_select_top_kernel[(rows,)](scores, out, n_pages, k, BLOCK=triton.next_power_of_2(n_pages),
-                                     BLOCK_K=triton.next_power_of_2(k), num_warps=NUM_WARPS)
+                                     BLOCK_K=triton.next_power_of_2(k), RADIX=radix_bits, num_warps=NUM_WARPS)
     return out
