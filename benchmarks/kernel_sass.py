@@ -285,7 +285,7 @@ def kvlab_frame(frames: tuple[tuple[str, int], ...]) -> tuple[str, str]:
     them in whatever follows it), else empty strings."""
     ours = [(function_lines(path).get(line, ""), source_line(path, line)) for path, line in frames
             if "/triton/" not in path]
-    for (fn, text), (_, caller) in zip(ours, ours[1:] + [("", "")]):
+    for (fn, text), (_, caller) in zip(ours, ours[1:] + [("", "")], strict=True):
         if fn and (not caller or re.search(rf"\b{fn}\(", caller)):
             return fn, text
     return ours[-1] if ours else ("", "")
