@@ -81,7 +81,8 @@ def compile_variant(variant: str, label: str, head_dim: int, gqa: int, block_n: 
         ng = head_dim // group
         num_warps = warp_count(LaunchConfig(block_n=block_n, num_warps=num_warps))
         consts = {"D": head_dim, "BLOCK_M": 1 << max(0, ng * gp - 1).bit_length(), "GP": gp, "NG": ng,
-                  "BLOCK_N": block_n, "FMT": fmt.kernel, "ASM": variant == "warp_asm", "W": num_warps}
+                  "BLOCK_N": block_n, "FMT": fmt.kernel, "ASM": variant.endswith("_asm"), "W": num_warps,
+                  "IN_PLACE": variant.startswith("warp2")}
     else:
         kernel = decode_fold_kernel
         ng = head_dim // group
