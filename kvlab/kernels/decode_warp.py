@@ -37,8 +37,10 @@ the products and keeps one copy of each row in registers). What differs, and why
 per register of two words instead of 8 (:data:`INT4_PLACE_PTX`): quarters 0 and 1 masked where they lie,
 2 and 3 after one shift, so quarter ``q`` is ``1 + c / 2**PLACE_BITS[q]`` (``1 + c / 1024, 64, 256, 16``),
 not ``1 + c / 16``. The key product takes each query slice times ``2**(PLACE_BITS[q] - 6)`` (its codes
-then weigh ``c / 64``; the offsets those slices add, ``sum(q')``, come off beside the zero term) and each
-value plane's merge multiplies by ``2**(PLACE_BITS[q] - 4)``; both exact powers of two, outside the loop.
+then weigh ``c / 64``) and each value plane's merge multiplies by ``2**(PLACE_BITS[q] - 4)``; both exact
+powers of two, outside the loop. The key product starts from ``-sum(q')`` (a loop-invariant accumulator)
+instead of zero, so the offsets come off inside the tensor core and a score is one chain of four fused
+multiply-adds over both groups (``warp``: a multiply and two fused multiply-adds per group, then an add).
 
 Offsets inside one ``(b, h)`` are int32 (``capacity * head_dim < 2**31``).
 """
@@ -241,16 +243,20 @@ def _transposed(part):
 
 @triton.jit
 def _key_group(kc, offs_n, mask_n, qa, qb, qc, qd, GI: tl.constexpr, DP: tl.constexpr, KP: tl.constexpr,
-               KW: tl.constexpr, ASM: tl.constexpr, IN_PLACE: tl.constexpr, MASKED: tl.constexpr):
+               KW: tl.constexpr, ASM: tl.constexpr, IN_PLACE: tl.constexpr, MASKED: tl.constexpr, qoff=None):
     """``q . u`` of int4 group ``GI`` over its ``KP`` slices (word quarters or byte planes): ``[W, M, BW]``;
-    word quarters multiplied transposed (``u q^T``, see :func:`_transposed`)."""
+    word quarters multiplied transposed (``u q^T``, see :func:`_transposed`). In-place quarters start the
+    product from ``qoff`` (``-sum(q')`` per row, ``[1, 1, M]``): their offsets come off inside it."""
     W: tl.constexpr = offs_n.shape[0]
     if KP == 4:
         cols = GI * KW + tl.arange(0, KW)
         w = _load(kc.to(tl.pointer_type(tl.int16)) + offs_n[:, :, None] * (DP // 2) + cols[None, None, :],
                   mask_n[:, :, None], MASKED)
         u0, u1, u2, u3 = _word_planes(w, FMT_INT, ASM, IN_PLACE)
-        part = tl.dot(u0, _batched_t(qa, W))
+        if IN_PLACE:
+            part = tl.dot(u0, _batched_t(qa, W), tl.broadcast_to(qoff, [W, offs_n.shape[1], qa.shape[0]]))
+        else:
+            part = tl.dot(u0, _batched_t(qa, W))
         part = tl.dot(u1, _batched_t(qb, W), part)
         part = tl.dot(u2, _batched_t(qc, W), part)
         return _transposed(tl.dot(u3, _batched_t(qd, W), part))
@@ -274,10 +280,15 @@ def _group_score(part, sc, zr, qsum, qk_scale):
 
 
 @triton.jit
-def _placed_group_score(part, sc, zr, qsum, qoff, qk_scale):
-    """:func:`_group_score` of in-place quarters (query slices scaled so that codes weigh ``c / 64``):
-    ``s q.c + z sum(q) = 64 s (q'.u) - 64 s sum(q') + z sum(q)`` (``qoff``: ``sum(q')``, scaled like ``qsum``)."""
-    return part * (sc * (64 * qk_scale))[:, None, :] + qsum * zr[:, None, :] - qoff * (64 * sc)[:, None, :]
+def _placed_group_scores(part0, part1, sc0, sc1, zr0, zr1, qs0, qs1, qk_scale, NG: tl.constexpr):
+    """The scores of in-place quarters (query slices scaled so that codes weigh ``c / 64``, products started
+    from ``-sum(q')``, so ``part = q.c / 64``): ``sum_g 64 s_g part_g + z_g sum(q_g)``, one chain of fused
+    multiply-adds per score."""
+    s = qs0 * zr0[:, None, :]
+    if NG == 2:
+        s = qs1 * zr1[:, None, :] + s
+        s = part1 * (sc1 * (64 * qk_scale))[:, None, :] + s
+    return part0 * (sc0 * (64 * qk_scale))[:, None, :] + s
 
 
 @triton.jit
@@ -295,14 +306,12 @@ def _scores(kc, ks, kz, offs_n, mask_n, q0, q1, q2, q3, q4, q5, q6, q7, qs0, qs1
     else:
         sc0, sc1, sc2, sc3 = _slot_scales(ks, offs_n, mask_n, NG, MASKED)
         zr0, zr1, zr2, zr3 = _slot_scales(kz, offs_n, mask_n, NG, MASKED)
-        if KP == 4 and IN_PLACE:  # in-place word quarters: qs2, qs3 are the groups' sum(q')
-            s = _placed_group_score(
-                _key_group(kc, offs_n, mask_n, q0, q1, q2, q3, 0, DP, KP, KW, ASM, IN_PLACE, MASKED),
-                sc0, zr0, qs0, qs2, qk_scale)
+        if KP == 4 and IN_PLACE:  # in-place word quarters: qs2, qs3 are the groups' -sum(q'), [1, 1, M]
+            part0 = _key_group(kc, offs_n, mask_n, q0, q1, q2, q3, 0, DP, KP, KW, ASM, IN_PLACE, MASKED, qs2)
+            part1 = part0
             if NG == 2:
-                s += _placed_group_score(
-                    _key_group(kc, offs_n, mask_n, q4, q5, q6, q7, 1, DP, KP, KW, ASM, IN_PLACE, MASKED),
-                    sc1, zr1, qs1, qs3, qk_scale)
+                part1 = _key_group(kc, offs_n, mask_n, q4, q5, q6, q7, 1, DP, KP, KW, ASM, IN_PLACE, MASKED, qs3)
+            s = _placed_group_scores(part0, part1, sc0, sc1, zr0, zr1, qs0, qs1, qk_scale, NG)
         elif KP == 4:  # word quarters: a group is four slices
             s = _group_score(_key_group(kc, offs_n, mask_n, q0, q1, q2, q3, 0, DP, KP, KW, ASM, IN_PLACE, MASKED),
                              sc0, zr0, qs0, qk_scale)
@@ -465,8 +474,8 @@ def decode_warp_kernel(
         qs1 = _row_sum(q4, q5, q6, q7, KP, qk_scale)
         q0, q1, q2, q3 = _placed_slices(q0, q1, q2, q3)
         q4, q5, q6, q7 = _placed_slices(q4, q5, q6, q7)
-        qs2 = _row_sum(q0, q1, q2, q3, KP, qk_scale)
-        qs3 = _row_sum(q4, q5, q6, q7, KP, qk_scale)
+        qs2 = -_row_sum(q0, q1, q2, q3, KP, 1.0).reshape(1, 1, BLOCK_M)
+        qs3 = -_row_sum(q4, q5, q6, q7, KP, 1.0).reshape(1, 1, BLOCK_M)
     elif KP == 4:
         qs0 = _row_sum(q0, q1, q2, q3, KP, qk_scale)
         qs1 = _row_sum(q4, q5, q6, q7, KP, qk_scale)
