@@ -9,6 +9,11 @@ bandwidth; benchmarks/quant_attention.py measures the real thing on the GPU.
     TRITON_INTERPRET=0 python benchmarks/kernel_sass.py                      # Llama-3.1-8B shape
     python benchmarks/kernel_sass.py --block-n 128 --num-warps 8 --formats int4-g64 fp8
     python benchmarks/kernel_sass.py --kivi k2v2 k4v2 --variants kivi kivi_warp_asm   # KIVI stores (G 32)
+    python benchmarks/kernel_sass.py --block-n 128 --num-stages 3 --formats int4-g64 --variants warp_asm --categories
+
+``--categories`` adds, per kernel, the loop's instructions per slot by what they do (:data:`CATEGORY_RULES`:
+each SASS instruction of the loop by its opcode and the jit function and source line it comes from, as
+nvdisasm's line info names them).
 
 KIVI (``--kivi``): the code loop of :mod:`kvlab.kernels.kivi_triton`'s split kernel (``kivi``, one key
 group of G tokens per iteration) or of :mod:`kvlab.kernels.kivi_warp` (``kivi_warp``/``kivi_warp_asm``,
@@ -22,7 +27,9 @@ Pointers are compiled 16-byte aligned (as the JIT specializes them at run time).
 from __future__ import annotations
 
 import argparse
+import ast
 import collections
+import functools
 import os
 import re
 import subprocess
@@ -74,7 +81,8 @@ def compile_variant(variant: str, label: str, head_dim: int, gqa: int, block_n: 
         ng = head_dim // group
         num_warps = warp_count(LaunchConfig(block_n=block_n, num_warps=num_warps))
         consts = {"D": head_dim, "BLOCK_M": 1 << max(0, ng * gp - 1).bit_length(), "GP": gp, "NG": ng,
-                  "BLOCK_N": block_n, "FMT": fmt.kernel, "ASM": variant == "warp_asm", "W": num_warps}
+                  "BLOCK_N": block_n, "FMT": fmt.kernel, "ASM": variant.endswith("_asm"), "W": num_warps,
+                  "IN_PLACE": variant.startswith("warp2")}
     else:
         kernel = decode_fold_kernel
         ng = head_dim // group
@@ -223,6 +231,120 @@ def loop_opcodes(cubin: bytes, tmp: Path) -> tuple[collections.Counter, int]:
     return ops, len(lines)
 
 
+UNPACK_FUNCTIONS = r"word|plane|unit|codes|unpack"  # jit helpers that turn code words into float16 operands
+SCALE_FUNCTIONS = r"scale|zero|top|group_score|by_row|row_values|half|weights|row_sum|by_group|row_vec"
+INT_OPS = r"IMAD|IADD3|IADD|LEA|VIADD|VIMNMX|SHF|MOV|LOP3|IABS|ULEA|UIMAD|USHF|ULOP3|UMOV|S2R|S2UR|R2UR|SGXT|IMNMX"
+
+# (category, opcode, jit function, source line): regular expressions, None matches anything; the first rule
+# an instruction matches names its category. Function and line are those of the instruction's innermost
+# kvlab frame (:func:`kvlab_frame`): tl.sum's butterfly counts where it is called, an inline PTX
+# instruction where its asm is called.
+CATEGORY_RULES = (
+    ("global loads", r"LDG|LDGSTS|LDGDEPBAR|DEPBAR", None, None),  # LDGSTS: cp.async of the pipelined loads
+    ("shared memory", r"LDS|LDSM|STS|BAR", None, None),  # LDSM: ldmatrix of the code words
+    ("shuffles", r"SHFL", None, None),  # reductions over slots (max, sums), the p^T exchange
+    ("mma", r"HMMA|IMMA|HGMMA", None, None),
+    ("loop/predicates", r".*", None, r"^\s*for "),  # the loop's own counters and branch
+    ("address/int", INT_OPS, None, r"load\(|ptr"),  # offsets of loads
+    ("unpack", r".*", UNPACK_FUNCTIONS, None),  # LOP3/SHF/IMAD.SHL/PRMT/F2FP... of the code words
+    ("unpack", r"F2FP\.F16\.E[45]M[23]", None, None),  # fp8 codes to float16 (ptxas may place it on the next line)
+    ("scales/zeros", r".*", SCALE_FUNCTIONS, None),  # group scales and zeros: converts, products, 1 / top
+    ("scales/zeros", r"F\w+|HADD2", None, r"_sc\b|_group_score"),  # fp8 key scale, the groups' scores summed
+    ("p -> operand", r"F2FP|PRMT", None, r"dot\("),  # p to float16 and into the value product's layout
+    ("acc rescale", r"FMUL|FFMA", None, r"\bacc"),  # accumulators times alpha (and unit)
+    ("softmax", r"MUFU|FMNMX|F\w+|HADD2|HMUL2|HFMA2", None, None),  # max, exp2, sums (FADD/FFMA butterflies)
+    ("loop/predicates", r"BRA|ISETP|UISETP|SEL|USEL|UIADD3|PLOP3|NOP|P2R|R2P|WARPSYNC", None, None),
+    ("address/int", INT_OPS, None, None),  # other index math and moves
+    ("other", r".*", None, None),
+)
+
+
+@functools.cache
+def function_lines(path: str) -> dict[int, str]:
+    """Line -> name of the innermost function defined around it, for a source file (empty when unreadable)."""
+    try:
+        tree = ast.parse(Path(path).read_text())
+    except (OSError, SyntaxError):
+        return {}
+    names = {}
+    for node in sorted((n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)), key=lambda n: n.lineno):
+        names.update(dict.fromkeys(range(node.lineno, node.end_lineno + 1), node.name))
+    return names
+
+
+@functools.cache
+def source_line(path: str, line: int) -> str:
+    try:
+        return Path(path).read_text().splitlines()[line - 1]
+    except (OSError, IndexError):
+        return ""
+
+
+def kvlab_frame(frames: tuple[tuple[str, int], ...]) -> tuple[str, str]:
+    """``(function, source text)`` of the innermost frame outside the triton package whose function its
+    caller's line calls (ptxas numbers an inline asm's instructions as lines after the call, which lands
+    them in whatever follows it), else empty strings."""
+    ours = [(function_lines(path).get(line, ""), source_line(path, line)) for path, line in frames
+            if "/triton/" not in path]
+    for (fn, text), (_, caller) in zip(ours, ours[1:] + [("", "")], strict=True):
+        if fn and (not caller or re.search(rf"\b{fn}\(", caller)):
+            return fn, text
+    return ours[-1] if ours else ("", "")
+
+
+def categorize(opcode: str, function: str, text: str) -> str:
+    """The :data:`CATEGORY_RULES` category of one SASS instruction (full opcode, e.g. ``IMAD.SHL.U32``)."""
+    for name, op, fn, line in CATEGORY_RULES:
+        if (re.match(rf"(?:{op})\b", opcode) and (fn is None or re.search(fn, function))
+                and (line is None or re.search(line, text))):
+            return name
+    return "other"
+
+
+def loop_instructions(cubin: bytes, tmp: Path) -> list[tuple[str, tuple[tuple[str, int], ...]]]:
+    """The longest backward-branch loop of the cubin's SASS (nvdisasm with inlining line info): each
+    instruction's full opcode and its source frames, innermost first."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    tmp.write_bytes(cubin)
+    text = subprocess.run([str(tool), "--print-line-info-inline", "-c", str(tmp)], capture_output=True, text=True,
+                          check=True).stdout.splitlines()
+    labels = {m.group(1): i for i, ln in enumerate(text) if (m := re.match(r"^(\.L_x_\d+):", ln))}
+    spans = [(labels[m.group(1)], i) for i, ln in enumerate(text)
+             if (m := re.search(r"BRA `\((\.L_x_\d+)\)", ln)) and labels.get(m.group(1), i) < i]
+    if not spans:
+        return []
+    start, end = max(spans, key=lambda se: se[1] - se[0])
+    out, frames, fresh = [], [], True
+    for ln in text[start:end + 1]:
+        f = re.match(r'\s*//## File "(.*?)", line (\d+)', ln)
+        if f:  # one line per frame, innermost first ("line 105 inlined at ..., line 125", then line 125's)
+            frames, fresh = ([] if fresh else frames) + [(f.group(1), int(f.group(2)))], False
+            continue
+        ins = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", ln)
+        if ins:
+            out.append((ins.group(1), tuple(frames)))
+            fresh = True
+    return out
+
+
+def category_counts(cubin: bytes, tmp: Path) -> collections.Counter:
+    """Instructions of the slot loop per :data:`CATEGORY_RULES` category (per warp per iteration)."""
+    return collections.Counter(categorize(op, *kvlab_frame(frames)) for op, frames in loop_instructions(cubin, tmp))
+
+
+def print_categories(rows: list[tuple[str, collections.Counter, float]]) -> None:
+    """The ``--categories`` table: a column per kernel (``(label, counts, slots per warp instruction)``)."""
+    names = list(dict.fromkeys(name for name, *_ in CATEGORY_RULES))
+    print("SASS per slot by category (CATEGORY_RULES in benchmarks/kernel_sass.py)")
+    print(f"{'category':<16}" + "".join(f" {label:>18}" for label, _, _ in rows))
+    for name in names + ["total"]:
+        cells = [(sum(c.values()) if name == "total" else c[name]) * per for _, c, per in rows]
+        if name == "total" or any(cells):
+            print(f"{name:<16}" + "".join(f" {x:>18.2f}" for x in cells))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--formats", nargs="+", default=["bf16", "fp8", "int4-g64", "int4-g32", "int2-g64"])
@@ -236,6 +358,8 @@ def main() -> None:
                     help="count KIVI stores instead (k2v2, k4v2, k4v4); variants kivi, kivi_warp, kivi_warp_asm")
     ap.add_argument("--group", type=int, default=32, help="KIVI key group (tokens)")
     ap.add_argument("--value-group", type=int, default=32, help="KIVI value group (head-dim elements)")
+    ap.add_argument("--categories", action="store_true",
+                    help="also print each kernel's loop instructions per slot by category (unpack, mma, softmax, ...)")
     args = ap.parse_args()
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvlab-kernel-{os.getpid()}.cubin"
     if args.kivi:
@@ -247,6 +371,7 @@ def main() -> None:
     print(f"sm_90, head dim {args.head_dim}, GQA {args.gqa}, block_n {args.block_n}, {args.num_warps} warps, "
           f"{args.num_stages} stages: SASS instructions of the slot loop")
     print(f"{'format':<10} {'kernel':<9} {'per iter':>8} {'per slot':>8} {'B/instr':>7}  top opcodes (per warp per iter)")
+    categories = []
     for label in args.formats:
         for variant in args.variants:
             fmt = parse_format(label)
@@ -264,6 +389,11 @@ def main() -> None:
             per_slot = per_iter * warps / args.block_n  # warp instructions per slot (all warps)
             print(f"{label:<10} {variant:<9} {per_iter:>8} {per_slot:>8.1f} {slot_bytes / per_slot:>7.2f}  "
                   + ", ".join(f"{k} {v}" for k, v in ops.most_common(8)))
+            if args.categories:
+                categories.append((f"{label} {variant}", category_counts(cubin, tmp), warps / args.block_n))
+    if categories:
+        print()
+        print_categories(categories)
     tmp.unlink(missing_ok=True)
 
 

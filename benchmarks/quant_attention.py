@@ -6,7 +6,7 @@ imported from this checkout). From the repository root:
     python benchmarks/quant_attention.py --tune --profile --skip write --out quant_attention.json   # ~6 min
 
 The split-step kernels (``--variants``, default all of kvlab.kernels.formats.VARIANTS:
-``split``, ``fold``, ``fold_asm``, ``warp``, ``warp_asm``) run side by side on the same stores in every
+``split``, ``fold``, ``fold_asm``, ``warp``, ``warp_asm``, ``warp2``, ``warp2_asm``) run side by side on the same stores in every
 section (a variant that falls back to another on a format, fold_asm off int4, warp off int4/fp8, is
 not repeated). The performance section runs each at the default launch geometry; ``--tune`` (with
 ``--tune-variants``) times them at the tuned ones.
@@ -466,8 +466,9 @@ def tune_configs(case, quick: bool, variants=TUNE_VARIANTS):
     # until 2 warps x 256 slots spill registers
     shapes = [(b, w, st) for b, w in ((64, 4), (128, 2), (128, 4), (128, 8), (256, 4), (256, 8)) for st in (2, 3)]
     warp = case["format"] in ("int4", "fp8")
-    reads = {"fold": True, "fold_asm": case["format"] == "int4", "warp": warp, "warp_asm": warp}
-    folds = [v for v in ("fold", "fold_asm", "warp", "warp_asm") if v in variants and reads[v]]
+    reads = {"fold": True, "fold_asm": case["format"] == "int4", "warp": warp, "warp_asm": warp, "warp2": warp,
+             "warp2_asm": warp}
+    folds = [v for v in reads if v in variants and reads[v]]
     configs = [LaunchConfig(variant=v, block_n=b, num_warps=w, num_stages=st) for v in folds for b, w, st in shapes]
     configs += [LaunchConfig(variant=v, block_n=128, num_stages=3, programs_per_sm=p) for v in folds for p in (2, 8)]
     if "split" in variants:

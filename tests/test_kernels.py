@@ -251,9 +251,12 @@ def test_variant_of_a_config_defaults_to_the_module_constant(monkeypatch):
     bf16 = make_format("bf16").alloc(1, 1, 4, 128)  # the warp kernel reads int4 and fp8 only: fold runs
     assert decode.kernel_variant(LaunchConfig(variant="warp_asm"), bf16) == "fold"
     assert decode.kernel_variant(LaunchConfig(variant="warp"), bf16) == "fold"
+    assert decode.kernel_variant(LaunchConfig(variant="warp2_asm"), store) == "warp2_asm"
+    assert decode.kernel_variant(LaunchConfig(variant="warp2_asm"), bf16) == "fold"
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter runs no PTX
     assert decode.kernel_variant(LaunchConfig(variant="fold_asm"), store) == "fold"
     assert decode.kernel_variant(LaunchConfig(variant="warp_asm"), store) == "warp"
+    assert decode.kernel_variant(LaunchConfig(variant="warp2_asm"), store) == "warp2"
     monkeypatch.setattr(formats, "TUNED_CONFIGS", {"int4-g64": LaunchConfig(block_n=256, variant="split")})
     assert store.format.launch_config.block_n == 256
     assert make_format("fp8").launch_config == LaunchConfig()
@@ -362,6 +365,24 @@ def test_int4_word_ptx_makes_the_codes_the_portable_path_makes():
         assert torch.equal(got, 1 + codes / 16), (pair, got)
 
 
+def test_int4_place_ptx_makes_the_codes_the_portable_path_makes():
+    """warp2_asm's PTX on a pair of int16 words: quarter q of both as float16 1 + c / 2**PLACE_BITS[q], first
+    word in the low half, as decode_warp.word_place makes them (q 0 and 1 masked in place, 2 and 3 shifted)."""
+    pytest.importorskip("triton")
+    from kvlab.kernels.decode_warp import PLACE_BITS
+
+    text = _ptx_text("INT4_PLACE_PTX")
+    gen = torch.Generator().manual_seed(2)
+    pairs = [[w, (w * 2654435761) & 0xFFFF] for w in range(0, 65536, 97)]
+    pairs += torch.randint(0, 65536, (256, 2), generator=gen).tolist()
+    weights = torch.tensor([2.0 ** -b for b in PLACE_BITS])[:, None]
+    for pair in pairs:
+        out = _run_ptx(text, {"$4": pair[0] | pair[1] << 16, "t": 0})
+        got = _as_half([h for r in range(4) for h in _halves(out[f"${r}"])]).view(4, 2)
+        codes = torch.tensor([[(w >> (4 * q)) & 15 for w in pair] for q in range(4)], dtype=torch.float32)
+        assert torch.equal(got, 1 + codes * weights), (pair, got)
+
+
 def test_fp8_word_ptx_converts_both_bytes_of_both_words():
     """warp_asm's fp8 PTX: $0 holds the low bytes (even elements) of both words, $1 the high bytes, each
     as the float16 of its e4m3 code (every byte value, NaN codes included)."""
@@ -383,11 +404,13 @@ def test_warp_kernels_compile_for_sm90_with_fewer_instructions_per_slot():
     pytest.importorskip("triton")
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_sass.py"
     done = subprocess.run([sys.executable, str(script), "--block-n", "128", "--num-stages", "3", "--formats", "fp8",
-                           "int4-g32", "int4-g64", "int4-g128", "--variants", "fold", "fold_asm", "warp_asm"],
+                           "int4-g32", "int4-g64", "int4-g128", "--variants", "fold", "fold_asm", "warp_asm",
+                           "warp2_asm"],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "FAILED" not in done.stdout, done.stdout + done.stderr
     per_slot = {tuple(line.split()[:2]): float(line.split()[3]) for line in done.stdout.splitlines()
                 if line.startswith(("fp8", "int4"))}
     assert per_slot[("int4-g64", "warp_asm")] < 0.6 * per_slot[("int4-g64", "fold_asm")]
     assert per_slot[("fp8", "warp_asm")] < 0.6 * per_slot[("fp8", "fold")]
-    assert {("int4-g32", "warp_asm"), ("int4-g128", "warp_asm")} <= set(per_slot)
+    assert per_slot[("int4-g64", "warp2_asm")] < 0.9 * per_slot[("int4-g64", "warp_asm")]  # in-place quarters
+    assert {("int4-g32", "warp_asm"), ("int4-g128", "warp_asm"), ("int4-g128", "warp2_asm")} <= set(per_slot)

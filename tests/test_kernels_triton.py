@@ -68,7 +68,8 @@ def check(name, batch, kv_heads, gqa, dim, capacity, lengths, group=None, q_dtyp
 
 VARIANT_FORMATS = [("split", "bf16", None), ("split", "fp8", None), ("split", "int4", 64), ("split", "int2", 32),
                    ("fold", "bf16", None), ("fold", "fp8", None), ("fold", "int4", 32), ("fold", "int2", 64),
-                   ("warp", "fp8", None), ("warp", "int4", 32), ("warp", "int4", 64)]
+                   ("warp", "fp8", None), ("warp", "int4", 32), ("warp", "int4", 64),
+                   ("warp2", "fp8", None), ("warp2", "int4", 32), ("warp2", "int4", 64)]
 
 
 @decode_kernel
@@ -83,7 +84,7 @@ def test_kernel_matches_reference(variant, name, group):
                          "(test_kernel_matches_reference covers every format per kernel in the "
                          "fast suite)")
 @decode_kernel
-@pytest.mark.parametrize("variant", ["split", "fold", "warp"])
+@pytest.mark.parametrize("variant", ["split", "fold", "warp", "warp2"])
 @pytest.mark.parametrize("name,group", [("bf16", None), ("fp8", None), ("int4", 32), ("int4", 64),
                                         ("int4", 128), ("int2", 64), ("int2", 128)])
 @pytest.mark.parametrize("dim", [64, 128])
@@ -98,7 +99,7 @@ def test_kernel_matches_reference_across_shapes(variant, name, group, dim, batch
                                                 lengths):
     if group is not None and dim % group:
         pytest.skip("group larger than head_dim")
-    if variant == "warp" and name not in ("fp8", "int4"):
+    if variant.startswith("warp") and name not in ("fp8", "int4"):
         pytest.skip("the warp kernel reads int4 and fp8 (fold runs the others)")
     check(name, batch, kv_heads, gqa, dim, capacity, lengths, group=group, variant=variant)
 
@@ -108,20 +109,23 @@ def test_kernel_matches_reference_across_shapes(variant, name, group, dim, batch
                                             ("fp8", None, 64)])
 @pytest.mark.parametrize("gqa", [1, 4])
 @pytest.mark.parametrize("block_n,num_warps", [(32, 2), (64, 4), (128, 8)])
-def test_warp_kernel_over_block_shapes(name, group, dim, gqa, block_n, num_warps):
+@pytest.mark.parametrize("variant", ["warp", "warp2"])
+def test_warp_kernel_over_block_shapes(name, group, dim, gqa, block_n, num_warps, variant):
     """The warp kernel's own edges: 16 slots per warp (128 slots on 8 warps), a masked last block
     where whole warps see no slot, rows that end inside a block, an empty row, GQA 1 (one row per group)."""
+    if variant == "warp2" and name == "fp8":
+        pytest.skip("warp2 runs warp's code on fp8")
     k, v = stores(name, 3, 2, 203, dim, group=group, seed=gqa + block_n)
     q = torch.randn(3, 2 * gqa, dim, generator=torch.Generator().manual_seed(5)).to(DEVICE)
     lengths = torch.tensor([203, 0, 41], dtype=torch.int32, device=DEVICE)
-    ws = make_workspace(2 * gqa, k, config=LaunchConfig(block_n=block_n, num_warps=num_warps, variant="warp"))
-    assert kernel_variant(ws.config, k) == "warp" and ws.num_splits > 1
+    ws = make_workspace(2 * gqa, k, config=LaunchConfig(block_n=block_n, num_warps=num_warps, variant=variant))
+    assert kernel_variant(ws.config, k) == variant and ws.num_splits > 1
     got = decode_attention(q, k, v, lengths, dim ** -0.5, backend="triton", workspace=ws)
     torch.testing.assert_close(got.float(), decode_attention_reference(q, k, v, lengths, dim ** -0.5), **TOL)
 
 
 @decode_kernel
-@pytest.mark.parametrize("variant", ["split", "fold", "warp"])
+@pytest.mark.parametrize("variant", ["split", "fold", "warp", "warp2"])
 @pytest.mark.parametrize("name,group", [("fp8", None), ("int4", 64)])
 def test_small_value_scales_keep_the_long_tail(variant, name, group):
     """Values of range 1e-3 (tiny scales) and one dominant key among many weak ones: the fold kernel's
@@ -163,6 +167,8 @@ def test_warp_variant_reads_int4_and_fp8_and_falls_back_to_fold():
     assert kernel_variant(config, make_format("bf16").alloc(1, 1, 4, 64)) == "fold"
     assert kernel_variant(config, make_format("int2", group=64).alloc(1, 1, 4, 128)) == "fold"
     assert kernel_variant(config, make_format("int2", group=32).alloc(1, 1, 4, 128)) == "split"
+    assert kernel_variant(LaunchConfig(variant="warp2"), make_format("int4", group=64).alloc(1, 1, 4, 128)) == "warp2"
+    assert kernel_variant(LaunchConfig(variant="warp2"), make_format("bf16").alloc(1, 1, 4, 64)) == "fold"
 
 
 @decode_kernel
@@ -173,7 +179,7 @@ def test_fold_fallback_still_matches_reference():
 
 
 @decode_kernel
-@pytest.mark.parametrize("variant", ["split", "fold", "warp"])
+@pytest.mark.parametrize("variant", ["split", "fold", "warp", "warp2"])
 def test_kernel_writes_q_dtype_and_into_out(variant):
     got = check("int4", batch=2, kv_heads=1, gqa=2, dim=128, capacity=90, lengths=[90, 33], q_dtype=torch.bfloat16,
                 variant=variant)

@@ -15,7 +15,8 @@ Three kernels do the split step (the reduce, :mod:`~kvlab.kernels.decode_reduce`
 ``split`` (:mod:`~kvlab.kernels.decode_split`), ``fold`` (:mod:`~kvlab.kernels.decode_fold`, which
 never dequantizes: group scales and zeros fold into the operands; ``fold_asm`` is fold with int4
 codes unpacked by inline PTX) and ``warp`` (:mod:`~kvlab.kernels.decode_warp`: fold with each warp
-running its own split, for int4 and fp8; ``warp_asm`` unpacks with PTX; other formats run fold).
+running its own split, for int4 and fp8; ``warp_asm`` unpacks with PTX; ``warp2``/``warp2_asm``: warp with
+int4 quarters unpacked in place, fewer instructions per code; other formats run fold).
 ``LaunchConfig.variant`` picks one, :data:`DEFAULT_VARIANT` when it says nothing. Everything format-specific (kernel code, packing, groups, tuned geometry) is read from
 the stores' format object (:mod:`kvlab.kernels.formats`).
 
@@ -43,7 +44,7 @@ BACKENDS = ("auto", "triton", "reference")
 # scales and zeros into the operands instead (decode_fold), "fold_asm" is fold with int4 codes
 # unpacked by inline PTX, four bytes at a time (formats with ``asm_unpack`` on CUDA only; fold
 # elsewhere), "warp" and "warp_asm" are fold with a split per warp (int4 and fp8; fold elsewhere; the
-# PTX on CUDA only). Flip after benchmarks/quant_attention.py --tune has measured them on the GPU.
+# PTX on CUDA only), "warp2" and "warp2_asm" are warp with int4 quarters unpacked in place (fp8: warp's code). Flip after benchmarks/quant_attention.py --tune has measured them on the GPU.
 DEFAULT_VARIANT = "split"
 
 
@@ -116,14 +117,15 @@ def kernel_variant(config: LaunchConfig, k_store: KVStore) -> str:
     ``fold`` for ``fold_asm`` where the format has no PTX unpacking or triton interprets, ``fold``
     (``fold_asm`` for int4 on CUDA) for ``warp``/``warp_asm`` where the warp kernel does not read the
     format (or a store's slots * head dim reach 2**31: its int32 offsets), and ``warp`` for
-    ``warp_asm`` where triton interprets."""
+    ``warp_asm`` (``warp2`` for ``warp2_asm``) where triton interprets."""
     fmt = k_store.format
     variant = config.variant or DEFAULT_VARIANT
     if variant == "split" or not fmt.fold_reads(k_store.head_dim):
         return "split"
     asm = variant.endswith("_asm") and not _interpreted()
     if variant.startswith("warp") and fmt.warp_reads(k_store.head_dim) and k_store.capacity * k_store.head_dim < 2**31:
-        return "warp_asm" if asm else "warp"
+        warp = variant.removesuffix("_asm")
+        return f"{warp}_asm" if asm else warp
     return "fold_asm" if asm and fmt.asm_unpack else "fold"
 
 
@@ -198,8 +200,8 @@ def _launch(q, k_store, v_store, lengths, scale, group, out, workspace):
         warps = warp_count(config)
         decode_warp_kernel[grid](
             *args, D=head_dim, BLOCK_M=triton_next_pow2(row_groups * gp), GP=gp, NG=row_groups,
-            BLOCK_N=config.block_n, FMT=fmt.kernel, ASM=variant == "warp_asm", W=warps, num_warps=warps,
-            num_stages=config.num_stages,
+            BLOCK_N=config.block_n, FMT=fmt.kernel, ASM=variant.endswith("_asm"), W=warps,
+            IN_PLACE=variant.startswith("warp2"), num_warps=warps, num_stages=config.num_stages,
         )
     elif variant != "split":
         gp = triton_next_pow2(group)

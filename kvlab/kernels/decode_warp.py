@@ -33,6 +33,15 @@ the products and keeps one copy of each row in registers). What differs, and why
   applied to the product's accumulator input (``fold`` scaled the product's output, then added).
 - Full blocks run without masks; only the last block of a split is masked (``MASKED``).
 
+``warp2`` (``IN_PLACE``, int4; fp8 runs as ``warp``): the int4 quarters unpacked in place, 5 instructions
+per register of two words instead of 8 (:data:`INT4_PLACE_PTX`): quarters 0 and 1 masked where they lie,
+2 and 3 after one shift, so quarter ``q`` is ``1 + c / 2**PLACE_BITS[q]`` (``1 + c / 1024, 64, 256, 16``),
+not ``1 + c / 16``. The key product takes each query slice times ``2**(PLACE_BITS[q] - 6)`` (its codes
+then weigh ``c / 64``) and each value plane's merge multiplies by ``2**(PLACE_BITS[q] - 4)``; both exact
+powers of two, outside the loop. The key product starts from ``-sum(q')`` (a loop-invariant accumulator)
+instead of zero, so the offsets come off inside the tensor core and a score is one chain of four fused
+multiply-adds over both groups (``warp``: a multiply and two fused multiply-adds per group, then an add).
+
 Offsets inside one ``(b, h)`` are int32 (``capacity * head_dim < 2**31``).
 """
 
@@ -65,6 +74,20 @@ def words_ptx(masks: tuple[int, ...]) -> tl.constexpr:
 # words as float16 1 + c / 16: one shift and one AND-OR per quarter, two codes at a time.
 INT4_WORDS_PTX = words_ptx((0x03C003C0,))
 
+# $4: two int16 words; $0..$3: quarter q of both words as float16 1 + c / 2**PLACE_BITS[q]: quarters 0 and 1
+# masked in place, 2 and 3 after one shift right by 6 (to bits [2, 6) and [6, 10)): 5 instructions, not 8.
+INT4_PLACE_PTX = tl.constexpr("""
+{
+.reg .b32 t;
+lop3.b32 $0, $4, 0x000F000F, 0x3C003C00, 0xEA;
+lop3.b32 $1, $4, 0x00F000F0, 0x3C003C00, 0xEA;
+shr.b32 t, $4, 6;
+lop3.b32 $2, t, 0x003C003C, 0x3C003C00, 0xEA;
+lop3.b32 $3, t, 0x03C003C0, 0x3C003C00, 0xEA;
+}
+""")
+PLACE_BITS = (10, 6, 8, 4)  # quarter q of INT4_PLACE_PTX is 1 + c / 2**PLACE_BITS[q]
+
 # $2: two int16 words of two float8_e4m3 codes each; $0: both words' low bytes, $1: their high
 # bytes, as float16 pairs (first word in the low half).
 FP8_WORDS_PTX = tl.constexpr("""
@@ -91,6 +114,17 @@ def word_quarter(w, Q: tl.constexpr):
 
 
 @triton.jit
+def word_place(w, Q: tl.constexpr):
+    """Quarter ``Q`` of int16 words as float16 ``1 + c / 2**PLACE_BITS[Q]``, exactly (the portable twin of
+    :data:`INT4_PLACE_PTX`): quarters 0 and 1 where they lie, 2 and 3 shifted right by 6."""
+    if Q < 2:
+        field = w & (0xF << (4 * Q))
+    else:
+        field = (w >> 6) & (0xF << (4 * Q - 6))
+    return (field | 0x3C00).to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
 def word_byte_fp8(w, Q: tl.constexpr):
     """Byte ``Q`` of int16 words read as float8_e4m3, as float16 (the portable twin of :data:`FP8_WORDS_PTX`)."""
     return (w >> (8 * Q)).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
@@ -105,6 +139,14 @@ def _int4_words(w):
 
 
 @triton.jit
+def _int4_placed(w):
+    """The four quarters of int16 words unpacked in place (PTX, compiled only; pairs of words in one register)."""
+    return tl.inline_asm_elementwise(
+        asm=INT4_PLACE_PTX, constraints="=r,=r,=r,=r,r", args=[w],
+        dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=2)
+
+
+@triton.jit
 def _fp8_words(w):
     """Both float8 bytes of int16 words as float16 (PTX, compiled only)."""
     return tl.inline_asm_elementwise(
@@ -112,8 +154,9 @@ def _fp8_words(w):
 
 
 @triton.jit
-def _word_planes(w, FMT: tl.constexpr, ASM: tl.constexpr):
-    """The planes of a word tile (int4: four quarters; fp8: two bytes, the last two repeat them)."""
+def _word_planes(w, FMT: tl.constexpr, ASM: tl.constexpr, IN_PLACE: tl.constexpr):
+    """The planes of a word tile (int4: four quarters, ``IN_PLACE``: unpacked in place; fp8: two bytes, the
+    last two repeat them)."""
     if FMT == FMT_FP8:
         if ASM:
             a, b = _fp8_words(w)
@@ -121,6 +164,10 @@ def _word_planes(w, FMT: tl.constexpr, ASM: tl.constexpr):
             a = word_byte_fp8(w, 0)
             b = word_byte_fp8(w, 1)
         return a, b, a, b
+    elif IN_PLACE:
+        if ASM:
+            return _int4_placed(w)
+        return word_place(w, 0), word_place(w, 1), word_place(w, 2), word_place(w, 3)
     elif ASM:
         return _int4_words(w)
     else:
@@ -165,6 +212,14 @@ def _slot_scales(ptr, offs_n, mask_n, NG: tl.constexpr, MASKED: tl.constexpr):
 
 
 @triton.jit
+def _placed_slices(qa, qb, qc, qd):
+    """A group's four query slices times ``2**(PLACE_BITS[q] - 6)`` (16, 1, 4, 1/4: exact in float16 below
+    4096 and above the subnormals), so that in-place quarter ``q``'s codes weigh ``c / 64`` in its product."""
+    return ((qa.to(tl.float32) * 16).to(tl.float16), qb, (qc.to(tl.float32) * 4).to(tl.float16),
+            (qd.to(tl.float32) * 0.25).to(tl.float16))
+
+
+@triton.jit
 def _batched(q, W: tl.constexpr):
     """``q [M, K]`` repeated for each warp: the first operand of a warp-batched product."""
     return tl.broadcast_to(q[None, :, :], [W, q.shape[0], q.shape[1]])
@@ -188,16 +243,20 @@ def _transposed(part):
 
 @triton.jit
 def _key_group(kc, offs_n, mask_n, qa, qb, qc, qd, GI: tl.constexpr, DP: tl.constexpr, KP: tl.constexpr,
-               KW: tl.constexpr, ASM: tl.constexpr, MASKED: tl.constexpr):
+               KW: tl.constexpr, ASM: tl.constexpr, IN_PLACE: tl.constexpr, MASKED: tl.constexpr, qoff=None):
     """``q . u`` of int4 group ``GI`` over its ``KP`` slices (word quarters or byte planes): ``[W, M, BW]``;
-    word quarters multiplied transposed (``u q^T``, see :func:`_transposed`)."""
+    word quarters multiplied transposed (``u q^T``, see :func:`_transposed`). In-place quarters start the
+    product from ``qoff`` (``-sum(q')`` per row, ``[1, 1, M]``): their offsets come off inside it."""
     W: tl.constexpr = offs_n.shape[0]
     if KP == 4:
         cols = GI * KW + tl.arange(0, KW)
         w = _load(kc.to(tl.pointer_type(tl.int16)) + offs_n[:, :, None] * (DP // 2) + cols[None, None, :],
                   mask_n[:, :, None], MASKED)
-        u0, u1, u2, u3 = _word_planes(w, FMT_INT, ASM)
-        part = tl.dot(u0, _batched_t(qa, W))
+        u0, u1, u2, u3 = _word_planes(w, FMT_INT, ASM, IN_PLACE)
+        if IN_PLACE:
+            part = tl.dot(u0, _batched_t(qa, W), tl.broadcast_to(qoff, [W, offs_n.shape[1], qa.shape[0]]))
+        else:
+            part = tl.dot(u0, _batched_t(qa, W))
         part = tl.dot(u1, _batched_t(qb, W), part)
         part = tl.dot(u2, _batched_t(qc, W), part)
         return _transposed(tl.dot(u3, _batched_t(qd, W), part))
@@ -221,9 +280,21 @@ def _group_score(part, sc, zr, qsum, qk_scale):
 
 
 @triton.jit
+def _placed_group_scores(part0, part1, sc0, sc1, zr0, zr1, qs0, qs1, qk_scale, NG: tl.constexpr):
+    """The scores of in-place quarters (query slices scaled so that codes weigh ``c / 64``, products started
+    from ``-sum(q')``, so ``part = q.c / 64``): ``sum_g 64 s_g part_g + z_g sum(q_g)``, one chain of fused
+    multiply-adds per score."""
+    s = qs0 * zr0[:, None, :]
+    if NG == 2:
+        s = qs1 * zr1[:, None, :] + s
+        s = part1 * (sc1 * (64 * qk_scale))[:, None, :] + s
+    return part0 * (sc0 * (64 * qk_scale))[:, None, :] + s
+
+
+@triton.jit
 def _scores(kc, ks, kz, offs_n, mask_n, q0, q1, q2, q3, q4, q5, q6, q7, qs0, qs1, qs2, qs3, qk_scale,
             NG: tl.constexpr, DP: tl.constexpr, KP: tl.constexpr, KW: tl.constexpr, FMT: tl.constexpr,
-            ASM: tl.constexpr, MASKED: tl.constexpr):
+            ASM: tl.constexpr, IN_PLACE: tl.constexpr, MASKED: tl.constexpr):
     """Scaled scores ``[W, M, BW]`` of the warps' slots (base 2: ``qk_scale`` carries log2(e))."""
     W: tl.constexpr = offs_n.shape[0]
     if FMT == FMT_FP8:
@@ -235,21 +306,27 @@ def _scores(kc, ks, kz, offs_n, mask_n, q0, q1, q2, q3, q4, q5, q6, q7, qs0, qs1
     else:
         sc0, sc1, sc2, sc3 = _slot_scales(ks, offs_n, mask_n, NG, MASKED)
         zr0, zr1, zr2, zr3 = _slot_scales(kz, offs_n, mask_n, NG, MASKED)
-        if KP == 4:  # word quarters: a group is four slices
-            s = _group_score(_key_group(kc, offs_n, mask_n, q0, q1, q2, q3, 0, DP, KP, KW, ASM, MASKED),
+        if KP == 4 and IN_PLACE:  # in-place word quarters: qs2, qs3 are the groups' -sum(q'), [1, 1, M]
+            part0 = _key_group(kc, offs_n, mask_n, q0, q1, q2, q3, 0, DP, KP, KW, ASM, IN_PLACE, MASKED, qs2)
+            part1 = part0
+            if NG == 2:
+                part1 = _key_group(kc, offs_n, mask_n, q4, q5, q6, q7, 1, DP, KP, KW, ASM, IN_PLACE, MASKED, qs3)
+            s = _placed_group_scores(part0, part1, sc0, sc1, zr0, zr1, qs0, qs1, qk_scale, NG)
+        elif KP == 4:  # word quarters: a group is four slices
+            s = _group_score(_key_group(kc, offs_n, mask_n, q0, q1, q2, q3, 0, DP, KP, KW, ASM, IN_PLACE, MASKED),
                              sc0, zr0, qs0, qk_scale)
             if NG == 2:
-                s += _group_score(_key_group(kc, offs_n, mask_n, q4, q5, q6, q7, 1, DP, KP, KW, ASM, MASKED),
-                                  sc1, zr1, qs1, qk_scale)
+                s += _group_score(_key_group(kc, offs_n, mask_n, q4, q5, q6, q7, 1, DP, KP, KW, ASM, IN_PLACE,
+                                             MASKED), sc1, zr1, qs1, qk_scale)
         else:  # byte planes: a group is two slices
-            s = _group_score(_key_group(kc, offs_n, mask_n, q0, q1, q0, q0, 0, DP, KP, KW, ASM, MASKED),
+            s = _group_score(_key_group(kc, offs_n, mask_n, q0, q1, q0, q0, 0, DP, KP, KW, ASM, IN_PLACE, MASKED),
                              sc0, zr0, qs0, qk_scale)
-            s += _group_score(_key_group(kc, offs_n, mask_n, q2, q3, q0, q0, 1, DP, KP, KW, ASM, MASKED),
+            s += _group_score(_key_group(kc, offs_n, mask_n, q2, q3, q0, q0, 1, DP, KP, KW, ASM, IN_PLACE, MASKED),
                               sc1, zr1, qs1, qk_scale)
             if NG == 4:
-                s += _group_score(_key_group(kc, offs_n, mask_n, q4, q5, q0, q0, 2, DP, KP, KW, ASM, MASKED),
+                s += _group_score(_key_group(kc, offs_n, mask_n, q4, q5, q0, q0, 2, DP, KP, KW, ASM, IN_PLACE, MASKED),
                                   sc2, zr2, qs2, qk_scale)
-                s += _group_score(_key_group(kc, offs_n, mask_n, q6, q7, q0, q0, 3, DP, KP, KW, ASM, MASKED),
+                s += _group_score(_key_group(kc, offs_n, mask_n, q6, q7, q0, q0, 3, DP, KP, KW, ASM, IN_PLACE, MASKED),
                                   sc3, zr3, qs3, qk_scale)
     return s
 
@@ -321,13 +398,13 @@ def _block(kc, ks, kz, vc, vs, vz, n0, end, offs_w, row_g, ones,
            q0, q1, q2, q3, q4, q5, q6, q7, qs0, qs1, qs2, qs3, qk_scale,
            m_i, l_i, zacc, unit_i, acc0, acc1, acc2, acc3, acc_one,
            NG: tl.constexpr, DP: tl.constexpr, KP: tl.constexpr, KW: tl.constexpr, VW: tl.constexpr,
-           FMT: tl.constexpr, ASM: tl.constexpr, MASKED: tl.constexpr):
+           FMT: tl.constexpr, ASM: tl.constexpr, IN_PLACE: tl.constexpr, MASKED: tl.constexpr):
     """One block of ``BLOCK_N`` slots from ``n0``, ``BLOCK_N / W`` per warp: the online softmax state,
     updated. The accumulators hold ``acc / unit_i`` (``unit_i``: the last block's ``unit``)."""
     offs_n = n0 + offs_w
     mask_n = offs_n < end
     s = _scores(kc, ks, kz, offs_n, mask_n, q0, q1, q2, q3, q4, q5, q6, q7, qs0, qs1, qs2, qs3, qk_scale,
-                NG, DP, KP, KW, FMT, ASM, MASKED)
+                NG, DP, KP, KW, FMT, ASM, IN_PLACE, MASKED)
     if MASKED:
         s = tl.where(mask_n[:, None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 2))
@@ -340,7 +417,7 @@ def _block(kc, ks, kz, vc, vs, vz, n0, end, offs_w, row_g, ones,
     cols = tl.arange(0, VW)
     w = _load(vc.to(tl.pointer_type(tl.int16)) + offs_n[:, None, :] * VW + cols[None, :, None], mask_n[:, None, :],
               MASKED)
-    v0, v1, v2, v3 = _word_planes(w, FMT, ASM)
+    v0, v1, v2, v3 = _word_planes(w, FMT, ASM, IN_PLACE)
     pvt = tl.permute(pv, (0, 2, 1))
     f = (alpha * unit_i * inv_unit)[:, None, :]
     acc0 = tl.dot(v0, pvt, acc0 * f)
@@ -376,7 +453,7 @@ def decode_warp_kernel(
     q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, len_ptr, part_out_ptr, part_lse_ptr,
     qk_scale, Hq, Hkv, T, split_len, num_splits, G,
     D: tl.constexpr, BLOCK_M: tl.constexpr, GP: tl.constexpr, NG: tl.constexpr, BLOCK_N: tl.constexpr,
-    FMT: tl.constexpr, ASM: tl.constexpr, W: tl.constexpr,
+    FMT: tl.constexpr, ASM: tl.constexpr, W: tl.constexpr, IN_PLACE: tl.constexpr,
 ):
     bh, split, b, h, start, end = split_bounds(len_ptr, Hkv, T, split_len)
     FP8: tl.constexpr = FMT == FMT_FP8
@@ -392,7 +469,14 @@ def decode_warp_kernel(
     row_g, mask_r, heads, q_rows = group_rows(q_ptr, b, h, Hq, G, D, BLOCK_M, GP, NG)
     q0, q1, q2, q3, q4, q5, q6, q7 = query_slots(q_rows, mask_r, NG * KP, KP, KW)  # slot i: group i // KP
     # each group's sum of q (the zero term), times the softmax scale
-    if KP == 4:
+    if KP == 4 and IN_PLACE and not FP8:  # qs2, qs3: sum(q') of the slices the in-place quarters take
+        qs0 = _row_sum(q0, q1, q2, q3, KP, qk_scale)
+        qs1 = _row_sum(q4, q5, q6, q7, KP, qk_scale)
+        q0, q1, q2, q3 = _placed_slices(q0, q1, q2, q3)
+        q4, q5, q6, q7 = _placed_slices(q4, q5, q6, q7)
+        qs2 = -_row_sum(q0, q1, q2, q3, KP, 1.0).reshape(1, 1, BLOCK_M)
+        qs3 = -_row_sum(q4, q5, q6, q7, KP, 1.0).reshape(1, 1, BLOCK_M)
+    elif KP == 4:
         qs0 = _row_sum(q0, q1, q2, q3, KP, qk_scale)
         qs1 = _row_sum(q4, q5, q6, q7, KP, qk_scale)
         qs2 = qs0
@@ -427,12 +511,12 @@ def decode_warp_kernel(
         m_i, l_i, zacc, unit_i, acc0, acc1, acc2, acc3, acc_one = _block(
             kc, ks, kz, vc, vs, vz, n0, end, offs_w, row_g, ones, q0, q1, q2, q3, q4, q5, q6, q7,
             qs0, qs1, qs2, qs3, qk_scale, m_i, l_i, zacc, unit_i, acc0, acc1, acc2, acc3, acc_one,
-            NG, DP, KP, KW, VW, FMT, ASM, False)
+            NG, DP, KP, KW, VW, FMT, ASM, IN_PLACE, False)
     if full_end < end:
         m_i, l_i, zacc, unit_i, acc0, acc1, acc2, acc3, acc_one = _block(
             kc, ks, kz, vc, vs, vz, full_end, end, offs_w, row_g, ones, q0, q1, q2, q3, q4, q5, q6, q7,
             qs0, qs1, qs2, qs3, qk_scale, m_i, l_i, zacc, unit_i, acc0, acc1, acc2, acc3, acc_one,
-            NG, DP, KP, KW, VW, FMT, ASM, True)
+            NG, DP, KP, KW, VW, FMT, ASM, IN_PLACE, True)
 
     # the warps' softmaxes merged (base 2); the products' offsets (int) taken off per warp
     m = tl.max(m_i, 0)
@@ -450,8 +534,14 @@ def decode_warp_kernel(
     # row (g, h) holds head h's output for the columns of group g (words c with c // (VW / NG) == g)
     offs_c = tl.arange(0, VW)
     keep = mask_r[None, :] & ((offs_c // (VW // NG))[:, None] == row_g[None, :])
-    _store_plane(out_rows, offs_c, keep, _merge_plane(acc0, off, wu, z, inv_l), 0, VP)
-    _store_plane(out_rows, offs_c, keep, _merge_plane(acc1, off, wu, z, inv_l), 1, VP)
-    if not FP8:
-        _store_plane(out_rows, offs_c, keep, _merge_plane(acc2, off, wu, z, inv_l), 2, VP)
+    if IN_PLACE and not FP8:  # plane q's codes weigh c / 2**PLACE_BITS[q], not c / 16
+        _store_plane(out_rows, offs_c, keep, _merge_plane(acc0, off, wu * 64, z, inv_l), 0, VP)
+        _store_plane(out_rows, offs_c, keep, _merge_plane(acc1, off, wu * 4, z, inv_l), 1, VP)
+        _store_plane(out_rows, offs_c, keep, _merge_plane(acc2, off, wu * 16, z, inv_l), 2, VP)
         _store_plane(out_rows, offs_c, keep, _merge_plane(acc3, off, wu, z, inv_l), 3, VP)
+    else:
+        _store_plane(out_rows, offs_c, keep, _merge_plane(acc0, off, wu, z, inv_l), 0, VP)
+        _store_plane(out_rows, offs_c, keep, _merge_plane(acc1, off, wu, z, inv_l), 1, VP)
+        if not FP8:
+            _store_plane(out_rows, offs_c, keep, _merge_plane(acc2, off, wu, z, inv_l), 2, VP)
+            _store_plane(out_rows, offs_c, keep, _merge_plane(acc3, off, wu, z, inv_l), 3, VP)

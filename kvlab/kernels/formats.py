@@ -51,7 +51,7 @@ FMT_BF16, FMT_FP8, FMT_INT = 0, 1, 2
 
 BLOCK_N = 64  # slots per inner iteration of the decode kernels
 PROGRAMS_PER_SM = 4  # split so that a full-length step has about this many programs per SM
-VARIANTS = ("split", "fold", "fold_asm", "warp", "warp_asm")
+VARIANTS = ("split", "fold", "fold_asm", "warp", "warp_asm", "warp2", "warp2_asm")
 
 
 class FormatError(UserError):
