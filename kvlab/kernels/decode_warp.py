@@ -39,8 +39,11 @@ per register of two words instead of 8 (:data:`INT4_PLACE_PTX`): quarters 0 and 
 not ``1 + c / 16``. The key product takes each query slice times ``2**(PLACE_BITS[q] - 6)`` (its codes
 then weigh ``c / 64``) and each value plane's merge multiplies by ``2**(PLACE_BITS[q] - 4)``; both exact
 powers of two, outside the loop. The key product starts from ``-sum(q')`` (a loop-invariant accumulator)
-instead of zero, so the offsets come off inside the tensor core and a score is one chain of four fused
-multiply-adds over both groups (``warp``: a multiply and two fused multiply-adds per group, then an add).
+instead of zero, so the offsets come off inside the tensor core. The zero term ``sum_g z_g sum(q_g)`` is one
+more small product (:func:`_zero_operand`: the slot's zero word as it was loaded, against float16 hi/lo halves
+of each row's ``sum(q_g) / 64``, :func:`zero_weights`), started from the last group's ``s_g part_g``, so a
+score is one multiply and one fused multiply-add per group pair; the factor ``64 qk_scale`` goes into the
+softmax's exponent (one fused multiply-add before ``exp2``) instead of every slot's key scales.
 
 Offsets inside one ``(b, h)`` are int32 (``capacity * head_dim < 2**31``).
 """
@@ -280,24 +283,71 @@ def _group_score(part, sc, zr, qsum, qk_scale):
 
 
 @triton.jit
-def _placed_group_scores(part0, part1, sc0, sc1, zr0, zr1, qs0, qs1, qk_scale, NG: tl.constexpr):
-    """The scores of in-place quarters (query slices scaled so that codes weigh ``c / 64``, products started
-    from ``-sum(q')``, so ``part = q.c / 64``): ``sum_g 64 s_g part_g + z_g sum(q_g)``, one chain of fused
-    multiply-adds per score."""
-    s = qs0 * zr0[:, None, :]
-    if NG == 2:
-        s = qs1 * zr1[:, None, :] + s
-        s = part1 * (sc1 * (64 * qk_scale))[:, None, :] + s
-    return part0 * (sc0 * (64 * qk_scale))[:, None, :] + s
+def _zero_operand(w, NG: tl.constexpr):
+    """The zero term's first operand ``[W, BW, 16]`` (float16, exact): column ``k`` of slot ``n`` is its group
+    ``k % NG``'s zero (``w``: the slot's ``NG`` float16 zeros as one 16/32-bit word)."""
+    if NG == 1:
+        return tl.broadcast_to(w[:, :, None], [w.shape[0], w.shape[1], 16])
+    z0 = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+    z1 = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    pair = tl.join(z0, z1)
+    return tl.broadcast_to(pair[:, :, None, :], [w.shape[0], w.shape[1], 8, 2]).reshape(w.shape[0], w.shape[1], 16)
 
 
 @triton.jit
-def _scores(kc, ks, kz, offs_n, mask_n, q0, q1, q2, q3, q4, q5, q6, q7, qs0, qs1, qs2, qs3, qk_scale,
+def zero_weights(qsum0, qsum1, NG: tl.constexpr):
+    """The zero term's second operand ``[16, M]`` (float16), loop-invariant: row ``g`` holds group ``g``'s
+    ``sum(q) / 64`` rounded to float16 (``hi``), row ``NG + g`` the rest (``lo = float16(x - hi)``), the
+    other rows 0. Against :func:`_zero_operand` it makes ``sum_g z_g sum(q_g) / 64``: float16 products of
+    two float16 numbers are exact in the tensor core's float32, and ``hi + lo`` keeps 22 bits of each sum
+    (``lo`` is at most half an ulp of ``hi``: no cancellation)."""
+    k = tl.arange(0, 16)[:, None]
+    x0 = qsum0[None, :] * (1 / 64)
+    x1 = qsum1[None, :] * (1 / 64)
+    hi0 = x0.to(tl.float16)
+    hi1 = x1.to(tl.float16)
+    lo0 = (x0 - hi0.to(tl.float32)).to(tl.float16)
+    lo1 = (x1 - hi1.to(tl.float32)).to(tl.float16)
+    zero = tl.zeros_like(hi0)
+    if NG == 1:
+        return tl.where(k == 0, hi0, tl.where(k == 1, lo0, zero))
+    return tl.where(k == 0, hi0, tl.where(k == 1, hi1, tl.where(k == 2, lo0, tl.where(k == 3, lo1, zero))))
+
+
+@triton.jit
+def _placed_group_scores(part0, part1, sc0, sc1, za, zb, NG: tl.constexpr):
+    """The scores over ``64 qk_scale`` of in-place quarters (``part_g = q'.c / 64``, see :func:`_key_group`):
+    ``sum_g s_g part_g`` (float32 fused multiply-adds) on top of the zero term ``sum_g z_g sum(q_g) / 64``,
+    a product of :func:`_zero_operand` and ``zb`` (:func:`zero_weights`) that starts from the last group's
+    ``s_g part_g``."""
+    W: tl.constexpr = za.shape[0]
+    last = part1 * sc1[:, None, :] if NG == 2 else part0 * sc0[:, None, :]
+    s = _transposed(tl.dot(za, tl.broadcast_to(zb[None, :, :], [W, zb.shape[0], zb.shape[1]]), _transposed(last)))
+    if NG == 2:
+        s = part0 * sc0[:, None, :] + s
+    return s
+
+
+@triton.jit
+def _scores(kc, ks, kz, offs_n, mask_n, q0, q1, q2, q3, q4, q5, q6, q7, qs0, qs1, qs2, qs3, qk_scale, zb,
             NG: tl.constexpr, DP: tl.constexpr, KP: tl.constexpr, KW: tl.constexpr, FMT: tl.constexpr,
             ASM: tl.constexpr, IN_PLACE: tl.constexpr, MASKED: tl.constexpr):
-    """Scaled scores ``[W, M, BW]`` of the warps' slots (base 2: ``qk_scale`` carries log2(e))."""
+    """Scaled scores ``[W, M, BW]`` of the warps' slots (base 2: ``qk_scale`` carries log2(e)); in-place
+    quarters (``KP == 4 and IN_PLACE``): the scores over ``64 qk_scale`` (that factor goes into the softmax's
+    exponent), the zero term a product of :func:`_zero_operand` and ``zb`` (:func:`zero_weights`)."""
     W: tl.constexpr = offs_n.shape[0]
-    if FMT == FMT_FP8:
+    if FMT != FMT_FP8 and KP == 4 and IN_PLACE:  # qs2, qs3: the groups' -sum(q') ([1, 1, M])
+        sc0, sc1, sc2, sc3 = _slot_scales(ks, offs_n, mask_n, NG, MASKED)
+        if NG == 1:
+            zw = _load(kz + offs_n, mask_n, MASKED)
+        else:
+            zw = _load(kz.to(tl.pointer_type(tl.int32)) + offs_n, mask_n, MASKED)
+        part0 = _key_group(kc, offs_n, mask_n, q0, q1, q2, q3, 0, DP, KP, KW, ASM, IN_PLACE, MASKED, qs2)
+        part1 = part0
+        if NG == 2:
+            part1 = _key_group(kc, offs_n, mask_n, q4, q5, q6, q7, 1, DP, KP, KW, ASM, IN_PLACE, MASKED, qs3)
+        s = _placed_group_scores(part0, part1, sc0, sc1, _zero_operand(zw, NG), zb, NG)
+    elif FMT == FMT_FP8:
         cols = tl.arange(0, DP)
         raw = _load(kc + offs_n[:, :, None] * DP + cols[None, None, :], mask_n[:, :, None], MASKED)
         k = raw.to(tl.float8e4nv, bitcast=True).to(tl.float16)
@@ -306,13 +356,7 @@ def _scores(kc, ks, kz, offs_n, mask_n, q0, q1, q2, q3, q4, q5, q6, q7, qs0, qs1
     else:
         sc0, sc1, sc2, sc3 = _slot_scales(ks, offs_n, mask_n, NG, MASKED)
         zr0, zr1, zr2, zr3 = _slot_scales(kz, offs_n, mask_n, NG, MASKED)
-        if KP == 4 and IN_PLACE:  # in-place word quarters: qs2, qs3 are the groups' -sum(q'), [1, 1, M]
-            part0 = _key_group(kc, offs_n, mask_n, q0, q1, q2, q3, 0, DP, KP, KW, ASM, IN_PLACE, MASKED, qs2)
-            part1 = part0
-            if NG == 2:
-                part1 = _key_group(kc, offs_n, mask_n, q4, q5, q6, q7, 1, DP, KP, KW, ASM, IN_PLACE, MASKED, qs3)
-            s = _placed_group_scores(part0, part1, sc0, sc1, zr0, zr1, qs0, qs1, qk_scale, NG)
-        elif KP == 4:  # word quarters: a group is four slices
+        if KP == 4:  # word quarters: a group is four slices
             s = _group_score(_key_group(kc, offs_n, mask_n, q0, q1, q2, q3, 0, DP, KP, KW, ASM, IN_PLACE, MASKED),
                              sc0, zr0, qs0, qk_scale)
             if NG == 2:
@@ -395,7 +439,7 @@ def _row_values(row_g, x0, x1, x2, x3, NG: tl.constexpr, M: tl.constexpr):
 
 @triton.jit
 def _block(kc, ks, kz, vc, vs, vz, n0, end, offs_w, row_g, ones,
-           q0, q1, q2, q3, q4, q5, q6, q7, qs0, qs1, qs2, qs3, qk_scale,
+           q0, q1, q2, q3, q4, q5, q6, q7, qs0, qs1, qs2, qs3, qk_scale, zb,
            m_i, l_i, zacc, unit_i, acc0, acc1, acc2, acc3, acc_one,
            NG: tl.constexpr, DP: tl.constexpr, KP: tl.constexpr, KW: tl.constexpr, VW: tl.constexpr,
            FMT: tl.constexpr, ASM: tl.constexpr, IN_PLACE: tl.constexpr, MASKED: tl.constexpr):
@@ -403,13 +447,17 @@ def _block(kc, ks, kz, vc, vs, vz, n0, end, offs_w, row_g, ones,
     updated. The accumulators hold ``acc / unit_i`` (``unit_i``: the last block's ``unit``)."""
     offs_n = n0 + offs_w
     mask_n = offs_n < end
-    s = _scores(kc, ks, kz, offs_n, mask_n, q0, q1, q2, q3, q4, q5, q6, q7, qs0, qs1, qs2, qs3, qk_scale,
+    s = _scores(kc, ks, kz, offs_n, mask_n, q0, q1, q2, q3, q4, q5, q6, q7, qs0, qs1, qs2, qs3, qk_scale, zb,
                 NG, DP, KP, KW, FMT, ASM, IN_PLACE, MASKED)
     if MASKED:
         s = tl.where(mask_n[:, None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 2))
+    if FMT != FMT_FP8 and KP == 4 and IN_PLACE:  # s: the scores over qk_scale (here 64 qk_scale, > 0)
+        m_new = tl.maximum(m_i, tl.max(s, 2) * qk_scale)
+        p = tl.exp2(s * qk_scale - m_new[:, :, None])  # one fused multiply-add, one rounding
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 2))
+        p = tl.exp2(s - m_new[:, :, None])
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, :, None])
     pv, unit, inv_unit, z = _value_weights(vs, vz, offs_n, mask_n, p, row_g, NG, FMT, MASKED)
     l_i = l_i * alpha + tl.sum(p, 2)
     zacc = zacc * alpha + z
@@ -469,12 +517,19 @@ def decode_warp_kernel(
     row_g, mask_r, heads, q_rows = group_rows(q_ptr, b, h, Hq, G, D, BLOCK_M, GP, NG)
     q0, q1, q2, q3, q4, q5, q6, q7 = query_slots(q_rows, mask_r, NG * KP, KP, KW)  # slot i: group i // KP
     # each group's sum of q (the zero term), times the softmax scale
-    if KP == 4 and IN_PLACE and not FP8:  # qs2, qs3: sum(q') of the slices the in-place quarters take
-        qs0 = _row_sum(q0, q1, q2, q3, KP, qk_scale)
-        qs1 = _row_sum(q4, q5, q6, q7, KP, qk_scale)
+    zb = tl.zeros([16, BLOCK_M], tl.float16)
+    score_scale = qk_scale
+    if KP == 4 and IN_PLACE and not FP8:
+        # in-place quarters: the zero term is a product against zb, the scores come over 64 qk_scale (that
+        # factor goes into the softmax's exponent); qs2, qs3: -sum(q') of the slices the quarters take
+        zb = zero_weights(_row_sum(q0, q1, q2, q3, KP, 1.0).reshape(BLOCK_M),
+                          _row_sum(q4, q5, q6, q7, KP, 1.0).reshape(BLOCK_M), NG)
+        score_scale = qk_scale * 64
         q0, q1, q2, q3 = _placed_slices(q0, q1, q2, q3)
         q4, q5, q6, q7 = _placed_slices(q4, q5, q6, q7)
-        qs2 = -_row_sum(q0, q1, q2, q3, KP, 1.0).reshape(1, 1, BLOCK_M)
+        qs0 = -_row_sum(q0, q1, q2, q3, KP, 1.0).reshape(1, 1, BLOCK_M)
+        qs1 = qs0
+        qs2 = qs0
         qs3 = -_row_sum(q4, q5, q6, q7, KP, 1.0).reshape(1, 1, BLOCK_M)
     elif KP == 4:
         qs0 = _row_sum(q0, q1, q2, q3, KP, qk_scale)
@@ -510,12 +565,12 @@ def decode_warp_kernel(
     for n0 in range(start, full_end, BLOCK_N):
         m_i, l_i, zacc, unit_i, acc0, acc1, acc2, acc3, acc_one = _block(
             kc, ks, kz, vc, vs, vz, n0, end, offs_w, row_g, ones, q0, q1, q2, q3, q4, q5, q6, q7,
-            qs0, qs1, qs2, qs3, qk_scale, m_i, l_i, zacc, unit_i, acc0, acc1, acc2, acc3, acc_one,
+            qs0, qs1, qs2, qs3, score_scale, zb, m_i, l_i, zacc, unit_i, acc0, acc1, acc2, acc3, acc_one,
             NG, DP, KP, KW, VW, FMT, ASM, IN_PLACE, False)
     if full_end < end:
         m_i, l_i, zacc, unit_i, acc0, acc1, acc2, acc3, acc_one = _block(
             kc, ks, kz, vc, vs, vz, full_end, end, offs_w, row_g, ones, q0, q1, q2, q3, q4, q5, q6, q7,
-            qs0, qs1, qs2, qs3, qk_scale, m_i, l_i, zacc, unit_i, acc0, acc1, acc2, acc3, acc_one,
+            qs0, qs1, qs2, qs3, score_scale, zb, m_i, l_i, zacc, unit_i, acc0, acc1, acc2, acc3, acc_one,
             NG, DP, KP, KW, VW, FMT, ASM, IN_PLACE, True)
 
     # the warps' softmaxes merged (base 2); the products' offsets (int) taken off per warp
