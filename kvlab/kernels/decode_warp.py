@@ -43,7 +43,10 @@ instead of zero, so the offsets come off inside the tensor core. The zero term `
 more small product (:func:`_zero_operand`: the slot's zero word as it was loaded, against float16 hi/lo halves
 of each row's ``sum(q_g) / 64``, :func:`zero_weights`), started from the last group's ``s_g part_g``, so a
 score is one multiply and one fused multiply-add per group pair; the factor ``64 qk_scale`` goes into the
-softmax's exponent (one fused multiply-add before ``exp2``) instead of every slot's key scales.
+softmax's exponent (one fused multiply-add before ``exp2``) instead of every slot's key scales. The softmax sum
+and the value zero term keep each lane's partial sums (:func:`_lane_sums`; the shuffles run once, after the
+loop), and a group's value top is rounded down to a power of two (its exponent bits: no division, exact
+rescales of the accumulators).
 
 Offsets inside one ``(b, h)`` are int32 (``capacity * head_dim < 2**31``).
 """
@@ -287,11 +290,13 @@ def _zero_operand(w, NG: tl.constexpr):
     """The zero term's first operand ``[W, BW, 16]`` (float16, exact): column ``k`` of slot ``n`` is its group
     ``k % NG``'s zero (``w``: the slot's ``NG`` float16 zeros as one 16/32-bit word)."""
     if NG == 1:
-        return tl.broadcast_to(w[:, :, None], [w.shape[0], w.shape[1], 16])
-    z0 = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
-    z1 = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True)
-    pair = tl.join(z0, z1)
-    return tl.broadcast_to(pair[:, :, None, :], [w.shape[0], w.shape[1], 8, 2]).reshape(w.shape[0], w.shape[1], 16)
+        out = tl.broadcast_to(w[:, :, None], [w.shape[0], w.shape[1], 16])
+    else:  # the word's halves side by side along k, repeated: the word itself in each register of the operand
+        z0 = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+        z1 = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+        pair = tl.join(z0, z1)
+        out = tl.broadcast_to(pair[:, :, None, :], [w.shape[0], w.shape[1], 8, 2]).reshape(w.shape[0], w.shape[1], 16)
+    return out
 
 
 @triton.jit
@@ -310,8 +315,10 @@ def zero_weights(qsum0, qsum1, NG: tl.constexpr):
     lo1 = (x1 - hi1.to(tl.float32)).to(tl.float16)
     zero = tl.zeros_like(hi0)
     if NG == 1:
-        return tl.where(k == 0, hi0, tl.where(k == 1, lo0, zero))
-    return tl.where(k == 0, hi0, tl.where(k == 1, hi1, tl.where(k == 2, lo0, tl.where(k == 3, lo1, zero))))
+        out = tl.where(k == 0, hi0, tl.where(k == 1, lo0, zero))
+    else:
+        out = tl.where(k == 0, hi0, tl.where(k == 1, hi1, tl.where(k == 2, lo0, tl.where(k == 3, lo1, zero))))
+    return out
 
 
 @triton.jit
@@ -376,10 +383,32 @@ def _scores(kc, ks, kz, offs_n, mask_n, q0, q1, q2, q3, q4, q5, q6, q7, qs0, qs1
 
 
 @triton.jit
+def _lane_sums(x):
+    """``x [W, M, BW]`` summed over each lane's own slots: ``[W, M, 8]``. A warp's slot ``n`` of the score
+    tile is row ``n % 16`` of the product's ``n // 16``-th 16-row tile: lane ``4 g + t`` holds slots
+    ``g + 8 j``, so the sum over ``j`` stays in the thread and the one over the 8 ``g`` (three rounds of
+    shuffles) can wait until after the loop."""
+    return tl.sum(tl.reshape(x, [x.shape[0], x.shape[1], x.shape[2] // 8, 8]), 2)
+
+
+@triton.jit
 def _top(x):
     """Largest of each warp's ``[BW]`` scales, 1 where none is positive (masked slots)."""
     t = tl.max(x, 1)
     return tl.where(t > 0, t, 1.0)
+
+
+@triton.jit
+def _top_exponent(x):
+    """The exponent of the largest of each warp's ``[BW]`` scales (at least -24): ``[W]`` int32."""
+    t = tl.maximum(tl.max(x, 1), 2.0 ** -24)
+    return ((t.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+
+
+@triton.jit
+def _pow2(e):
+    """``2**e`` (float32, exactly) of int32 exponents in ``[-126, 127]``."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -396,7 +425,8 @@ def _by_row(row_g, x0, x1, x2, x3, NG: tl.constexpr):
 
 
 @triton.jit
-def _value_weights(vs, vz, offs_n, mask_n, p, row_g, NG: tl.constexpr, FMT: tl.constexpr, MASKED: tl.constexpr):
+def _value_weights(vs, vz, offs_n, mask_n, p, row_g, NG: tl.constexpr, FMT: tl.constexpr, MASKED: tl.constexpr,
+                   LANES: tl.constexpr = False):
     """``(pv, unit, inv_unit, z)`` of a block: the float16 product operand ``p * scale / top`` (``top``:
     the warp's largest scale of the row's group, so ``pv`` stays normal), what the product's result
     must be multiplied by (``[W, M]``; int: ``16 top``) and its reciprocal, and the zero term
@@ -409,6 +439,25 @@ def _value_weights(vs, vz, offs_n, mask_n, p, row_g, NG: tl.constexpr, FMT: tl.c
         unit = tl.broadcast_to(t[:, None], [p.shape[0], p.shape[1]])
         inv_unit = tl.broadcast_to(r[:, None], [p.shape[0], p.shape[1]])
         z = tl.zeros([p.shape[0], p.shape[1]], tl.float32)
+    elif LANES:
+        # in-place quarters: each group's warp top rounded down to a power of two 2**e (its exponent; at least
+        # 2**-24, float16's least): no division, exact rescales, and pv = p scale / 2**e in [0, 2) is the same
+        # float16 rounding of the same product as p scale / top
+        sc0, sc1, sc2, sc3 = _slot_scales(vs, offs_n, mask_n, NG, MASKED)
+        zr0, zr1, zr2, zr3 = _slot_scales(vz, offs_n, mask_n, NG, MASKED)
+        e0 = _top_exponent(sc0)
+        e1 = _top_exponent(sc1)
+        e2 = _top_exponent(sc2)
+        e3 = _top_exponent(sc3)
+        scale = _by_row(row_g, (sc0 * _pow2(-e0)[:, None])[:, None, :], (sc1 * _pow2(-e1)[:, None])[:, None, :],
+                        (sc2 * _pow2(-e2)[:, None])[:, None, :], (sc3 * _pow2(-e3)[:, None])[:, None, :], NG)
+        zero = _by_row(row_g, zr0[:, None, :], zr1[:, None, :], zr2[:, None, :], zr3[:, None, :], NG)
+        e = _row_values(row_g, e0, e1, e2, e3, NG, p.shape[1])
+        unit = _pow2(e + 4)
+        inv_unit = _pow2(-e - 4)
+        pv = (p * scale).to(tl.float16)
+        pz = p * zero
+        z = tl.sum(tl.reshape(pz, [p.shape[0], p.shape[1], p.shape[2] // 8, 8]), 2)  # each lane's (_lane_sums)
     else:
         sc0, sc1, sc2, sc3 = _slot_scales(vs, offs_n, mask_n, NG, MASKED)
         zr0, zr1, zr2, zr3 = _slot_scales(vz, offs_n, mask_n, NG, MASKED)
@@ -458,9 +507,15 @@ def _block(kc, ks, kz, vc, vs, vz, n0, end, offs_w, row_g, ones,
         m_new = tl.maximum(m_i, tl.max(s, 2))
         p = tl.exp2(s - m_new[:, :, None])
     alpha = tl.exp2(m_i - m_new)
-    pv, unit, inv_unit, z = _value_weights(vs, vz, offs_n, mask_n, p, row_g, NG, FMT, MASKED)
-    l_i = l_i * alpha + tl.sum(p, 2)
-    zacc = zacc * alpha + z
+    # in-place quarters: l_i and zacc keep each lane's partial sums ([W, M, 8]), reduced after the loop
+    LANES: tl.constexpr = FMT != FMT_FP8 and KP == 4 and IN_PLACE
+    pv, unit, inv_unit, z = _value_weights(vs, vz, offs_n, mask_n, p, row_g, NG, FMT, MASKED, LANES)
+    if LANES:
+        l_i = l_i * alpha[:, :, None] + _lane_sums(p)
+        zacc = zacc * alpha[:, :, None] + z
+    else:
+        l_i = l_i * alpha + tl.sum(p, 2)
+        zacc = zacc * alpha + z
     # the words transposed ([W, VW, BW]): the value product's first operand, slots along k
     cols = tl.arange(0, VW)
     w = _load(vc.to(tl.pointer_type(tl.int16)) + offs_n[:, None, :] * VW + cols[None, :, None], mask_n[:, None, :],
@@ -544,8 +599,12 @@ def decode_warp_kernel(
 
     # finite: a warp whose slots are all masked keeps alpha = 1 and p = 0 (no inf - inf)
     m_i = tl.full([W, BLOCK_M], -1e30, tl.float32)
-    l_i = tl.zeros([W, BLOCK_M], tl.float32)
-    zacc = tl.zeros([W, BLOCK_M], tl.float32)
+    if KP == 4 and IN_PLACE and not FP8:  # each lane's partial sums (_lane_sums)
+        l_i = tl.zeros([W, BLOCK_M, 8], tl.float32)
+        zacc = tl.zeros([W, BLOCK_M, 8], tl.float32)
+    else:
+        l_i = tl.zeros([W, BLOCK_M], tl.float32)
+        zacc = tl.zeros([W, BLOCK_M], tl.float32)
     unit_i = tl.full([W, BLOCK_M], 1.0, tl.float32)
     acc0, acc1, acc2, acc3 = zero_planes(W, VW, BLOCK_M)
     acc_one = tl.zeros([W, 16, BLOCK_M], tl.float32)
@@ -574,6 +633,9 @@ def decode_warp_kernel(
             NG, DP, KP, KW, VW, FMT, ASM, IN_PLACE, True)
 
     # the warps' softmaxes merged (base 2); the products' offsets (int) taken off per warp
+    if KP == 4 and IN_PLACE and not FP8:
+        l_i = tl.sum(l_i, 2)
+        zacc = tl.sum(zacc, 2)
     m = tl.max(m_i, 0)
     wgt = tl.exp2(m_i - m[None, :])
     l_sum = tl.sum(l_i * wgt, 0)
