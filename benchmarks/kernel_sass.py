@@ -10,9 +10,10 @@ bandwidth; benchmarks/quant_attention.py measures the real thing on the GPU.
     python benchmarks/kernel_sass.py --block-n 128 --num-warps 8 --formats int4-g64 fp8
     python benchmarks/kernel_sass.py --kivi k2v2 k4v2 --variants kivi kivi_warp_asm   # KIVI stores (G 32)
 
-KIVI (``--kivi``): the code loop of :mod:`kvlab.kernels.kivi_triton`'s split kernel (``kivi``, one key
-group of G tokens per iteration) or of :mod:`kvlab.kernels.kivi_warp` (``kivi_warp``/``kivi_warp_asm``,
-``num_warps`` groups per iteration), per quantized token; bytes per token are the store's
+KIVI (``--kivi``): the code loop of :func:`kvlab.kernels.kivi_triton.kivi_decode_kernel` compiled as
+its ``split`` variant (``kivi``, one key group of G tokens per iteration) or its ``warp`` variant
+(:mod:`kvlab.kernels.kivi_warp`; ``kivi_warp``/``kivi_warp_asm``, ``num_warps`` groups per iteration),
+per quantized token; bytes per token are the store's
 (:meth:`kvlab.kernels.kivi.KiviSpec.token_bytes`: codes, the key group's scales shared by G tokens,
 the token's value scales).
 
@@ -108,8 +109,8 @@ def kivi_spec(label: str, group: int, value_group: int):
 
 
 def compile_kivi(variant: str, spec, head_dim: int, gqa: int, num_warps: int, num_stages: int):
-    """The cubin of a KIVI decode kernel, and how many quantized tokens one iteration of its code loop
-    reads (all warps)."""
+    """The cubin of the KIVI decode kernel compiled as one variant, and how many quantized tokens one
+    iteration of its code loop reads (all warps)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
