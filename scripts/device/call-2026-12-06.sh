@@ -2,7 +2,9 @@
 # The 2026-12-06 session's device calls, as parts picked by PARTS (LIMIT_<part> overrides each limit),
 # all under outputs/dev1206, packed into $OUT/dev1206.tgz after every part (a call cut short keeps what
 # its finished parts wrote). The sweep resumes from its records on a warm machine.
-#   kernels   benchmarks/quant_attention.py, correctness and timing: warp_asm beside warp2_asm (#28)
+#   kernels   benchmarks/quant_attention.py, correctness and timing at LaunchConfig's default geometry:
+#             warp_asm beside warp2_asm (#28)
+#   kgeom     the same timings at each format's own geometry (TUNED_CONFIGS: what the engines run)
 #   qsel      benchmarks/quest_select.py: torch's page selection against the scoring and top-pages
 #             kernels, the top kernel's radix widths, the bounds' append (#29)
 #   kq        benchmarks/kivi_quest.py at 16k, batch 1 and 16: Quest 2048 with 16, 32 and 64 tokens
@@ -29,8 +31,10 @@ lim() { local v="LIMIT_$1"; echo "${!v:-$2}"; }
 budget() { echo $(( $(lim "$1" "$2") - 25 )); }  # a sweep's own clean stop, inside its part's limit
 nvidia-smi --query-gpu=name,uuid,driver_version,power.limit --format=csv,noheader | tee "$out/gpu.txt"
 git rev-parse HEAD > "$out/commit.txt"
-part kernels "$(lim kernels 150)" python3 benchmarks/quant_attention.py --skip write \
+part kernels "$(lim kernels 150)" python3 benchmarks/quant_attention.py --skip write --geometry default \
   --variants warp_asm warp2_asm --out "$out/quant_attention.json"
+part kgeom "$(lim kgeom 90)" python3 benchmarks/quant_attention.py --skip correctness write --geometry format \
+  --variants warp_asm warp2_asm --out "$out/quant_attention_format.json"
 part qsel "$(lim qsel 100)" python3 benchmarks/quest_select.py --out "$out/quest_select.json"
 part kq "$(lim kq 150)" python3 benchmarks/kivi_quest.py --lengths 16384 --batches 1 16 --skip fused \
   --kivi-variants warp_asm --budgets 2048 --quest-tokens-per-iter 16 32 64 --out "$out/kivi_quest.json"
