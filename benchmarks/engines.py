@@ -207,6 +207,8 @@ def ratio_ci(a: list[float], b: list[float], n: int = 4000, seed: int = 0) -> tu
 
 
 def main() -> int:
+    from kvlab.kernels.formats import VARIANTS
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--weights", default="synthetic")
@@ -235,7 +237,7 @@ def main() -> int:
                     help="per method and fast variant, time one step's attention kernels alone against a copy of "
                          "the same bytes (kernel_bw rows: of_copy_same_bytes, x_floor)")
     ap.add_argument("--compare-steps", type=int, default=32, help="teacher-forced steps for the logit check")
-    ap.add_argument("--kernel-variant", choices=["split", "fold", "fold_asm", "warp", "warp_asm"], default=None,
+    ap.add_argument("--kernel-variant", choices=list(VARIANTS), default=None,
                     help="fused quantized attention's split kernel for every format (default: kvlab's "
                          "DEFAULT_VARIANT and TUNED_CONFIGS)")
     ap.add_argument("--launch-configs", default=None,

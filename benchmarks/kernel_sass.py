@@ -15,9 +15,10 @@ bandwidth; benchmarks/quant_attention.py measures the real thing on the GPU.
 each SASS instruction of the loop by its opcode and the jit function and source line it comes from, as
 nvdisasm's line info names them).
 
-KIVI (``--kivi``): the code loop of :mod:`kvlab.kernels.kivi_triton`'s split kernel (``kivi``, one key
-group of G tokens per iteration) or of :mod:`kvlab.kernels.kivi_warp` (``kivi_warp``/``kivi_warp_asm``,
-``num_warps`` groups per iteration), per quantized token; bytes per token are the store's
+KIVI (``--kivi``): the code loop of :func:`kvlab.kernels.kivi_triton.kivi_decode_kernel` compiled as
+its ``split`` variant (``kivi``, one key group of G tokens per iteration) or its ``warp`` variant
+(:mod:`kvlab.kernels.kivi_warp`; ``kivi_warp``/``kivi_warp_asm``, ``num_warps`` groups per iteration),
+per quantized token; bytes per token are the store's
 (:meth:`kvlab.kernels.kivi.KiviSpec.token_bytes`: codes, the key group's scales shared by G tokens,
 the token's value scales).
 
@@ -116,8 +117,8 @@ def kivi_spec(label: str, group: int, value_group: int):
 
 
 def compile_kivi(variant: str, spec, head_dim: int, gqa: int, num_warps: int, num_stages: int):
-    """The cubin of a KIVI decode kernel, and how many quantized tokens one iteration of its code loop
-    reads (all warps)."""
+    """The cubin of the KIVI decode kernel compiled as one variant, and how many quantized tokens one
+    iteration of its code loop reads (all warps)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource

@@ -8,8 +8,9 @@ imported from this checkout). From the repository root:
 The split-step kernels (``--variants``, default all of kvlab.kernels.formats.VARIANTS:
 ``split``, ``fold``, ``fold_asm``, ``warp``, ``warp_asm``, ``warp2``, ``warp2_asm``) run side by side on the same stores in every
 section (a variant that falls back to another on a format, fold_asm off int4, warp off int4/fp8, is
-not repeated). The performance section runs each at the default launch geometry; ``--tune`` (with
-``--tune-variants``) times them at the tuned ones.
+not repeated). The performance section runs each at its format's launch geometry (``--geometry
+format``, what the engines run) or at LaunchConfig's defaults (``--geometry default``); ``--tune``
+(with ``--tune-variants``) times grids of them.
 
 (a) Correctness: the Triton kernels (kvlab.kernels.decode_attention) against the float32 reference
     on a sampled grid: batch 1-32, lengths {1, 7, 1000, 4097, 16384, 32769} (the other rows of a
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import math
 import statistics
@@ -67,7 +69,7 @@ from kvlab.kernels import (  # noqa: E402
     make_workspace,
     quantize_write,
 )
-from kvlab.kernels.formats import VARIANTS  # noqa: E402
+from kvlab.kernels.formats import VARIANTS, parse_format  # noqa: E402
 
 FORMATS = [("bf16", None), ("fp8", None), ("int4", 64), ("int2", 64)]
 EXTRA_GROUPS = [("int4", 32), ("int4", 128), ("int2", 128)]
@@ -477,6 +479,16 @@ def tune_configs(case, quick: bool, variants=TUNE_VARIANTS):
     return configs
 
 
+def geometry_configs(case, variants, geometry: str):
+    """The performance section's launch configs: ``default`` (:class:`LaunchConfig`'s geometry for every
+    format) or ``format`` (the format's own, :data:`kvlab.kernels.formats.TUNED_CONFIGS`: what the
+    engines run), one per variant."""
+    if geometry == "default":
+        return [LaunchConfig(variant=v) for v in variants]
+    tuned = parse_format(format_label(case["format"], case["group"])).launch_config
+    return [dataclasses.replace(tuned, variant=v) for v in variants]
+
+
 def config_text(c):
     return f"{c['variant']:<5} {c['block_n']:>5} {c['num_warps']:>5} {c['num_stages']:>6} {c['programs_per_sm']:>6}"
 
@@ -623,6 +635,10 @@ def main() -> None:
                     help="kernels to check and time side by side (default: all)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--copy-gib", type=float, default=4.0)
+    ap.add_argument("--geometry", choices=("format", "default"), default="format",
+                    help="the performance section's launch geometry: each format's own (TUNED_CONFIGS, what the "
+                         "engines run; the default since 2026-12-06) or LaunchConfig's defaults for all (64 slots, "
+                         "4 warps, 2 stages, 4 programs per SM: the reports before 2026-12-06)")
     ap.add_argument("--tune", action="store_true",
                     help="also time launch-config grids (every variant, batch 1/16/32; ~3-4 min) and print "
                          "the winners as TUNED_CONFIGS")
@@ -666,9 +682,9 @@ def main() -> None:
 
     if "performance" not in args.skip:
         iters, repeats = (2, 2) if args.quick else (50, 5)
-        configs = [LaunchConfig(variant=v) for v in args.variants]
         for case in performance_cases(args.quick):
-            run_performance(case, configs, args.device, args.backend, clock, copy_gbps, args.seed, l2, iters, repeats,
+            run_performance(case, geometry_configs(case, args.variants, args.geometry), args.device, args.backend,
+                            clock, copy_gbps, args.seed, l2, iters, repeats,
                             on_row=lambda row: results.add("performance", row))
         print_performance(result.get("performance", []), copy_gbps)
         print(f"[{time.perf_counter() - t0:.0f} s]")

@@ -33,9 +33,11 @@ def smollm2():
     return load_model("smollm2-135m", device="cpu")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ray_fake_gpus():
-    """A new local Ray cluster (never one already running here) with two fake GPUs for scheduling."""
+    """A new local Ray cluster (never one already running here) with two fake GPUs for scheduling, started
+    once per test session: a start costs about 15 s on 2 cores, and the Ray tests (one xdist group, so
+    one worker) share it. tests/test_ray_carry.py's sweep starts its own (RAY_ADDRESS=local)."""
     from pathlib import Path
 
     ray = pytest.importorskip("ray")
@@ -44,6 +46,25 @@ def ray_fake_gpus():
              runtime_env={"env_vars": {"PYTHONPATH": f"{repo}:{repo / 'tests'}"}})
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def ray_gpu_sweep(ray_fake_gpus, tmp_path_factory):
+    """``(summary, folder)`` of one ray sweep over the two fake GPUs (tiny model on CPU, fake NVML
+    samplers): what tests/test_runner.py (each task its GPU, each sampler that GPU) and
+    tests/test_multigpu.py (no two windows overlap on a GPU) check, run once (about 30 s)."""
+    from sweep_workers import cpu_loader, fake_gpu_sampler
+
+    from kvlab.sweep.driver import run_sweep
+    from kvlab.sweep.params import parse_params
+
+    folder = tmp_path_factory.mktemp("ray-gpu-sweep")
+    params = parse_params({"name": "two", "models": "tiny-llama", "weights": "synthetic", "device": "cuda",
+                           "methods": ["full", "streamingllm"], "keep": 0.5, "ctx": [32, 64], "batch": 1,
+                           "new_tokens": 3, "prompts": 2, "threads": 1, "executor": "ray"})
+    summary = run_sweep(params, folder, progress=False, check_device=False, loader=cpu_loader,
+                        sampler_factory=fake_gpu_sampler, log=lambda m: None)
+    return summary, folder
 
 
 @pytest.fixture(scope="session")

@@ -91,27 +91,19 @@ def test_the_device_script_parses():
 
 
 
-@pytest.mark.slow(reason="starts a local Ray cluster and runs a sweep on its workers")
+@pytest.mark.slow(reason="runs a sweep on a local Ray cluster's workers (shared with tests/test_runner.py)")
 @pytest.mark.xdist_group("ray")  # one local Ray cluster at a time: pytest -n runs these on one worker
-def test_ray_places_every_window_on_its_gpu(tmp_path, ray_fake_gpus):
-    from sweep_workers import cpu_loader, fake_gpu_sampler
-
+def test_ray_places_every_window_on_its_gpu(ray_gpu_sweep):
     from kvlab.analysis.attribution import (
         CounterReading,
         binding_problems,
         sweep_records,
         windows_from_records,
     )
-    from kvlab.sweep.driver import run_sweep
-    from kvlab.sweep.params import parse_params
 
-    p = parse_params({"name": "two", "models": "tiny-llama", "weights": "synthetic", "device": "cuda",
-                      "methods": ["full", "streamingllm"], "keep": 0.5, "ctx": [64, 32], "batch": 1,
-                      "new_tokens": 3, "prompts": 2, "threads": 1, "executor": "ray"})
-    s = run_sweep(p, tmp_path, progress=False, check_device=False, loader=cpu_loader,
-                  sampler_factory=fake_gpu_sampler, log=lambda m: None)
+    s, folder = ray_gpu_sweep
     assert s.complete
-    records = sweep_records(tmp_path)
+    records = sweep_records(folder)
     windows, nameless = windows_from_records(records)
     assert nameless == 0 and len(windows) == len(records)  # runs and warm-ups alike
     assert all(w.start_unix is not None and w.counter_start_j is not None for w in windows)

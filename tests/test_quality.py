@@ -285,14 +285,15 @@ def test_cli_refuses_a_model_without_tokenizer(tmp_path, capsys):
 # ------------------------------------------------------------------ SmolLM2 (real weights)
 
 
-@pytest.mark.slow(reason="real SmolLM2 weights: 6 needle prompts of 2k tokens")
+@pytest.mark.slow(reason="real SmolLM2 weights: 3 needle prompts of 2k tokens")
 def test_smollm2_niah_single_full_cache_at_2k(smollm2):
-    """The needle has signal at 2k on the full cache (512: test_smollm2_every_method_has_scores_and_fidelity)."""
-    spec = TaskSpec(tasks=["niah_single"], lengths=[2048], depths=[0.1, 0.5, 0.9], samples=2)
+    """The needle has signal at 2k on the full cache (512: test_smollm2_every_method_has_scores_and_fidelity):
+    found at every depth (one item each; two each took 25 s more)."""
+    spec = TaskSpec(tasks=["niah_single"], lengths=[2048], depths=[0.1, 0.5, 0.9], samples=1)
     records = run_quality(smollm2, [make_policy("full")], spec)
     scores = [r["score"] for r in records]
-    assert len(scores) == 6
-    assert sum(scores) / len(scores) >= 0.8, [r["prediction"] for r in records]
+    assert len(scores) == 3
+    assert all(score == 1.0 for score in scores), [r["prediction"] for r in records]
     assert all(r["no_signal"] is False for r in records)
 
 

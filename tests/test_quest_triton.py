@@ -83,7 +83,7 @@ def test_gathered_pages_past_a_split_end_and_the_list_end_are_skipped():
     q = torch.randn(2, 4, 32, generator=gen).to(DEVICE)
     pages = quest.select_pages(q, bounds, lengths, "reference")
     assert pages.shape[2] == 7 and (pages[1] == -1).any()  # row 1 has 6 pages
-    ws = make_quest_workspace(4, 2, 2, 7, 32, DEVICE, num_splits=2)
+    ws = make_quest_workspace(4, 2, 2, 7, 32, DEVICE, num_splits=2, tokens_per_iter=64)
     assert (ws.num_splits, ws.per_split, ws.pages_per_iter) == (2, 4, 4)
     got = quest_decode_attention(q, k, v, pages, lengths, 0.2, 16, workspace=ws, backend="triton")
     torch.testing.assert_close(got.float(), quest.sparse_attend(q, k, v, pages, lengths, 0.2, 16), **TOL)

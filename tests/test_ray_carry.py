@@ -67,9 +67,10 @@ def test_a_ray_sweep_runs_without_the_pruned_packages(tmp_path):
         assert s.complete and s.failed == 0, s
         print("workers", read_manifest({str(tmp_path / "out")!r})["invocations"][0]["workers"])
     """)
+    # RAY_ADDRESS=local: a cluster of its own, whose workers inherit the blocker, even while the session's
+    # shared cluster (tests/conftest.py's ray_fake_gpus) runs on this machine
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(REPO), str(REPO / "tests")]),
-               RAY_USAGE_STATS_ENABLED="0")
-    env.pop("RAY_ADDRESS", None)
+               RAY_USAGE_STATS_ENABLED="0", RAY_ADDRESS="local")
     proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True,
                           timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from fake_nvml import FakeNvml
-from sweep_workers import cpu_loader, crashing_loader, fake_gpu_sampler
+from sweep_workers import crashing_loader
 
 from kvlab.cli import main
 from kvlab.energy import NvmlSampler, make_sampler, visible_device_uuid
@@ -192,19 +192,17 @@ def test_ray_executor_matches_local_survives_a_killed_worker_and_resumes(tmp_pat
     assert all(w["executor"] == "ray" and w["host"] for w in inv[1]["workers"])
 
 
-@pytest.mark.slow(reason="starts a local Ray cluster and runs a sweep on its workers")
+@pytest.mark.slow(reason="runs a sweep on a local Ray cluster's workers (shared with tests/test_multigpu.py)")
 @pytest.mark.xdist_group("ray")  # one local Ray cluster at a time: pytest -n runs these on one worker
-def test_ray_gives_each_task_a_gpu_and_its_sampler_binds_that_gpu(tmp_path, ray_fake_gpus):
-    p = small(executor="ray", device="cuda")
-    s = run_sweep(p, tmp_path, progress=False, check_device=False, loader=cpu_loader,
-                  sampler_factory=fake_gpu_sampler, log=quiet)
+def test_ray_gives_each_task_a_gpu_and_its_sampler_binds_that_gpu(ray_gpu_sweep):
+    s, folder = ray_gpu_sweep
     assert s.complete and s.failed == 0
     uuids = FakeNvml().uuids
-    workers = read_manifest(tmp_path)["invocations"][0]["workers"]
+    workers = read_manifest(folder)["invocations"][0]["workers"]
     for w in workers:  # Ray's CUDA_VISIBLE_DEVICES (an index) -> that fake GPU's UUID, per worker
         assert w["gpu_uuid"] == uuids[int(w["cuda_visible_devices"])] and w["energy_source"] == "nvml-counter"
     assert {w["gpu_uuid"] for w in workers} == set(uuids)  # the two groups ran on both GPUs at once
-    recs = records(tmp_path)
+    recs = records(folder)
     assert {r["gpu_uuid"] for r in recs} == set(uuids) and all(r["energy_j"] is not None for r in recs)
 
 

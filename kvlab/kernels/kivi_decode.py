@@ -4,10 +4,11 @@ torch reference (:func:`kvlab.kernels.kivi.attend`) elsewhere.
     ws = make_kivi_workspace(q_heads, store)        # once, before capturing a graph
     out = kivi_decode_attention(q, store, lengths, scale, workspace=ws)
 
-Two kernels read the codes (:data:`VARIANTS`): ``split`` (:mod:`kvlab.kernels.kivi_triton`) and
-``warp``/``warp_asm`` (:mod:`kvlab.kernels.kivi_warp`: a split per warp, the query folded per key
-group; ``warp_asm`` the default, 3.1-3.4x split's speed at batch 16 on the H200 with the same error,
-reports/h200-2026-12-05), picked by ``make_kivi_workspace(variant=...)``, ``kivi_decode_attention(variant=...)``
+Two variants of one kernel (``kivi_triton.kivi_decode_kernel``) read the codes (:data:`VARIANTS`):
+``split`` (:mod:`kvlab.kernels.kivi_triton`) and ``warp``/``warp_asm`` (:mod:`kvlab.kernels.kivi_warp`:
+a split per warp, the query folded per key group; ``warp_asm`` the default, 3.1-3.4x split's speed at
+batch 16 on the H200 with the same error, reports/h200-2026-12-05), picked by
+``make_kivi_workspace(variant=...)``, ``kivi_decode_attention(variant=...)``
 or :data:`DEFAULT_VARIANT`.
 
 CUDA-graph capturable as :mod:`kvlab.kernels.decode`: ``lengths`` (int32 ``[B]``) stays on the
@@ -31,7 +32,7 @@ from kvlab.kernels.formats import FormatError
 PROGRAMS_PER_SM = 4
 MAX_SPLITS = 128
 BACKENDS = ("auto", "triton", "reference")
-# "split": kivi_triton's split kernel (the layouts warp cannot read fall back to it); "warp": the kernel
+# "split": kivi_triton's split variant (the layouts warp cannot read fall back to it); "warp": the variant
 # of kvlab.kernels.kivi_warp (a split per warp, the query folded per key group; split where it cannot
 # read the store); "warp_asm": warp with codes unpacked by inline PTX (CUDA only; warp when interpreted)
 VARIANTS = ("split", "warp", "warp_asm")

@@ -2,20 +2,23 @@
 
 Flash-decoding over a :class:`kvlab.kernels.kivi.KiviStore`, in two launches:
 
-1. ``_kivi_split_kernel``, grid ``(B * Hkv, num_splits + 1)``: one program per KV head and split, the
-   GQA group's query heads as the rows of one tile (``BLOCK_H >= 16``, so products are ``tl.dot``).
-   Splits ``0 .. num_splits - 1`` read ``split_groups`` quantized groups each (G tokens per
-   iteration); the last split reads the bf16 ring (``W = R + G`` slots, masked to the tokens it
-   holds). Each writes its normalized output and log-sum-exp (base 2), ``-inf`` when it saw nothing.
+1. ``kivi_decode_kernel``, grid ``(B * Hkv, num_splits + 1)``: one program per KV head and split.
+   Splits ``0 .. num_splits - 1`` read ``split_groups`` quantized groups each; the last split reads
+   the bf16 ring (``W = R + G`` slots, masked to the tokens it holds). Each writes its normalized
+   output and log-sum-exp (base 2), ``-inf`` when it saw nothing. The constexpr ``VARIANT`` picks
+   the program's body: ``split`` (:func:`split_partial`, below) or ``warp``
+   (:mod:`kvlab.kernels.kivi_warp`).
 2. :func:`kvlab.kernels.merge_triton.merge_partials_kernel`, grid ``(B * Hq,)``: merges the
    ``num_splits + 1`` partials.
 
-Keys are per channel, so the scale and zero of a group are vectors over the head dim and fold into
-the query: ``q . (c * s + z) = (q * s) . c + q . z``: one product with the raw codes plus one dot
-with the zeros per group, no dequantized key tile. Values are per token (a scale and zero per
-``VG`` elements of each token) and are dequantized plane by plane as in :mod:`kvlab.kernels.decode_split`: byte
-``j`` holds elements ``j * PACK + p`` at bits ``[p * BITS, (p + 1) * BITS)``; key plane ``p`` pairs
-with the strided slice ``q[:, p::KPACK]``, value plane ``p`` writes the output's ``[:, p::VPACK]``.
+The ``split`` variant puts the GQA group's query heads as the rows of one tile (``BLOCK_H >= 16``,
+so products are ``tl.dot``) and reads one key group of G tokens per iteration. Keys are per
+channel, so the scale and zero of a group are vectors over the head dim and fold into the query:
+``q . (c * s + z) = (q * s) . c + q . z``: one product with the raw codes plus one dot with the
+zeros per group, no dequantized key tile. Values are per token (a scale and zero per ``VG``
+elements of each token) and are dequantized plane by plane as in :mod:`kvlab.kernels.decode_split`:
+byte ``j`` holds elements ``j * PACK + p`` at bits ``[p * BITS, (p + 1) * BITS)``; key plane ``p``
+pairs with the strided slice ``q[:, p::KPACK]``, value plane ``p`` writes the output's ``[:, p::VPACK]``.
 Keys and values may differ in bits (KIVI's ``k_bits``/``v_bits``).
 Products run on float16 operands with float32 accumulation (bf16 ring tiles are converted: 11 bits
 of mantissa hold bf16's 8, and the interpreter multiplies bf16 as raw integers).
@@ -31,7 +34,7 @@ import triton.language as tl
 
 from kvlab.kernels.append_kernel import bf16_bits, f16_step  # the rounding steps kvlab's int formats use
 from kvlab.kernels.decode_reduce import online_step, query_planes, split_state, store_plane
-from kvlab.kernels.kivi_warp import kivi_warp_kernel
+from kvlab.kernels.kivi_warp import code_partial, ring_partial
 from kvlab.kernels.merge_triton import merge_partials
 
 
@@ -62,19 +65,13 @@ def ring_plane(ptr, rslots, offs_j, mask_r, P: tl.constexpr, PACK: tl.constexpr,
                    other=0.0).to(tl.float16)
 
 
-@triton.jit(do_not_specialize=["Hq", "Hkv", "TQ", "NKG", "W", "R", "split_groups", "num_splits", "GQ"])
-def _kivi_split_kernel(
-    q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, rk_ptr, rv_ptr, len_ptr, part_out_ptr, part_lse_ptr,
-    qk_scale, Hq, Hkv, TQ, NKG, W, R, split_groups, num_splits, GQ,
-    D: tl.constexpr, BLOCK_H: tl.constexpr, G: tl.constexpr, VG: tl.constexpr, BLOCK_R: tl.constexpr,
-    KBITS: tl.constexpr, KPACK: tl.constexpr, VBITS: tl.constexpr, VPACK: tl.constexpr,
-):
-    bh = tl.program_id(0)
-    split = tl.program_id(1)
-    b = bh // Hkv
-    h = bh % Hkv
-    length = tl.maximum(tl.load(len_ptr + b).to(tl.int32), 0)
-    nq = tl.maximum(length - R, 0) // G * G  # tokens stored as codes (kivi.KiviSpec.quantized_tokens)
+@triton.jit
+def split_partial(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, rk_ptr, rv_ptr, part_out_ptr, part_lse_ptr,
+                  qk_scale, b, h, bh, split, Hq, TQ, NKG, W, nq, length, split_groups, num_splits, GQ,
+                  D: tl.constexpr, BLOCK_H: tl.constexpr, G: tl.constexpr, VG: tl.constexpr, BLOCK_R: tl.constexpr,
+                  KBITS: tl.constexpr, KPACK: tl.constexpr, VBITS: tl.constexpr, VPACK: tl.constexpr):
+    """The ``split`` variant of :func:`kivi_decode_kernel`'s program: ``split_groups`` key groups of G
+    tokens, one group per iteration, or the ring (the last split) in strided planes."""
     is_ring = split == num_splits
     g_start = split * split_groups
     g_end = tl.where(is_ring, g_start, tl.minimum(g_start + split_groups, nq // G))
@@ -146,21 +143,55 @@ def _kivi_split_kernel(
         store_plane(out_rows, offs_v, mask_h, acc3, inv_l, 3, VPACK)
 
 
+@triton.jit(do_not_specialize=["Hq", "Hkv", "TQ", "NKG", "W", "R", "split_groups", "num_splits", "GQ"])
+def kivi_decode_kernel(
+    q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, rk_ptr, rv_ptr, len_ptr, part_out_ptr, part_lse_ptr,
+    qk_scale, Hq, Hkv, TQ, NKG, W, R, split_groups, num_splits, GQ,
+    D: tl.constexpr, G: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_R: tl.constexpr, GP: tl.constexpr, NG: tl.constexpr, BW: tl.constexpr, NW: tl.constexpr,
+    ASM: tl.constexpr, VARIANT: tl.constexpr,
+):
+    """Split ``split`` of KV head ``bh``: ``split_groups`` code groups, or the ring (the last split).
+    One entry for both variants, so :func:`launch_kivi` and one signature serve both; the constexpr
+    ``VARIANT`` compiles one branch: ``"split"`` (:func:`split_partial`) or ``"warp"``
+    (:mod:`kvlab.kernels.kivi_warp`'s :func:`~kvlab.kernels.kivi_warp.ring_partial` and
+    :func:`~kvlab.kernels.kivi_warp.code_partial`; ``GP``, ``BW``, ``NW`` and ``ASM`` are warp's:
+    ``NW`` warps, ``BW`` tokens per warp per block)."""
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = bh // Hkv
+    h = bh % Hkv
+    length = tl.maximum(tl.load(len_ptr + b).to(tl.int32), 0)
+    nq = tl.maximum(length - R, 0) // G * G  # tokens stored as codes (kivi.KiviSpec.quantized_tokens)
+    if VARIANT == "warp":
+        if split == num_splits:
+            ring_partial(q_ptr, rk_ptr, rv_ptr, part_out_ptr, part_lse_ptr, qk_scale, b, h, bh, split, Hq, W, nq,
+                         length, num_splits, GQ, D, BLOCK_H, BLOCK_R)
+        else:
+            code_partial(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, part_out_ptr, part_lse_ptr,
+                         qk_scale, b, h, bh, split, Hq, TQ, NKG, nq, split_groups, num_splits, GQ,
+                         D, GP, NG, G, BW, NW, KBITS, VBITS, ASM)
+    else:
+        VG: tl.constexpr = D // NG  # value group (elements)
+        KPACK: tl.constexpr = 8 // KBITS  # codes per byte
+        VPACK: tl.constexpr = 8 // VBITS
+        split_partial(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, rk_ptr, rv_ptr, part_out_ptr,
+                      part_lse_ptr, qk_scale, b, h, bh, split, Hq, TQ, NKG, W, nq, length, split_groups, num_splits,
+                      GQ, D, BLOCK_H, G, VG, BLOCK_R, KBITS, KPACK, VBITS, VPACK)
+
+
 def launch_constants(variant: str, spec, head_dim: int, gqa: int, num_warps: int = 4, block_r: int = 32):
     """``(kernel, constexprs, num_warps, tokens per iteration of the code loop)`` of a resolved variant
-    (:func:`kvlab.kernels.kivi_decode.kivi_variant`): ``split`` (``_kivi_split_kernel``, one key group per
-    iteration) or ``warp``/``warp_asm`` (:mod:`kvlab.kernels.kivi_warp`, one block of ``num_warps`` times
-    ``min(G, 32)`` tokens). benchmarks/kernel_sass.py compiles the same."""
+    (:func:`kvlab.kernels.kivi_decode.kivi_variant`): :func:`kivi_decode_kernel` with ``VARIANT``
+    ``split`` (one key group per iteration) or ``warp`` (``warp``/``warp_asm``,
+    :mod:`kvlab.kernels.kivi_warp`: one block of ``num_warps`` times ``min(G, 32)`` tokens).
+    benchmarks/kernel_sass.py compiles the same."""
     gp = triton.next_power_of_2(gqa)
-    if variant == "split":
-        consts = dict(D=head_dim, BLOCK_H=max(16, gp), G=spec.group, VG=spec.value_group, BLOCK_R=block_r,
-                      KBITS=spec.k_bits, KPACK=8 // spec.k_bits, VBITS=spec.v_bits, VPACK=8 // spec.v_bits)
-        return _kivi_split_kernel, consts, num_warps, spec.group
     bw = min(spec.group, 32)
-    consts = dict(D=head_dim, GP=gp, NG=head_dim // spec.value_group, G=spec.group, BW=bw, NW=num_warps,
-                  KBITS=spec.k_bits, VBITS=spec.v_bits, ASM=variant == "warp_asm", BLOCK_H=max(16, gp),
-                  BLOCK_R=block_r)
-    return kivi_warp_kernel, consts, num_warps, num_warps * bw
+    consts = dict(D=head_dim, G=spec.group, KBITS=spec.k_bits, VBITS=spec.v_bits, BLOCK_H=max(16, gp),
+                  BLOCK_R=block_r, GP=gp, NG=head_dim // spec.value_group, BW=bw, NW=num_warps,
+                  ASM=variant == "warp_asm", VARIANT="split" if variant == "split" else "warp")
+    return kivi_decode_kernel, consts, num_warps, spec.group if variant == "split" else num_warps * bw
 
 
 def launch_kivi(q, store, lengths, scale, workspace, out, variant="split"):

@@ -1,21 +1,22 @@
-"""The ``warp`` KIVI decode kernel (imports triton; import lazily): :mod:`kvlab.kernels.kivi_triton`'s
-split kernel rebuilt on the ideas of :mod:`kvlab.kernels.decode_warp`.
+"""The ``warp`` variant of the KIVI decode kernel (imports triton; import lazily): what
+:func:`kvlab.kernels.kivi_triton.kivi_decode_kernel` runs under ``VARIANT == "warp"``
+(:func:`code_partial` for a code split, :func:`ring_partial` for the ring), the ``split`` variant
+(:func:`kvlab.kernels.kivi_triton.split_partial`) rebuilt on the ideas of :mod:`kvlab.kernels.decode_warp`.
 
-Same contract as ``_kivi_split_kernel`` (grid ``(B * Hkv, num_splits + 1)``, splits of
-``split_groups`` code groups, the last program reads the bf16 ring; normalized partial outputs and
-base-2 log-sum-exps merged by :func:`kvlab.kernels.merge_triton.merge_partials`), same store layout.
-What differs in the code splits, and why (SASS per quantized token, ``benchmarks/kernel_sass.py
---kivi``):
+Same contract as ``split`` (grid ``(B * Hkv, num_splits + 1)``, splits of ``split_groups`` code
+groups, the last program reads the bf16 ring; normalized partial outputs and base-2 log-sum-exps
+merged by :func:`kvlab.kernels.merge_triton.merge_partials`), same store layout. What differs in the
+code splits, and why (SASS per quantized token, ``benchmarks/kernel_sass.py --kivi``):
 
 - Warps own key groups. A block is ``W`` warps times ``BW`` tokens (``BW`` divides the key group
   G), every tile is ``[W, ...]`` and every product is batched over ``W`` (one batch entry per warp),
   so each warp runs its own online softmax and the ``W`` partial softmaxes merge once, after the
-  loop (the split kernel reduced its ``[16, G]`` score tile across warps each group).
+  loop (the split variant reduced its ``[16, G]`` score tile across warps each group).
 - Keys are per channel, so a warp folds its group's scale and zero vectors into the query once per
   group: with ``c = L (u - 1)`` (``u`` the code as float16 ``1 + c / L``, see below),
   ``qk (q . (s c + z)) = sum_d qf_d u_d + bias`` with ``qf = qk L q s`` (float16, the product's
   operand) and ``bias = qk q . z - sum_d qf_d`` (float32, the product's accumulator input). The
-  split kernel multiplied and converted a ``[16, D]`` query per group in every warp and added the
+  split variant multiplied and converted a ``[16, D]`` query per group in every warp and added the
   zero term per plane.
 - Query rows sit in the tensor core's 8-wide N: keys as ``u qf^T`` with the tokens in M, values as
   ``out^T = v^T pv^T`` with the head-dim words in M. The key product has ``GP`` rows (the GQA group
@@ -26,7 +27,7 @@ What differs in the code splits, and why (SASS per quantized token, ``benchmarks
   ``h`` for value group ``g``, ``NG = D / VG`` groups) multiply the probabilities by their group's
   per-token scale, ``pv = p s_g`` (float16), and keep only their group's words of the output. The
   ``1`` of ``u`` comes off at the end through one more small product (``ones . pv^T``, the row sums
-  of ``pv`` as the product saw them). No value is dequantized (the split kernel gathered a scale
+  of ``pv`` as the product saw them). No value is dequantized (the split variant gathered a scale
   and a zero per code element).
 - Sums over tokens wait for the end: the zero term ``sum_t p z_g`` and the softmax's ``sum_t p`` are
   kept per token (rescaled by ``alpha`` like the outputs) and summed once after the loop, not
@@ -43,10 +44,10 @@ What differs in the code splits, and why (SASS per quantized token, ``benchmarks
 - Full blocks run without masks; the last block of a split masks whole warps (a warp past the split
   reads the split's first group again and its scores become ``-inf``), so no load is ever masked.
 
-The ring split runs :func:`ring_partial`: the split kernel's bf16 ring loop on whole rows.
+The ring split runs :func:`ring_partial`: the split variant's bf16 ring loop on whole rows.
 Offsets inside one ``(b, h)`` are int32. Static cost (``benchmarks/kernel_sass.py --kivi``, sm_90,
 D 128, GQA 4, G 32, 4 warps): 27.4 SASS instructions per quantized token for k2v2 against the split
-kernel's 96.4 (k4v2 28.9 against 101.2).
+variant's 96.4 (k4v2 28.9 against 101.2).
 """
 
 from __future__ import annotations
@@ -256,11 +257,16 @@ def _store_plane(rows, offs_c, keep, acc, off, wgt, z, inv_l, P: tl.constexpr, V
 
 
 @triton.jit
-def _code_split(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, part_out_ptr, part_lse_ptr,
-                qk_scale, b, h, bh, split, Hq, TQ, NKG, start, end, num_splits, GQ,
-                D: tl.constexpr, GP: tl.constexpr, NG: tl.constexpr, G: tl.constexpr, BW: tl.constexpr,
-                W: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, ASM: tl.constexpr):
-    """Tokens ``[start, end)`` (whole key groups) of one KV head: its partial output and log-sum-exp."""
+def code_partial(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, part_out_ptr, part_lse_ptr,
+                 qk_scale, b, h, bh, split, Hq, TQ, NKG, nq, split_groups, num_splits, GQ,
+                 D: tl.constexpr, GP: tl.constexpr, NG: tl.constexpr, G: tl.constexpr, BW: tl.constexpr,
+                 W: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, ASM: tl.constexpr):
+    """The ``warp`` variant's code split ``split`` of one KV head (``split_groups`` whole key groups of
+    the ``nq`` quantized tokens, ``W`` warps of ``BW`` tokens per block): its partial output and
+    log-sum-exp. :func:`kvlab.kernels.kivi_triton.kivi_decode_kernel` calls it (or :func:`ring_partial`)
+    directly: a jit helper between them reorders the constants triton hoists, and the SASS changes."""
+    start = tl.minimum(split * split_groups * G, nq)
+    end = tl.minimum(start + split_groups * G, nq)
     KP: tl.constexpr = 16 // KBITS  # key codes per int16 word
     KW: tl.constexpr = D // KP  # key words per token
     VP: tl.constexpr = 16 // VBITS
@@ -358,7 +364,7 @@ def ring_tile(ptr, rslots, offs_d, mask_r):
 def ring_partial(q_ptr, rk_ptr, rv_ptr, part_out_ptr, part_lse_ptr, qk_scale, b, h, bh, split, Hq, W, nq,
                  length, num_splits, GQ, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr):
     """The ring's tokens ``nq .. length - 1`` (slots ``t % W``) of one KV head: its partial output and
-    log-sum-exp. Whole rows per product (the split kernel multiplied strided planes), and a slot's
+    log-sum-exp. Whole rows per product (the split variant multiplied strided planes), and a slot's
     token found without a modulo (``W`` is not a constexpr)."""
     offs_h = tl.arange(0, BLOCK_H)
     mask_h = offs_h < GQ
@@ -388,30 +394,3 @@ def ring_partial(q_ptr, rk_ptr, rv_ptr, part_out_ptr, part_lse_ptr, qk_scale, b,
     tl.store(part_lse_ptr + part, lse, mask=mask_h)
     tl.store(part_out_ptr + part.to(tl.int64)[:, None] * D + offs_d[None, :], acc * inv_l[:, None],
              mask=mask_h[:, None])
-
-
-@triton.jit(do_not_specialize=["Hq", "Hkv", "TQ", "NKG", "W", "R", "split_groups", "num_splits", "GQ"])
-def kivi_warp_kernel(
-    q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, rk_ptr, rv_ptr, len_ptr, part_out_ptr, part_lse_ptr,
-    qk_scale, Hq, Hkv, TQ, NKG, W, R, split_groups, num_splits, GQ,
-    D: tl.constexpr, GP: tl.constexpr, NG: tl.constexpr, G: tl.constexpr, BW: tl.constexpr,
-    NW: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, ASM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
-):
-    """Split ``split`` of KV head ``bh``: ``split_groups`` code groups, or the ring (the last split).
-    ``NW`` warps (the launch's ``num_warps``), ``BW`` tokens per warp per block."""
-    bh = tl.program_id(0)
-    split = tl.program_id(1)
-    b = bh // Hkv
-    h = bh % Hkv
-    length = tl.maximum(tl.load(len_ptr + b).to(tl.int32), 0)
-    nq = tl.maximum(length - R, 0) // G * G  # tokens stored as codes (kivi.KiviSpec.quantized_tokens)
-    if split == num_splits:
-        ring_partial(q_ptr, rk_ptr, rv_ptr, part_out_ptr, part_lse_ptr, qk_scale, b, h, bh, split, Hq, W, nq,
-                     length, num_splits, GQ, D, BLOCK_H, BLOCK_R)
-    else:
-        start = tl.minimum(split * split_groups * G, nq)
-        end = tl.minimum(start + split_groups * G, nq)
-        _code_split(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, part_out_ptr, part_lse_ptr,
-                    qk_scale, b, h, bh, split, Hq, TQ, NKG, start, end, num_splits, GQ,
-                    D, GP, NG, G, BW, NW, KBITS, VBITS, ASM)

@@ -22,7 +22,10 @@ from kvlab.kernels import quest
 from kvlab.kernels.formats import FormatError
 
 PROGRAMS_PER_SM = 4
-TOKENS_PER_ITER = 64  # gathered tokens per iteration of the sparse kernel: 4 pages of 16 (a page at least)
+# Tokens the sparse kernel gathers per iteration (a page at least). One page of 16 is best: on an H100
+# at 16k, Quest 2048, 64 tokens took 1.16x 16's time at batch 16 and 0.97x at batch 1 (the call's
+# 0.02 ms; benchmarks/kivi_quest.py --quest-tokens-per-iter, reports/h100-2026-12-06b).
+TOKENS_PER_ITER = 16
 BACKENDS = ("auto", "triton", "reference")
 
 

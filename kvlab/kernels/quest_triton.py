@@ -2,8 +2,8 @@
 
 Split-K over the selected list: grid ``(B * Hkv, num_splits)``; program ``(b, h, s)`` reads entries
 ``[s * per, min((s + 1) * per, k))`` of row ``pages[b, h]`` (``-1``: no page, skipped by masking),
-``NPAGES`` pages of ``P`` tokens per iteration (one tile of ``NPAGES * P`` gathered tokens: a 16-token
-page alone is a 4 KB load behind its index's load, too little in flight to stream), for all ``GQ`` query heads of the KV head (``BLOCK_H >= 16`` rows,
+``NPAGES`` pages of ``P`` tokens per iteration (one tile of ``NPAGES * P`` gathered tokens;
+:data:`kvlab.kernels.quest_decode.TOKENS_PER_ITER` says which is faster), for all ``GQ`` query heads of the KV head (``BLOCK_H >= 16`` rows,
 ``tl.dot`` on float16 operands, float32 online softmax), tokens past the row's length masked.
 K/V are read in place through their strides, so both ``[B, C, Hkv, D]`` buffers and ``[B, Hkv, C, D]``
 stores (the fast engine's dense store) work. The partials are merged by

@@ -96,8 +96,10 @@ class RayExecutor:
         ray = self.ray
         if ray.is_initialized():
             return False
-        if self.address is None and not os.environ.get("RAY_ADDRESS"):
-            ray.init(include_dashboard=False)  # a running cluster on this machine, else a new local one
+        address = self.address or os.environ.get("RAY_ADDRESS")
+        if not address or address.strip() == "local":
+            # none given: a running cluster on this machine, else a new local one; "local": always a new one
+            ray.init(address=address.strip() if address else None, include_dashboard=False)
             return True
         try:
             ray.init(address=self.address)

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The 2026-12-06 session's device calls, as parts picked by PARTS (LIMIT_<part> overrides each limit),
+# all under outputs/dev1206, packed into $OUT/dev1206.tgz after every part (a call cut short keeps what
+# its finished parts wrote). The sweep resumes from its records on a warm machine.
+#   kernels   benchmarks/quant_attention.py, correctness and timing at LaunchConfig's default geometry:
+#             warp_asm beside warp2_asm (#28)
+#   kgeom     the same timings at each format's own geometry (TUNED_CONFIGS: what the engines run)
+#   qsel      benchmarks/quest_select.py: torch's page selection against the scoring and top-pages
+#             kernels, the top kernel's radix widths, the bounds' append (#29)
+#   kq        benchmarks/kivi_quest.py at 16k, batch 1 and 16: Quest 2048 with 16, 32 and 64 tokens
+#             gathered per iteration, KIVI's warp_asm beside flash (#29)
+#   anatomy   kvlab anatomy --engine fast at 16k, batch 1: full, Quest, KIVI, op by op (#29)
+#   reads16q  params/h200-reads.yaml at 16k, batch 1 and 16, 2 repeats: full and Quest 2048 (#29)
+# Usage on the lent GPU (carry .whl and .whl-tf on a fresh machine):
+#   . scripts/device/setup.sh && PARTS="kernels qsel kq anatomy" bash scripts/device/call-2026-12-06.sh
+set -u
+out=outputs/dev1206
+mkdir -p "$out" "${OUT:-/tmp/out}"
+PARTS=${PARTS:-"kernels qsel kq anatomy"}
+pack() { tar czf "${OUT:-/tmp/out}/dev1206.tgz" "$out"; }
+part() {  # name limit_s command...
+  local name=$1 limit=$2; shift 2
+  case " $PARTS " in *" $name "*) ;; *) return;; esac
+  echo "=== $name (limit ${limit}s) $(date -u +%T)"
+  timeout "$limit" "$@" >> "$out/$name.log" 2>&1
+  echo "=== $name rc=$? $(date -u +%T)"
+  grep -v -i "warn\|attn_output = torch" "$out/$name.log" | tail -n 12 | cut -c1-400
+  pack
+}
+lim() { local v="LIMIT_$1"; echo "${!v:-$2}"; }
+budget() { echo $(( $(lim "$1" "$2") - 25 )); }  # a sweep's own clean stop, inside its part's limit
+nvidia-smi --query-gpu=name,uuid,driver_version,power.limit --format=csv,noheader | tee "$out/gpu.txt"
+git rev-parse HEAD > "$out/commit.txt"
+part kernels "$(lim kernels 150)" python3 benchmarks/quant_attention.py --skip write --geometry default \
+  --variants warp_asm warp2_asm --out "$out/quant_attention.json"
+part kgeom "$(lim kgeom 90)" python3 benchmarks/quant_attention.py --skip correctness write --geometry format \
+  --variants warp_asm warp2_asm --out "$out/quant_attention_format.json"
+part qsel "$(lim qsel 100)" python3 benchmarks/quest_select.py --out "$out/quest_select.json"
+part kq "$(lim kq 150)" python3 benchmarks/kivi_quest.py --lengths 16384 --batches 1 16 --skip fused \
+  --kivi-variants warp_asm --budgets 2048 --quest-tokens-per-iter 16 32 64 --out "$out/kivi_quest.json"
+part anatomy "$(lim anatomy 120)" sh -c "python3 -m kvlab anatomy --model llama-3.1-8b --weights synthetic \
+  --device cuda --ctx 16384 --engine fast --methods full quest kivi --json > $out/anatomy-fast-16k.json"
+part reads16q "$(lim reads16q 420)" python3 -m kvlab sweep --no-progress params/h200-reads.yaml -o "$out/reads-16k" \
+  --set time_budget_s="$(budget reads16q 420)" --set "ctx=[16384]" \
+  --set 'methods=[full, {method: quest, budget: 2048}]'
