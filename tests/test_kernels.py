@@ -301,6 +301,8 @@ def _run_ptx(text: str, regs: dict[str, int]) -> dict[str, int]:
             regs[dst] = (val(args[0]) << val(args[1])) & 0xFFFFFFFF
         elif op == "shr.b32":
             regs[dst] = val(args[0]) >> val(args[1])
+        elif op == "and.b32":
+            regs[dst] = val(args[0]) & val(args[1])
         elif op == "mov.b32":  # mov.b32 {lo, hi}, x: split into 16-bit halves
             lo, hi = (x.strip("{} ") for x in rest.split("}")[0].split(","))
             regs[lo], regs[hi] = val(args[-1]) & 0xFFFF, val(args[-1]) >> 16
@@ -366,8 +368,10 @@ def test_int4_word_ptx_makes_the_codes_the_portable_path_makes():
 
 
 def test_int4_place_ptx_makes_the_codes_the_portable_path_makes():
-    """warp2_asm's PTX on a pair of int16 words: quarter q of both as float16 1 + c / 2**PLACE_BITS[q], first
-    word in the low half, as decode_warp.word_place makes them (q 0 and 1 masked in place, 2 and 3 shifted)."""
+    """warp2_asm's PTX on a pair of int16 words: quarter q of both as the float16 c * 2**(PLACE_BITS[q] - 24),
+    exactly and with no constant offset (code 0 is 0.0: the tensor core never accumulates a 1 it must take off
+    again), first word in the low half, as decode_warp.word_place makes them (q 0 and 1 masked in place, 2 and 3
+    shifted)."""
     pytest.importorskip("triton")
     from kvlab.kernels.decode_warp import PLACE_BITS
 
@@ -375,12 +379,12 @@ def test_int4_place_ptx_makes_the_codes_the_portable_path_makes():
     gen = torch.Generator().manual_seed(2)
     pairs = [[w, (w * 2654435761) & 0xFFFF] for w in range(0, 65536, 97)]
     pairs += torch.randint(0, 65536, (256, 2), generator=gen).tolist()
-    weights = torch.tensor([2.0 ** -b for b in PLACE_BITS])[:, None]
+    weights = torch.tensor([2.0 ** (b - 24) for b in PLACE_BITS])[:, None]
     for pair in pairs:
         out = _run_ptx(text, {"$4": pair[0] | pair[1] << 16, "t": 0})
         got = _as_half([h for r in range(4) for h in _halves(out[f"${r}"])]).view(4, 2)
         codes = torch.tensor([[(w >> (4 * q)) & 15 for w in pair] for q in range(4)], dtype=torch.float32)
-        assert torch.equal(got, 1 + codes * weights), (pair, got)
+        assert torch.equal(got, codes * weights), (pair, got)
 
 
 def test_fp8_word_ptx_converts_both_bytes_of_both_words():

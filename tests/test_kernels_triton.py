@@ -305,3 +305,44 @@ def test_write_kernel_rejects_what_it_cannot_write():
     with pytest.raises(FormatError, match="unit stride along D"):
         quantize_write(store, torch.zeros(1, 1, 64, 2, device=DEVICE).transpose(2, 3),
                        torch.zeros(2, dtype=torch.int64, device=DEVICE), backend="triton")
+
+
+def _truncating_dot(bits):
+    """The interpreter's ``tl.dot`` as a tensor core that sums each 16-deep step (16 exact products and the
+    accumulator) aligned to the largest term and truncated ``bits`` bits below it (toward zero): the
+    mechanism that costs a kernel the bits of any constant offset its operands carry (an H100 keeps more
+    than ``bits``; fewer make the loss show at test sizes)."""
+    import numpy as np
+    from triton.runtime.interpreter import TensorHandle
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        x, y, acc = a.data.astype(np.float64), b.data.astype(np.float64), d.data.astype(np.float64)
+        for k0 in range(0, x.shape[-1], 16):
+            terms = x[..., :, k0:k0 + 16, None] * y[..., None, k0:k0 + 16, :]  # [..., M, 16, N]
+            top = np.maximum(np.abs(terms).max(-2), np.abs(acc))
+            ulp = np.exp2(np.floor(np.log2(np.where(top > 0, top, 1.0))) - bits + 1)
+            acc = np.trunc((terms.sum(-2) + acc) / ulp) * ulp
+        return TensorHandle(acc.astype(d.data.dtype), d.dtype.scalar)
+    return create_dot
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="patches the CPU interpreter's tl.dot")
+@decode_kernel
+def test_warp2_loses_no_more_to_truncated_accumulation_than_warp(monkeypatch):
+    """Under a tensor core that truncates its sums (:func:`_truncating_dot`, 14 bits), warp2's in-place
+    quarters keep warp's precision: their codes reach the products as c * 2**-k with no 1 to take off later
+    (``1 + c / 1024`` lost 10 of the 14 bits, ``1 + c / 16`` (warp) 4). Numpy's exact sums cannot tell."""
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    monkeypatch.setattr(InterpreterBuilder, "create_dot", _truncating_dot(14))
+    k, v = stores("int4", 1, 1, 512, 128, group=64, seed=3)
+    q = torch.randn(1, 4, 128, generator=torch.Generator().manual_seed(4))
+    lengths = torch.tensor([512], dtype=torch.int32)
+    want = decode_attention_reference(q, k, v, lengths, 128 ** -0.5)
+    err = {}
+    for variant in ("warp", "warp2"):
+        ws = make_workspace(4, k, config=LaunchConfig(variant=variant, block_n=128, num_warps=4))
+        got = decode_attention(q, k, v, lengths, 128 ** -0.5, backend="triton", workspace=ws)
+        err[variant] = float((got.float() - want).norm() / want.norm())
+    assert err["warp"] < 2e-2, err  # the model leaves warp usable
+    assert err["warp2"] <= 1.5 * err["warp"], err

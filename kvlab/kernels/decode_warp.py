@@ -35,18 +35,30 @@ the products and keeps one copy of each row in registers). What differs, and why
 
 ``warp2`` (``IN_PLACE``, int4; fp8 runs as ``warp``): the int4 quarters unpacked in place, 5 instructions
 per register of two words instead of 8 (:data:`INT4_PLACE_PTX`): quarters 0 and 1 masked where they lie,
-2 and 3 after one shift, so quarter ``q`` is ``1 + c / 2**PLACE_BITS[q]`` (``1 + c / 1024, 64, 256, 16``),
-not ``1 + c / 16``. The key product takes each query slice times ``2**(PLACE_BITS[q] - 6)`` (its codes
-then weigh ``c / 64``) and each value plane's merge multiplies by ``2**(PLACE_BITS[q] - 4)``; both exact
-powers of two, outside the loop. The key product starts from ``-sum(q')`` (a loop-invariant accumulator)
-instead of zero, so the offsets come off inside the tensor core. The zero term ``sum_g z_g sum(q_g)`` is one
-more small product (:func:`_zero_operand`: the slot's zero word as it was loaded, against float16 hi/lo halves
-of each row's ``sum(q_g) / 64``, :func:`zero_weights`), started from the last group's ``s_g part_g``, so a
-score is one multiply and one fused multiply-add per group pair; the factor ``64 qk_scale`` goes into the
-softmax's exponent (one fused multiply-add before ``exp2``) instead of every slot's key scales. The softmax sum
-and the value zero term keep each lane's partial sums (:func:`_lane_sums`; the shuffles run once, after the
-loop), and a group's value top is rounded down to a power of two (its exponent bits: no division, exact
-rescales of the accumulators).
+2 and 3 after one shift, and no exponent OR'd on: quarter ``q`` is the float16 subnormal
+``c * 2**(PLACE_BITS[q] - 24)`` (the code in the mantissa at bit ``0, 4, 2, 6``), exactly ``c`` times a power of
+two and 0 for code 0. The key product takes each query slice times ``2**(4 - PLACE_BITS[q])`` (16, 1, 4, 1/4)
+so every quarter's codes weigh ``c * 2**-20``, and each value plane's merge multiplies by
+``2**(20 - PLACE_BITS[q])``; both exact powers of two, outside the loop (the key scales take ``2**14``, one
+multiply per slot and group). The zero term ``sum_g z_g sum(q_g)`` is one more small product
+(:func:`_zero_operand`: the slot's zero word as it was loaded, against float16 hi/lo halves of each row's
+``sum(q_g) / 64``, :func:`zero_weights`), started from the last group's ``s_g part_g``, so a score is one
+multiply and one fused multiply-add per group pair; the factor ``64 qk_scale`` goes into the softmax's exponent
+(one fused multiply-add before ``exp2``) instead of every slot's key scales. The softmax sum and the value zero
+term keep each lane's partial sums (:func:`_lane_sums`; the shuffles run once, after the loop), and a group's
+value top is rounded down to a power of two (its exponent bits: no division, exact rescales of the accumulators).
+
+Precision of ``warp2``, step by step: the operands are exact (a subnormal ``c * 2**-k`` holds its 4 bits;
+``q'`` is ``q`` times a power of two, exact below 4096; ``pv`` is ``warp``'s float16 rounding), the tensor core's
+products of two float16 numbers are exact, and its float32 sums hold only the codes' own terms, so the
+truncation of those sums (to the largest term's 24 bits or so) costs ``2**-23`` of the result and nothing more.
+The earlier ``1 + c / 2**j`` operands (``1 + c / 1024`` for quarter 0) put a ``1`` per code into every sum and
+took it off after (``-sum(q')``, a ``ones . p^T`` product): the sums were dominated by the offsets, the codes'
+information sat ``j`` bits below their top and the truncation ate it (H100: relative error 1.3e-2 against
+``warp_asm``'s 1.7e-3, whose ``1 + c / 16`` loses 4 bits). Subnormal operands need the tensor core to take
+float16 subnormals as they are (the V100/T4/A100 tensor cores do, Fasi et al. 2021), which the CPU interpreter
+cannot show; ``tests/test_kernels_triton.py`` checks the operands carry no offset and runs ``warp`` and
+``warp2`` under a truncating model of the tensor core's sums.
 
 Offsets inside one ``(b, h)`` are int32 (``capacity * head_dim < 2**31``).
 """
@@ -80,19 +92,20 @@ def words_ptx(masks: tuple[int, ...]) -> tl.constexpr:
 # words as float16 1 + c / 16: one shift and one AND-OR per quarter, two codes at a time.
 INT4_WORDS_PTX = words_ptx((0x03C003C0,))
 
-# $4: two int16 words; $0..$3: quarter q of both words as float16 1 + c / 2**PLACE_BITS[q]: quarters 0 and 1
-# masked in place, 2 and 3 after one shift right by 6 (to bits [2, 6) and [6, 10)): 5 instructions, not 8.
+# $4: two int16 words; $0..$3: quarter q of both words as the float16 subnormal c * 2**(PLACE_BITS[q] - 24)
+# (exponent field 0, the code in the mantissa at bit PLACE_BITS[q]: no 1.0 to take off): quarters 0 and 1
+# masked where they lie, 2 and 3 after one shift right by 6 (to bits [2, 6) and [6, 10)): 5 instructions, not 8.
 INT4_PLACE_PTX = tl.constexpr("""
 {
 .reg .b32 t;
-lop3.b32 $0, $4, 0x000F000F, 0x3C003C00, 0xEA;
-lop3.b32 $1, $4, 0x00F000F0, 0x3C003C00, 0xEA;
+and.b32 $0, $4, 0x000F000F;
+and.b32 $1, $4, 0x00F000F0;
 shr.b32 t, $4, 6;
-lop3.b32 $2, t, 0x003C003C, 0x3C003C00, 0xEA;
-lop3.b32 $3, t, 0x03C003C0, 0x3C003C00, 0xEA;
+and.b32 $2, t, 0x003C003C;
+and.b32 $3, t, 0x03C003C0;
 }
 """)
-PLACE_BITS = (10, 6, 8, 4)  # quarter q of INT4_PLACE_PTX is 1 + c / 2**PLACE_BITS[q]
+PLACE_BITS = (0, 4, 2, 6)  # quarter q of INT4_PLACE_PTX is c * 2**(PLACE_BITS[q] - 24) (its code's lowest bit)
 
 # $2: two int16 words of two float8_e4m3 codes each; $0: both words' low bytes, $1: their high
 # bytes, as float16 pairs (first word in the low half).
@@ -121,13 +134,13 @@ def word_quarter(w, Q: tl.constexpr):
 
 @triton.jit
 def word_place(w, Q: tl.constexpr):
-    """Quarter ``Q`` of int16 words as float16 ``1 + c / 2**PLACE_BITS[Q]``, exactly (the portable twin of
-    :data:`INT4_PLACE_PTX`): quarters 0 and 1 where they lie, 2 and 3 shifted right by 6."""
+    """Quarter ``Q`` of int16 words as the float16 subnormal ``c * 2**(PLACE_BITS[Q] - 24)``, exactly (the
+    portable twin of :data:`INT4_PLACE_PTX`): quarters 0 and 1 where they lie, 2 and 3 shifted right by 6."""
     if Q < 2:
         field = w & (0xF << (4 * Q))
     else:
         field = (w >> 6) & (0xF << (4 * Q - 6))
-    return (field | 0x3C00).to(tl.int16).to(tl.float16, bitcast=True)
+    return field.to(tl.int16).to(tl.float16, bitcast=True)
 
 
 @triton.jit
@@ -219,8 +232,8 @@ def _slot_scales(ptr, offs_n, mask_n, NG: tl.constexpr, MASKED: tl.constexpr):
 
 @triton.jit
 def _placed_slices(qa, qb, qc, qd):
-    """A group's four query slices times ``2**(PLACE_BITS[q] - 6)`` (16, 1, 4, 1/4: exact in float16 below
-    4096 and above the subnormals), so that in-place quarter ``q``'s codes weigh ``c / 64`` in its product."""
+    """A group's four query slices times ``2**(4 - PLACE_BITS[q])`` (16, 1, 4, 1/4: exact in float16 below
+    4096 and above the subnormals), so that in-place quarter ``q``'s codes weigh ``c * 2**-20`` in its product."""
     return ((qa.to(tl.float32) * 16).to(tl.float16), qb, (qc.to(tl.float32) * 4).to(tl.float16),
             (qd.to(tl.float32) * 0.25).to(tl.float16))
 
@@ -249,20 +262,17 @@ def _transposed(part):
 
 @triton.jit
 def _key_group(kc, offs_n, mask_n, qa, qb, qc, qd, GI: tl.constexpr, DP: tl.constexpr, KP: tl.constexpr,
-               KW: tl.constexpr, ASM: tl.constexpr, IN_PLACE: tl.constexpr, MASKED: tl.constexpr, qoff=None):
+               KW: tl.constexpr, ASM: tl.constexpr, IN_PLACE: tl.constexpr, MASKED: tl.constexpr):
     """``q . u`` of int4 group ``GI`` over its ``KP`` slices (word quarters or byte planes): ``[W, M, BW]``;
-    word quarters multiplied transposed (``u q^T``, see :func:`_transposed`). In-place quarters start the
-    product from ``qoff`` (``-sum(q')`` per row, ``[1, 1, M]``): their offsets come off inside it."""
+    word quarters multiplied transposed (``u q^T``, see :func:`_transposed`). In-place quarters carry no
+    offset (``u = c * 2**(PLACE_BITS[q] - 24)``): with :func:`_placed_slices` the product is ``q.c * 2**-20``."""
     W: tl.constexpr = offs_n.shape[0]
     if KP == 4:
         cols = GI * KW + tl.arange(0, KW)
         w = _load(kc.to(tl.pointer_type(tl.int16)) + offs_n[:, :, None] * (DP // 2) + cols[None, None, :],
                   mask_n[:, :, None], MASKED)
         u0, u1, u2, u3 = _word_planes(w, FMT_INT, ASM, IN_PLACE)
-        if IN_PLACE:
-            part = tl.dot(u0, _batched_t(qa, W), tl.broadcast_to(qoff, [W, offs_n.shape[1], qa.shape[0]]))
-        else:
-            part = tl.dot(u0, _batched_t(qa, W))
+        part = tl.dot(u0, _batched_t(qa, W))
         part = tl.dot(u1, _batched_t(qb, W), part)
         part = tl.dot(u2, _batched_t(qc, W), part)
         return _transposed(tl.dot(u3, _batched_t(qd, W), part))
@@ -323,10 +333,10 @@ def zero_weights(qsum0, qsum1, NG: tl.constexpr):
 
 @triton.jit
 def _placed_group_scores(part0, part1, sc0, sc1, za, zb, NG: tl.constexpr):
-    """The scores over ``64 qk_scale`` of in-place quarters (``part_g = q'.c / 64``, see :func:`_key_group`):
-    ``sum_g s_g part_g`` (float32 fused multiply-adds) on top of the zero term ``sum_g z_g sum(q_g) / 64``,
-    a product of :func:`_zero_operand` and ``zb`` (:func:`zero_weights`) that starts from the last group's
-    ``s_g part_g``."""
+    """The scores over ``64 qk_scale`` of in-place quarters (``part_g = q.c * 2**-20``, see :func:`_key_group`;
+    ``sc_g``: the key scales times ``2**14``, so ``s_g part_g = s_g q.c / 64``): ``sum_g s_g part_g`` (float32
+    fused multiply-adds) on top of the zero term ``sum_g z_g sum(q_g) / 64``, a product of :func:`_zero_operand`
+    and ``zb`` (:func:`zero_weights`) that starts from the last group's ``s_g part_g``."""
     W: tl.constexpr = za.shape[0]
     last = part1 * sc1[:, None, :] if NG == 2 else part0 * sc0[:, None, :]
     s = _transposed(tl.dot(za, tl.broadcast_to(zb[None, :, :], [W, zb.shape[0], zb.shape[1]]), _transposed(last)))
@@ -343,17 +353,18 @@ def _scores(kc, ks, kz, offs_n, mask_n, q0, q1, q2, q3, q4, q5, q6, q7, qs0, qs1
     quarters (``KP == 4 and IN_PLACE``): the scores over ``64 qk_scale`` (that factor goes into the softmax's
     exponent), the zero term a product of :func:`_zero_operand` and ``zb`` (:func:`zero_weights`)."""
     W: tl.constexpr = offs_n.shape[0]
-    if FMT != FMT_FP8 and KP == 4 and IN_PLACE:  # qs2, qs3: the groups' -sum(q') ([1, 1, M])
+    if FMT != FMT_FP8 and KP == 4 and IN_PLACE:
         sc0, sc1, sc2, sc3 = _slot_scales(ks, offs_n, mask_n, NG, MASKED)
         if NG == 1:
             zw = _load(kz + offs_n, mask_n, MASKED)
         else:
             zw = _load(kz.to(tl.pointer_type(tl.int32)) + offs_n, mask_n, MASKED)
-        part0 = _key_group(kc, offs_n, mask_n, q0, q1, q2, q3, 0, DP, KP, KW, ASM, IN_PLACE, MASKED, qs2)
+        part0 = _key_group(kc, offs_n, mask_n, q0, q1, q2, q3, 0, DP, KP, KW, ASM, IN_PLACE, MASKED)
         part1 = part0
         if NG == 2:
-            part1 = _key_group(kc, offs_n, mask_n, q4, q5, q6, q7, 1, DP, KP, KW, ASM, IN_PLACE, MASKED, qs3)
-        s = _placed_group_scores(part0, part1, sc0, sc1, _zero_operand(zw, NG), zb, NG)
+            part1 = _key_group(kc, offs_n, mask_n, q4, q5, q6, q7, 1, DP, KP, KW, ASM, IN_PLACE, MASKED)
+        # 2**14: the products are q.c * 2**-20 (float16 subnormal codes), the scores' convention q.c / 64
+        s = _placed_group_scores(part0, part1, sc0 * 16384.0, sc1 * 16384.0, _zero_operand(zw, NG), zb, NG)
     elif FMT == FMT_FP8:
         cols = tl.arange(0, DP)
         raw = _load(kc + offs_n[:, :, None] * DP + cols[None, None, :], mask_n[:, :, None], MASKED)
@@ -528,7 +539,8 @@ def _block(kc, ks, kz, vc, vs, vz, n0, end, offs_w, row_g, ones,
     if FMT != FMT_FP8:
         acc2 = tl.dot(v2, pvt, acc2 * f)
         acc3 = tl.dot(v3, pvt, acc3 * f)
-        acc_one = tl.dot(ones, pvt, acc_one * f)  # sum_n pv per row (every row of the 16)
+        if not IN_PLACE:  # in-place planes carry no offset
+            acc_one = tl.dot(ones, pvt, acc_one * f)  # sum_n pv per row (every row of the 16)
     return m_new, l_i, zacc, unit, acc0, acc1, acc2, acc3, acc_one
 
 
@@ -576,16 +588,16 @@ def decode_warp_kernel(
     score_scale = qk_scale
     if KP == 4 and IN_PLACE and not FP8:
         # in-place quarters: the zero term is a product against zb, the scores come over 64 qk_scale (that
-        # factor goes into the softmax's exponent); qs2, qs3: -sum(q') of the slices the quarters take
+        # factor goes into the softmax's exponent); no row sums in the loop (qs*: unused)
         zb = zero_weights(_row_sum(q0, q1, q2, q3, KP, 1.0).reshape(BLOCK_M),
                           _row_sum(q4, q5, q6, q7, KP, 1.0).reshape(BLOCK_M), NG)
         score_scale = qk_scale * 64
         q0, q1, q2, q3 = _placed_slices(q0, q1, q2, q3)
         q4, q5, q6, q7 = _placed_slices(q4, q5, q6, q7)
-        qs0 = -_row_sum(q0, q1, q2, q3, KP, 1.0).reshape(1, 1, BLOCK_M)
-        qs1 = qs0
-        qs2 = qs0
-        qs3 = -_row_sum(q4, q5, q6, q7, KP, 1.0).reshape(1, 1, BLOCK_M)
+        qs0 = qk_scale
+        qs1 = qk_scale
+        qs2 = qk_scale
+        qs3 = qk_scale
     elif KP == 4:
         qs0 = _row_sum(q0, q1, q2, q3, KP, qk_scale)
         qs1 = _row_sum(q4, q5, q6, q7, KP, qk_scale)
@@ -647,15 +659,15 @@ def decode_warp_kernel(
     tl.store(part_lse_ptr + part, lse, mask=mask_r & (row_g == 0))
     out_rows = part_out_ptr + part.to(tl.int64) * D
     wu = wgt * unit_i
-    off = tl.zeros([W, BLOCK_M], tl.float32) if FP8 else tl.max(acc_one, 1)
+    off = tl.zeros([W, BLOCK_M], tl.float32) if FP8 or IN_PLACE else tl.max(acc_one, 1)
     # row (g, h) holds head h's output for the columns of group g (words c with c // (VW / NG) == g)
     offs_c = tl.arange(0, VW)
     keep = mask_r[None, :] & ((offs_c // (VW // NG))[:, None] == row_g[None, :])
-    if IN_PLACE and not FP8:  # plane q's codes weigh c / 2**PLACE_BITS[q], not c / 16
-        _store_plane(out_rows, offs_c, keep, _merge_plane(acc0, off, wu * 64, z, inv_l), 0, VP)
-        _store_plane(out_rows, offs_c, keep, _merge_plane(acc1, off, wu * 4, z, inv_l), 1, VP)
-        _store_plane(out_rows, offs_c, keep, _merge_plane(acc2, off, wu * 16, z, inv_l), 2, VP)
-        _store_plane(out_rows, offs_c, keep, _merge_plane(acc3, off, wu, z, inv_l), 3, VP)
+    if IN_PLACE and not FP8:  # plane q's codes weigh c * 2**(PLACE_BITS[q] - 24), not c / 16 (and carry no 1)
+        _store_plane(out_rows, offs_c, keep, _merge_plane(acc0, off, wu * 2.0 ** 20, z, inv_l), 0, VP)
+        _store_plane(out_rows, offs_c, keep, _merge_plane(acc1, off, wu * 2.0 ** 16, z, inv_l), 1, VP)
+        _store_plane(out_rows, offs_c, keep, _merge_plane(acc2, off, wu * 2.0 ** 18, z, inv_l), 2, VP)
+        _store_plane(out_rows, offs_c, keep, _merge_plane(acc3, off, wu * 2.0 ** 14, z, inv_l), 3, VP)
     else:
         _store_plane(out_rows, offs_c, keep, _merge_plane(acc0, off, wu, z, inv_l), 0, VP)
         _store_plane(out_rows, offs_c, keep, _merge_plane(acc1, off, wu, z, inv_l), 1, VP)
