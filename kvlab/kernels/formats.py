@@ -99,9 +99,13 @@ class LaunchConfig:
 # fold's for fp8 at batch 1/16/32, and in the fast engine at batch 16 (the tuned geometry) its
 # attention kernels read at 0.71x (int4-g64) and 0.94x (fp8) a copy of the same bytes
 # (reports/h100-2026-12-05). int4-g32 (slower) and int4-g128 (slower at batch 1) stay on fold_asm.
+# Since 2026-12-06 int4-g64 runs ``warp2_asm`` (int4 quarters unpacked in place as float16 subnormals):
+# on an H100 at this geometry it read at 0.87x / 0.74x copy bandwidth at batch 16 / 32 against
+# warp_asm's 0.71x / 0.59x, with warp_asm's error (1.7e-3), and the int4 cache took 0.484x the full
+# cache's decode J/token at batch 16 in the fast engine (reports/h100-2026-12-06b).
 TUNED_CONFIGS: dict[str, LaunchConfig] = {
     **{f"int4-g{g}": LaunchConfig(variant="fold_asm") for g in (32, 128)},
-    "int4-g64": LaunchConfig(block_n=128, num_warps=4, num_stages=3, programs_per_sm=2, variant="warp_asm"),
+    "int4-g64": LaunchConfig(block_n=128, num_warps=4, num_stages=3, programs_per_sm=2, variant="warp2_asm"),
     "fp8": LaunchConfig(block_n=128, num_warps=4, num_stages=3, programs_per_sm=2, variant="warp_asm"),
     **{f"int2-g{g}": LaunchConfig(variant="fold") for g in (64, 128)},
 }
