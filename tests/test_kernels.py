@@ -338,9 +338,9 @@ def test_int4_unpacking_ptx_makes_the_codes_the_portable_path_makes():
 
 
 def _ptx_text(name: str) -> str:
-    from kvlab.kernels import decode_warp
+    from kvlab.kernels import decode_words
 
-    text = getattr(decode_warp, name)
+    text = getattr(decode_words, name)
     return text.value if hasattr(text, "value") else text
 
 
@@ -354,7 +354,7 @@ def _as_half(bits: list[int]) -> torch.Tensor:
 
 def test_int4_word_ptx_makes_the_codes_the_portable_path_makes():
     """warp_asm's PTX on a pair of int16 words (two slots): quarter q of both as float16 1 + c/16, first
-    word in the low half, as decode_warp.word_quarter makes them."""
+    word in the low half, as decode_words.word_quarter makes them."""
     pytest.importorskip("triton")
     text = _ptx_text("INT4_WORDS_PTX")
     gen = torch.Generator().manual_seed(1)
@@ -370,10 +370,10 @@ def test_int4_word_ptx_makes_the_codes_the_portable_path_makes():
 def test_int4_place_ptx_makes_the_codes_the_portable_path_makes():
     """warp2_asm's PTX on a pair of int16 words: quarter q of both as the float16 c * 2**(PLACE_BITS[q] - 24),
     exactly and with no constant offset (code 0 is 0.0: the tensor core never accumulates a 1 it must take off
-    again), first word in the low half, as decode_warp.word_place makes them (q 0 and 1 masked in place, 2 and 3
+    again), first word in the low half, as decode_words.word_place makes them (q 0 and 1 masked in place, 2 and 3
     shifted)."""
     pytest.importorskip("triton")
-    from kvlab.kernels.decode_warp import PLACE_BITS
+    from kvlab.kernels.decode_words import PLACE_BITS
 
     text = _ptx_text("INT4_PLACE_PTX")
     gen = torch.Generator().manual_seed(2)

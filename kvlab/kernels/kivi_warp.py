@@ -39,7 +39,7 @@ code splits, and why (SASS per quantized token, ``benchmarks/kernel_sass.py --ki
   ``1 + c / L`` with one AND-OR on a shifted word, two codes per instruction (PTX ``lop3`` with
   ``ASM``, the portable :func:`word_plane` otherwise): 2-bit planes ``2i`` and ``2i + 1`` share one
   shift (landing at bits ``[6, 8)``, ``L = 16``, and ``[8, 10)``, ``L = 4``), 4-bit planes use
-  :data:`kvlab.kernels.decode_warp.INT4_WORDS_PTX` (``L = 16``).
+  :data:`kvlab.kernels.decode_words.INT4_WORDS_PTX` (``L = 16``).
 - Per-token value scales and zeros are one 16/32/64-bit load per token (all its groups).
 - Full blocks run without masks; the last block of a split masks whole warps (a warp past the split
   reads the split's first group again and its scores become ``-inf``), so no load is ever masked.
@@ -56,7 +56,8 @@ import triton
 import triton.language as tl
 
 from kvlab.kernels.decode_reduce import online_step
-from kvlab.kernels.decode_warp import INT4_WORDS_PTX, words_ptx, zero_planes
+from kvlab.kernels.decode_warp import zero_planes
+from kvlab.kernels.decode_words import INT4_WORDS_PTX, words_ptx
 
 # $8: two int16 words of eight 2-bit codes each (first word in the low half); $0..$7: plane P (bits
 # [2P, 2P + 2)) of both words as float16 1 + c / L, L = 16 for even P (code at bits [6, 8)), 4 for
