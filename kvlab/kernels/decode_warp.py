@@ -317,6 +317,19 @@ def _by_row(row_g, x0, x1, x2, x3, NG: tl.constexpr):
 
 
 @triton.jit
+def _group_scales(vs, vz, offs_n, mask_n, NG: tl.constexpr, MASKED: tl.constexpr, EXPONENT: tl.constexpr):
+    """A block's value scales and zeros, one tile per group (up to four), and each group's warp top:
+    its largest scale, or (``EXPONENT``) the exponent of the power of two at or below it."""
+    sc0, sc1, sc2, sc3 = _slot_scales(vs, offs_n, mask_n, NG, MASKED)
+    zr0, zr1, zr2, zr3 = _slot_scales(vz, offs_n, mask_n, NG, MASKED)
+    if EXPONENT:  # one return: a jit function's returns must agree in type
+        t0, t1, t2, t3 = _top_exponent(sc0), _top_exponent(sc1), _top_exponent(sc2), _top_exponent(sc3)
+    else:
+        t0, t1, t2, t3 = _top(sc0), _top(sc1), _top(sc2), _top(sc3)
+    return sc0, sc1, sc2, sc3, zr0, zr1, zr2, zr3, t0, t1, t2, t3
+
+
+@triton.jit
 def _value_weights(vs, vz, offs_n, mask_n, p, row_g, NG: tl.constexpr, FMT: tl.constexpr, MASKED: tl.constexpr,
                    LANES: tl.constexpr = False):
     """``(pv, unit, inv_unit, z)`` of a block: the float16 product operand ``p * scale / top`` (``top``:
@@ -335,12 +348,8 @@ def _value_weights(vs, vz, offs_n, mask_n, p, row_g, NG: tl.constexpr, FMT: tl.c
         # in-place quarters: each group's warp top rounded down to a power of two 2**e (its exponent; at least
         # 2**-24, float16's least): no division, exact rescales, and pv = p scale / 2**e in [0, 2) is the same
         # float16 rounding of the same product as p scale / top
-        sc0, sc1, sc2, sc3 = _slot_scales(vs, offs_n, mask_n, NG, MASKED)
-        zr0, zr1, zr2, zr3 = _slot_scales(vz, offs_n, mask_n, NG, MASKED)
-        e0 = _top_exponent(sc0)
-        e1 = _top_exponent(sc1)
-        e2 = _top_exponent(sc2)
-        e3 = _top_exponent(sc3)
+        sc0, sc1, sc2, sc3, zr0, zr1, zr2, zr3, e0, e1, e2, e3 = _group_scales(vs, vz, offs_n, mask_n, NG, MASKED,
+                                                                              True)
         scale = _by_row(row_g, (sc0 * _pow2(-e0)[:, None])[:, None, :], (sc1 * _pow2(-e1)[:, None])[:, None, :],
                         (sc2 * _pow2(-e2)[:, None])[:, None, :], (sc3 * _pow2(-e3)[:, None])[:, None, :], NG)
         zero = _by_row(row_g, zr0[:, None, :], zr1[:, None, :], zr2[:, None, :], zr3[:, None, :], NG)
@@ -351,12 +360,8 @@ def _value_weights(vs, vz, offs_n, mask_n, p, row_g, NG: tl.constexpr, FMT: tl.c
         pz = p * zero
         z = tl.sum(tl.reshape(pz, [p.shape[0], p.shape[1], p.shape[2] // 8, 8]), 2)  # each lane's (_lane_sums)
     else:
-        sc0, sc1, sc2, sc3 = _slot_scales(vs, offs_n, mask_n, NG, MASKED)
-        zr0, zr1, zr2, zr3 = _slot_scales(vz, offs_n, mask_n, NG, MASKED)
-        t0 = _top(sc0)
-        t1 = _top(sc1)
-        t2 = _top(sc2)
-        t3 = _top(sc3)
+        sc0, sc1, sc2, sc3, zr0, zr1, zr2, zr3, t0, t1, t2, t3 = _group_scales(vs, vz, offs_n, mask_n, NG, MASKED,
+                                                                              False)
         r0 = 1.0 / t0
         r1 = 1.0 / t1
         r2 = 1.0 / t2
