@@ -65,31 +65,14 @@ def compile_variant(variant: str, label: str, head_dim: int, gqa: int, block_n: 
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kvlab.kernels.decode_fold import decode_fold_kernel
-    from kvlab.kernels.decode_split import decode_split_kernel
-    from kvlab.kernels.decode_warp import decode_warp_kernel
+    from kvlab.kernels.decode_entry import decode_kernel, entry_constants
 
     fmt = parse_format(label)
     slot_bytes = 2 * fmt.bytes_per_token(1, head_dim)
-    gp = 1 << max(0, gqa - 1).bit_length()
-    group = fmt.group_size(head_dim)
-    if variant == "split":
-        kernel = decode_split_kernel
-        consts = {"D": head_dim, "BLOCK_H": max(16, gp), "BLOCK_N": block_n, "FMT": fmt.kernel, "BITS": fmt.bits,
-                  "PACK": fmt.pack, "QGROUP": group}
-    elif variant.startswith("warp"):
-        kernel = decode_warp_kernel
-        ng = head_dim // group
+    if variant.startswith("warp"):
         num_warps = warp_count(LaunchConfig(block_n=block_n, num_warps=num_warps))
-        consts = {"D": head_dim, "BLOCK_M": 1 << max(0, ng * gp - 1).bit_length(), "GP": gp, "NG": ng,
-                  "BLOCK_N": block_n, "FMT": fmt.kernel, "ASM": variant.endswith("_asm"), "W": num_warps,
-                  "IN_PLACE": variant.startswith("warp2")}
-    else:
-        kernel = decode_fold_kernel
-        ng = head_dim // group
-        consts = {"D": head_dim, "BLOCK_M": max(16, 1 << max(0, ng * gp - 1).bit_length()), "GP": gp, "NG": ng,
-                  "BLOCK_N": block_n, "FMT": fmt.kernel, "BITS": fmt.bits, "PACK": fmt.pack,
-                  "ASM": variant == "fold_asm" and fmt.asm_unpack}
+    kernel = decode_kernel
+    consts = entry_constants(variant, fmt, head_dim, gqa, LaunchConfig(block_n=block_n), num_warps)
     signature = {**SIGNATURE, **signature_overrides(fmt), **{k: "constexpr" for k in consts}}
     names = list(kernel.arg_names)
     attrs = {(names.index(k),): [["tt.divisibility", 16]] for k, v in signature.items() if v.startswith("*")}

@@ -51,7 +51,7 @@ KERNEL_RULES: tuple[tuple[re.Pattern, str], ...] = (
     (re.compile(r"dequant|unpack", re.I), "dequantize"),
     # kvlab's decode kernels by their function names (tests/test_kivi_quest_wiring.py reads them off
     # the kernel modules: a renamed kernel would otherwise be filed under other ops)
-    (re.compile(r"flash|fmha|attention|decode_(split|fold|reduce|warp)_kernel|kivi_decode_kernel|"
+    (re.compile(r"flash|fmha|attention|decode_((split|fold|warp|reduce)_)?kernel|kivi_decode_kernel|"
                 r"quest_split_kernel|merge_partials|scaled_dot_product|_sdpa_|lean_reduction", re.I), "attention"),
     (re.compile(r"gemm|gemv|cutlass|xmma|nvjet|cublas|^aten::(linear|mm|addmm|bmm|matmul)$", re.I),
      "weight GEMMs"),

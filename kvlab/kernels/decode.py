@@ -161,10 +161,8 @@ def decode_attention(q: torch.Tensor, k_store: KVStore, v_store: KVStore, length
 
 def _launch(q, k_store, v_store, lengths, scale, group, out, workspace):
     try:  # each imports triton
-        from kvlab.kernels.decode_fold import decode_fold_kernel
+        from kvlab.kernels.decode_entry import decode_kernel, entry_constants
         from kvlab.kernels.decode_reduce import decode_reduce_kernel
-        from kvlab.kernels.decode_split import decode_split_kernel
-        from kvlab.kernels.decode_warp import decode_warp_kernel
     except ImportError as err:
         raise RuntimeError(f"the decode kernels need triton ({err}); install it (CUDA builds of torch ship it) "
                            "or pass backend='reference'") from err
@@ -194,29 +192,9 @@ def _launch(q, k_store, v_store, lengths, scale, group, out, workspace):
             splits, group)
     grid = (batch * k_store.kv_heads, splits)
     variant = kernel_variant(config, k_store)
-    if variant.startswith("warp"):
-        gp = triton_next_pow2(group)
-        row_groups = head_dim // fmt.group_size(head_dim)
-        warps = warp_count(config)
-        decode_warp_kernel[grid](
-            *args, D=head_dim, BLOCK_M=triton_next_pow2(row_groups * gp), GP=gp, NG=row_groups,
-            BLOCK_N=config.block_n, FMT=fmt.kernel, ASM=variant.endswith("_asm"), W=warps,
-            IN_PLACE=variant.startswith("warp2"), num_warps=warps, num_stages=config.num_stages,
-        )
-    elif variant != "split":
-        gp = triton_next_pow2(group)
-        row_groups = head_dim // fmt.group_size(head_dim)
-        decode_fold_kernel[grid](
-            *args, D=head_dim, BLOCK_M=max(16, triton_next_pow2(row_groups * gp)), GP=gp, NG=row_groups,
-            BLOCK_N=config.block_n, FMT=fmt.kernel, BITS=fmt.bits, PACK=fmt.pack, ASM=variant == "fold_asm",
-            num_warps=config.num_warps, num_stages=config.num_stages,
-        )
-    else:
-        decode_split_kernel[grid](
-            *args, D=head_dim, BLOCK_H=max(16, triton_next_pow2(group)), BLOCK_N=config.block_n,
-            FMT=fmt.kernel, BITS=fmt.bits, PACK=fmt.pack, QGROUP=fmt.group_size(head_dim),
-            num_warps=config.num_warps, num_stages=config.num_stages,
-        )
+    warps = warp_count(config) if variant.startswith("warp") else config.num_warps
+    decode_kernel[grid](*args, **entry_constants(variant, fmt, head_dim, group, config, warps), num_warps=warps,
+                        num_stages=config.num_stages)
     decode_reduce_kernel[(batch * q_heads,)](
         workspace.part_out, workspace.part_lse, lengths, out, q_heads, k_store.capacity, workspace.split_len,
         splits, D=head_dim, SPLITS_P2=max(2, triton_next_pow2(splits)),

@@ -1,6 +1,7 @@
-"""The ``fold`` decode kernel of :mod:`kvlab.kernels.decode` (imports triton; import lazily).
+"""The ``fold`` variant of :mod:`kvlab.kernels.decode`'s kernel (imports triton; import lazily): its body,
+:func:`fold_partial`, which :func:`kvlab.kernels.decode_entry.decode_kernel` runs.
 
-Same contract as ``decode_split_kernel`` in :mod:`kvlab.kernels.decode_split` (grid
+Same contract as the ``split`` variant in :mod:`kvlab.kernels.decode_split` (grid
 ``(B * Hkv, num_splits)``, normalized partial outputs and base-2 log-sum-exps merged by its reduce
 kernel), but nothing is dequantized: the group scales and zeros are folded into the small operands.
 
@@ -40,7 +41,6 @@ from kvlab.kernels.decode_reduce import (
     group_rows,
     query_slots,
     slot_block,
-    split_bounds,
     split_result,
     split_state,
 )
@@ -149,14 +149,16 @@ def _store_rows(rows, offs_j, keep, acc, zacc, inv_l, P: tl.constexpr, PACK: tl.
     tl.store(rows[:, None] + offs_j[None, :] * PACK + P, (acc + zacc[:, None]) * inv_l[:, None], mask=keep)
 
 
-@triton.jit(do_not_specialize=["Hq", "Hkv", "T", "split_len", "num_splits", "G"])
-def decode_fold_kernel(
+@triton.jit
+def fold_partial(
+    bh, split, b, h, start, end,
     q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, len_ptr, part_out_ptr, part_lse_ptr,
     qk_scale, Hq, Hkv, T, split_len, num_splits, G,
     D: tl.constexpr, BLOCK_M: tl.constexpr, GP: tl.constexpr, NG: tl.constexpr, BLOCK_N: tl.constexpr,
     FMT: tl.constexpr, BITS: tl.constexpr, PACK: tl.constexpr, ASM: tl.constexpr,
 ):
-    bh, split, b, h, start, end = split_bounds(len_ptr, Hkv, T, split_len)
+    """The ``fold`` variant's split ``split`` of KV head ``bh`` (slots ``[start, end)``): its normalized
+    partial output and base-2 log-sum-exp. :func:`kvlab.kernels.decode_entry.decode_kernel` calls it."""
 
     DP: tl.constexpr = D // PACK  # bytes (int) or elements (bf16/fp8) of one row
     # NG: quantization groups of a row (int formats; 1 otherwise), each owning GP rows

@@ -1,8 +1,9 @@
-"""The ``split`` decode kernel of :mod:`kvlab.kernels.decode` (imports triton; import this lazily).
+"""The ``split`` variant of :mod:`kvlab.kernels.decode`'s kernel (imports triton; import this lazily): its
+body, :func:`split_partial`, which :func:`kvlab.kernels.decode_entry.decode_kernel` runs.
 
 Flash-decoding in two launches:
 
-1. ``decode_split_kernel``, grid ``(B * Hkv, num_splits)``: one program reads one KV head's slots
+1. ``decode_kernel`` (``VARIANT="split"``), grid ``(B * Hkv, num_splits)``: one program reads one KV head's slots
    ``[split * split_len, min((split + 1) * split_len, length))`` once for all ``G = Hq / Hkv`` query
    heads of that KV head (``BLOCK_H >= 16`` rows, the unused ones masked, so both products are
    ``tl.dot`` on tensor cores), keeps an online softmax in float32 and writes the split's normalized
@@ -34,7 +35,6 @@ from kvlab.kernels.decode_reduce import (
     dense_key_scores,
     query_planes,
     slot_block,
-    split_bounds,
     split_result,
     split_state,
     store_plane,
@@ -48,14 +48,16 @@ def _int_plane(raw, scale, zero, P: tl.constexpr, BITS: tl.constexpr):
     return (codes.to(tl.float32) * scale + zero).to(tl.float16)
 
 
-@triton.jit(do_not_specialize=["Hq", "Hkv", "T", "split_len", "num_splits", "G"])
-def decode_split_kernel(
+@triton.jit
+def split_partial(
+    bh, split, b, h, start, end,
     q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, len_ptr, part_out_ptr, part_lse_ptr,
     qk_scale, Hq, Hkv, T, split_len, num_splits, G,
     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     FMT: tl.constexpr, BITS: tl.constexpr, PACK: tl.constexpr, QGROUP: tl.constexpr,
 ):
-    bh, split, b, h, start, end = split_bounds(len_ptr, Hkv, T, split_len)
+    """The ``split`` variant's split ``split`` of KV head ``bh`` (slots ``[start, end)``): its normalized
+    partial output and base-2 log-sum-exp. :func:`kvlab.kernels.decode_entry.decode_kernel` calls it."""
 
     DP: tl.constexpr = D // PACK  # bytes (int) or elements (bf16/fp8) per plane of a row
     NG: tl.constexpr = D // QGROUP  # quantization groups per row (int formats)

@@ -1,5 +1,6 @@
-"""The ``warp`` decode kernel of :mod:`kvlab.kernels.decode` (imports triton; import lazily): ``fold``
-(:mod:`kvlab.kernels.decode_fold`) with each warp running its own split, for int4 and fp8.
+"""The ``warp`` variant of :mod:`kvlab.kernels.decode`'s kernel (imports triton; import lazily): ``fold``
+(:mod:`kvlab.kernels.decode_fold`) with each warp running its own split, for int4 and fp8. Its body is
+:func:`warp_partial`, which :func:`kvlab.kernels.decode_entry.decode_kernel` runs.
 
 Same contract as the other split kernels (grid ``(B * Hkv, num_splits)``, normalized partial outputs
 and base-2 log-sum-exps merged by :mod:`~kvlab.kernels.decode_reduce`), same folding of scales and
@@ -69,7 +70,7 @@ import triton
 import triton.language as tl
 
 from kvlab.kernels.decode_fold import codes_unit, int4_planes
-from kvlab.kernels.decode_reduce import group_rows, query_slots, split_bounds
+from kvlab.kernels.decode_reduce import group_rows, query_slots
 from kvlab.kernels.decode_words import code_planes
 from kvlab.kernels.jit_constants import FMT_FP8, FMT_INT
 
@@ -449,14 +450,16 @@ def _store_plane(rows, offs_c, keep, out, P: tl.constexpr, VP: tl.constexpr):
     tl.store(rows[None, :] + (offs_c * VP + P)[:, None], out, mask=keep)
 
 
-@triton.jit(do_not_specialize=["Hq", "Hkv", "T", "split_len", "num_splits", "G"])
-def decode_warp_kernel(
+@triton.jit
+def warp_partial(
+    bh, split, b, h, start, end,
     q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, len_ptr, part_out_ptr, part_lse_ptr,
     qk_scale, Hq, Hkv, T, split_len, num_splits, G,
     D: tl.constexpr, BLOCK_M: tl.constexpr, GP: tl.constexpr, NG: tl.constexpr, BLOCK_N: tl.constexpr,
     FMT: tl.constexpr, ASM: tl.constexpr, W: tl.constexpr, IN_PLACE: tl.constexpr,
 ):
-    bh, split, b, h, start, end = split_bounds(len_ptr, Hkv, T, split_len)
+    """The ``warp`` variant's split ``split`` of KV head ``bh`` (slots ``[start, end)``): its normalized
+    partial output and base-2 log-sum-exp. :func:`kvlab.kernels.decode_entry.decode_kernel` calls it."""
     FP8: tl.constexpr = FMT == FMT_FP8
     DP: tl.constexpr = D if FP8 else D // 2  # bytes of one row
     # key slices per group: fp8 one (the whole row); int4 four word quarters where a group has >= 16
