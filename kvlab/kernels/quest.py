@@ -265,8 +265,9 @@ def sparse_attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pag
 
 def quest_attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bounds: PageBounds,
                  lengths: torch.Tensor, scale: float) -> torch.Tensor:
-    """One Quest decode step: select from the bounds, attend over the selected pages."""
-    pages = select_pages(q, bounds, lengths)
+    """One Quest decode step in torch (the ``hf`` engine's path): select from the bounds, attend over
+    the selected pages. The fast engine's store runs the kernels instead."""
+    pages = select_pages(q, bounds, lengths, "reference")
     return sparse_attend(q, keys, values, pages, lengths, scale, bounds.spec.page)
 
 

@@ -13,18 +13,16 @@ row's latest page (from its length) ``+inf``, pages past the latest ``-inf`` (ne
 Then ``quest_select_top_kernel``, grid ``(B * Hkv,)``, in place of ``topk`` and the ``-1`` fill
 (:func:`kvlab.kernels.quest.top_pages`): one program holds a row's ``P`` scores, finds the ``k``-th
 largest by a radix search over their order-preserving integer keys (``RADIX`` bits per reduction
-over the row),
-and writes the pages above it, then the lowest-numbered pages tied with it, in page order, ``-1``
-after them where fewer than ``k`` pages score above ``-inf``. The same page set as ``topk`` (which
-breaks ties in no stated order) in ascending page order, which the sparse kernel reads as well as
-any other.
+over the row), and writes the pages above it, then the lowest-numbered pages tied with it, in page
+order, ``-1`` after them where fewer than ``k`` pages score above ``-inf``. The same page set as
+``topk`` (which breaks ties in no stated order) in ascending page order, which the sparse kernel
+reads as well as any other.
 
 Grid ``(B * Hkv, cdiv(P, BLOCK_P))``: program ``(b, h, j)`` loads the ``BLOCK_P x D`` tiles of both
 bounds once and each of the group's ``G`` query rows once. Fixed shapes, lengths read on the device,
 no host sync: CUDA-graph capturable. ``benchmarks/quest_select.py`` times both kernels against
-torch's scoring and ``topk`` on a GPU. The torch ops it replaces took about 2.1 ms of a batch-1 16k step
-under the profiler on an H100 (bound GEMMs 0.39 ms, elementwise ops 1.67 ms), plus the GPU's idle
-time between them (reports/h100-2026-12-06, "The step's anatomy").
+torch's scoring and ``topk`` on a GPU: on an H100 at 16k, 0.012 ms per layer call against torch's
+0.078 at batch 1 and 0.039 against 0.297 at batch 16, the same pages (reports/h100-2026-12-06b).
 """
 
 from __future__ import annotations
