@@ -4,7 +4,10 @@ entry, :func:`decode_kernel`, whose ``VARIANT`` constexpr picks ``split``
 (:mod:`kvlab.kernels.decode_warp`). One launcher (:mod:`kvlab.kernels.decode`) launches any variant
 with the same arguments, so one signature holds them; each variant's constexprs are set by
 :func:`entry_constants`, the others stay 0. Grid ``(B * Hkv, num_splits)``; the partials are merged
-by :mod:`kvlab.kernels.decode_reduce`.
+by :mod:`kvlab.kernels.decode_reduce`. The entry does the steps the bodies share (the program's split,
+:func:`~kvlab.kernels.decode_reduce.split_bounds`; fold's and warp's rows,
+:func:`~kvlab.kernels.decode_reduce.group_rows`), so each body takes only what it reads. The bodies are called
+from the entry itself, as in KIVI's entry, where a wrapper between them changed the SASS.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import triton
 import triton.language as tl
 
 from kvlab.kernels.decode_fold import fold_partial
-from kvlab.kernels.decode_reduce import split_bounds
+from kvlab.kernels.decode_reduce import group_rows, split_bounds
 from kvlab.kernels.decode_split import split_partial
 from kvlab.kernels.decode_warp import warp_partial
 from kvlab.kernels.formats import KVFormat, LaunchConfig
@@ -32,18 +35,21 @@ def decode_kernel(
     IN_PLACE: tl.constexpr,
 ):
     bh, split, b, h, start, end = split_bounds(len_ptr, Hkv, T, split_len)
-    if VARIANT == "warp":
-        warp_partial(bh, split, b, h, start, end, q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, len_ptr,
-                     part_out_ptr, part_lse_ptr, qk_scale, Hq, Hkv, T, split_len, num_splits, G,
-                     D, BLOCK_M, GP, NG, BLOCK_N, FMT, ASM, W, IN_PLACE)
-    elif VARIANT == "fold":
-        fold_partial(bh, split, b, h, start, end, q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, len_ptr,
-                     part_out_ptr, part_lse_ptr, qk_scale, Hq, Hkv, T, split_len, num_splits, G,
-                     D, BLOCK_M, GP, NG, BLOCK_N, FMT, BITS, PACK, ASM)
-    else:
-        split_partial(bh, split, b, h, start, end, q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, len_ptr,
-                      part_out_ptr, part_lse_ptr, qk_scale, Hq, Hkv, T, split_len, num_splits, G,
+    if VARIANT == "split":
+        split_partial(bh, split, b, h, start, end, q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr,
+                      part_out_ptr, part_lse_ptr, qk_scale, Hq, T, num_splits, G,
                       D, BLOCK_H, BLOCK_N, FMT, BITS, PACK, QGROUP)
+    else:
+        # fold and warp lay their rows out alike (a row per quantization group and query head): set up here
+        row_g, mask_r, heads, q_rows = group_rows(q_ptr, b, h, Hq, G, D, BLOCK_M, GP, NG)
+        if VARIANT == "warp":
+            warp_partial(bh, split, b, start, end, row_g, mask_r, heads, q_rows, kc_ptr, ks_ptr, kz_ptr, vc_ptr,
+                         vs_ptr, vz_ptr, part_out_ptr, part_lse_ptr, qk_scale, Hq, T, num_splits,
+                         D, BLOCK_M, NG, BLOCK_N, FMT, ASM, W, IN_PLACE)
+        else:
+            fold_partial(bh, split, b, start, end, row_g, mask_r, heads, q_rows, kc_ptr, ks_ptr, kz_ptr, vc_ptr,
+                         vs_ptr, vz_ptr, part_out_ptr, part_lse_ptr, qk_scale, Hq, T, num_splits,
+                         D, BLOCK_M, NG, BLOCK_N, FMT, BITS, PACK, ASM)
 
 
 def entry_constants(variant: str, fmt: KVFormat, head_dim: int, group: int, config: LaunchConfig,

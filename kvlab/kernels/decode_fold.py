@@ -38,7 +38,6 @@ import triton.language as tl
 
 from kvlab.kernels.decode_reduce import (
     dense_key_scores,
-    group_rows,
     query_slots,
     slot_block,
     split_result,
@@ -151,19 +150,18 @@ def _store_rows(rows, offs_j, keep, acc, zacc, inv_l, P: tl.constexpr, PACK: tl.
 
 @triton.jit
 def fold_partial(
-    bh, split, b, h, start, end,
-    q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, len_ptr, part_out_ptr, part_lse_ptr,
-    qk_scale, Hq, Hkv, T, split_len, num_splits, G,
-    D: tl.constexpr, BLOCK_M: tl.constexpr, GP: tl.constexpr, NG: tl.constexpr, BLOCK_N: tl.constexpr,
+    bh, split, b, start, end, row_g, mask_r, heads, q_rows,
+    kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, part_out_ptr, part_lse_ptr, qk_scale, Hq, T, num_splits,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, NG: tl.constexpr, BLOCK_N: tl.constexpr,
     FMT: tl.constexpr, BITS: tl.constexpr, PACK: tl.constexpr, ASM: tl.constexpr,
 ):
-    """The ``fold`` variant's split ``split`` of KV head ``bh`` (slots ``[start, end)``): its normalized
-    partial output and base-2 log-sum-exp. :func:`kvlab.kernels.decode_entry.decode_kernel` calls it."""
+    """The ``fold`` variant's split ``split`` of KV head ``bh`` (slots ``[start, end)``, rows from
+    :func:`~kvlab.kernels.decode_reduce.group_rows`): its normalized partial output and base-2 log-sum-exp.
+    :func:`kvlab.kernels.decode_entry.decode_kernel` calls it."""
 
     DP: tl.constexpr = D // PACK  # bytes (int) or elements (bf16/fp8) of one row
     # NG: quantization groups of a row (int formats; 1 otherwise), each owning GP rows
     GW: tl.constexpr = DP // NG  # bytes of one group of one row
-    row_g, mask_r, heads, q_rows = group_rows(q_ptr, b, h, Hq, G, D, BLOCK_M, GP, NG)
     offs_j = tl.arange(0, DP)
 
     # Query slices, one per (group, plane) slot: slot i is group i // PACK, plane i % PACK.

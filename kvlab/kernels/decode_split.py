@@ -51,8 +51,8 @@ def _int_plane(raw, scale, zero, P: tl.constexpr, BITS: tl.constexpr):
 @triton.jit
 def split_partial(
     bh, split, b, h, start, end,
-    q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, len_ptr, part_out_ptr, part_lse_ptr,
-    qk_scale, Hq, Hkv, T, split_len, num_splits, G,
+    q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, part_out_ptr, part_lse_ptr,
+    qk_scale, Hq, T, num_splits, G,
     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     FMT: tl.constexpr, BITS: tl.constexpr, PACK: tl.constexpr, QGROUP: tl.constexpr,
 ):

@@ -70,7 +70,7 @@ import triton
 import triton.language as tl
 
 from kvlab.kernels.decode_fold import codes_unit, int4_planes
-from kvlab.kernels.decode_reduce import group_rows, query_slots
+from kvlab.kernels.decode_reduce import query_slots
 from kvlab.kernels.decode_words import code_planes
 from kvlab.kernels.jit_constants import FMT_FP8, FMT_INT
 
@@ -452,14 +452,14 @@ def _store_plane(rows, offs_c, keep, out, P: tl.constexpr, VP: tl.constexpr):
 
 @triton.jit
 def warp_partial(
-    bh, split, b, h, start, end,
-    q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, len_ptr, part_out_ptr, part_lse_ptr,
-    qk_scale, Hq, Hkv, T, split_len, num_splits, G,
-    D: tl.constexpr, BLOCK_M: tl.constexpr, GP: tl.constexpr, NG: tl.constexpr, BLOCK_N: tl.constexpr,
+    bh, split, b, start, end, row_g, mask_r, heads, q_rows,
+    kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, part_out_ptr, part_lse_ptr, qk_scale, Hq, T, num_splits,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, NG: tl.constexpr, BLOCK_N: tl.constexpr,
     FMT: tl.constexpr, ASM: tl.constexpr, W: tl.constexpr, IN_PLACE: tl.constexpr,
 ):
-    """The ``warp`` variant's split ``split`` of KV head ``bh`` (slots ``[start, end)``): its normalized
-    partial output and base-2 log-sum-exp. :func:`kvlab.kernels.decode_entry.decode_kernel` calls it."""
+    """The ``warp`` variant's split ``split`` of KV head ``bh`` (slots ``[start, end)``, rows from
+    :func:`~kvlab.kernels.decode_reduce.group_rows`): its normalized partial output and base-2 log-sum-exp.
+    :func:`kvlab.kernels.decode_entry.decode_kernel` calls it."""
     FP8: tl.constexpr = FMT == FMT_FP8
     DP: tl.constexpr = D if FP8 else D // 2  # bytes of one row
     # key slices per group: fp8 one (the whole row); int4 four word quarters where a group has >= 16
@@ -470,7 +470,6 @@ def warp_partial(
     VW: tl.constexpr = D // VP  # words of one row
     BW: tl.constexpr = BLOCK_N // W  # slots of one warp in a block
 
-    row_g, mask_r, heads, q_rows = group_rows(q_ptr, b, h, Hq, G, D, BLOCK_M, GP, NG)
     q0, q1, q2, q3, q4, q5, q6, q7 = query_slots(q_rows, mask_r, NG * KP, KP, KW)  # slot i: group i // KP
     # each group's sum of q (the zero term), times the softmax scale
     zb = tl.zeros([16, BLOCK_M], tl.float16)
