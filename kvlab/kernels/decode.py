@@ -44,7 +44,8 @@ BACKENDS = ("auto", "triton", "reference")
 # scales and zeros into the operands instead (decode_fold), "fold_asm" is fold with int4 codes
 # unpacked by inline PTX, four bytes at a time (formats with ``asm_unpack`` on CUDA only; fold
 # elsewhere), "warp" and "warp_asm" are fold with a split per warp (int4 and fp8; fold elsewhere; the
-# PTX on CUDA only), "warp2" and "warp2_asm" are warp with int4 quarters unpacked in place (fp8: warp's code). Flip after benchmarks/quant_attention.py --tune has measured them on the GPU.
+# PTX on CUDA only), "warp2" and "warp2_asm" are warp with int4 quarters unpacked in place (fp8: warp's
+# code). Flip after benchmarks/quant_attention.py --tune has measured them on the GPU.
 DEFAULT_VARIANT = "split"
 
 
