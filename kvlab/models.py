@@ -102,11 +102,16 @@ def _attention_bias(config) -> bool:
     return bool(getattr(config, "attention_bias", False) or config.model_type == "qwen2")
 
 
+def head_dim_of(config) -> int:
+    """A transformers config's head dim: ``head_dim`` where it says, else hidden size over query heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def count_params(config) -> int:
     """Parameter count of a Llama-family decoder (Llama, Mistral, Qwen2) from its config."""
     h, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
     nq, nkv = config.num_attention_heads, config.num_key_value_heads
-    d = getattr(config, "head_dim", None) or h // nq
+    d = head_dim_of(config)
     attn = h * nq * d + 2 * h * nkv * d + nq * d * h
     if _attention_bias(config):
         attn += nq * d + 2 * nkv * d
@@ -133,7 +138,7 @@ def spec_from_config(config, name: str | None = None, dtype: str = "bfloat16") -
         num_layers=config.num_hidden_layers,
         num_attention_heads=nq,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or nq,
-        head_dim=getattr(config, "head_dim", None) or config.hidden_size // nq,
+        head_dim=head_dim_of(config),
         hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size,
         vocab_size=config.vocab_size,

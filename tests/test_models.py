@@ -136,3 +136,12 @@ def test_the_converted_gguf_holds_exactly_what_transformers_reads_from_the_gguf(
     text = "The KV cache grows with every token: 12345 tokens later."
     assert read["tokenizer"].encode(text) == copy.tokenizer.encode(text)
     assert len(gguf_reads) == 2  # the copy's load did not read the GGUF
+
+
+def test_model_shape_reads_the_same_spec_from_a_loaded_model_its_module_its_config_and_its_spec(tiny):
+    from kvlab.policies.base import model_shape
+
+    shapes = [model_shape(m) for m in (tiny, tiny.model, tiny.model.config, tiny.spec)]
+    numbers = {(s.head_dim, s.num_layers, s.layer_types) for s in shapes}
+    assert numbers == {(tiny.spec.head_dim, tiny.spec.num_layers, ("full_attention",) * tiny.spec.num_layers)}
+    assert shapes[0].spec is tiny.spec and shapes[0].name == tiny.spec.name

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from kvlab.engine import EngineError, check_model_type
+from kvlab.models import head_dim_of
 
 
 def check_model(model) -> None:
@@ -185,7 +186,7 @@ class LlamaFamilyStep:
         self.lm_head = model.lm_head
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.head_dim = head_dim_of(config)
         self.scaling = self.layers[0].self_attn.scaling
         with torch.no_grad():
             self.qkv = [_fuse_linears([la.self_attn.q_proj, la.self_attn.k_proj, la.self_attn.v_proj])

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 from kvlab.budget import keep_problem
 from kvlab.errors import UserError
-from kvlab.models import LoadedModel, ModelSpec
+from kvlab.models import LoadedModel, ModelSpec, spec_from_config
 
 
 class PolicyError(UserError):
@@ -23,12 +23,23 @@ class PolicyError(UserError):
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What a policy needs to know about a model before any tensor exists."""
+    """What a policy needs to know about a model before any tensor exists: its spec (the numbers the byte
+    budget reads too, so head dim and name have one rule) and each layer's attention kind."""
 
-    name: str
-    head_dim: int
-    num_layers: int
+    spec: ModelSpec
     layer_types: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def head_dim(self) -> int:
+        return self.spec.head_dim
+
+    @property
+    def num_layers(self) -> int:
+        return self.spec.num_layers
 
     @property
     def non_full_layers(self) -> set[str]:
@@ -45,6 +56,15 @@ class ModelShape:
 def hf_model(model):
     """The transformers model inside a kvlab ``LoadedModel``, or the model itself."""
     return model.model if isinstance(model, LoadedModel) else model
+
+
+def on_cuda(model) -> bool:
+    """Whether ``model`` (a loaded model; not a spec or config) holds its weights on a CUDA device."""
+    params = getattr(hf_model(model), "parameters", None)
+    if params is None:
+        return False
+    first = next(params(), None)
+    return first is not None and first.device.type == "cuda"
 
 
 def _layer_types(config) -> list[str]:
@@ -64,14 +84,12 @@ def model_shape(model) -> ModelShape:
     """Shape of a transformers model, a ``LoadedModel``, a ``ModelSpec`` or a transformers config."""
     if isinstance(model, ModelSpec):
         kind = "sliding_attention" if model.sliding_window else "full_attention"
-        return ModelShape(model.name, model.head_dim, model.num_layers, (kind,) * model.num_layers)
-    name = model.spec.name if isinstance(model, LoadedModel) else None
+        return ModelShape(model, (kind,) * model.num_layers)
+    spec = model.spec if isinstance(model, LoadedModel) else None
     model = hf_model(model)
     config = getattr(model, "config", model)
     config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    name = name or getattr(config, "name_or_path", "") or config.model_type
-    return ModelShape(name, head_dim, config.num_hidden_layers, tuple(_layer_types(config)))
+    return ModelShape(spec or spec_from_config(config), tuple(_layer_types(config)))
 
 
 @contextmanager

@@ -13,20 +13,11 @@ from dataclasses import dataclass, field
 from kvlab.kernels import kivi
 from kvlab.kernels.kivi_decode import kernel_problem
 from kvlab.policies import attention
-from kvlab.policies.base import Policy, PolicyError, check_int, hf_model, model_shape
+from kvlab.policies.base import Policy, PolicyError, check_int, hf_model, model_shape, on_cuda
 from kvlab.policies.full import FullPolicy
 from kvlab.policies.kivi_layer import kivi_cache
 
 GROUPS = (16, 32, 64, 128)
-
-
-def on_cuda(model) -> bool:
-    """Whether ``model`` (a loaded model; not a spec or config) holds its weights on a CUDA device."""
-    params = getattr(hf_model(model), "parameters", None)
-    if params is None:
-        return False
-    first = next(params(), None)
-    return first is not None and first.device.type == "cuda"
 
 
 @dataclass(frozen=True)

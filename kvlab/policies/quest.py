@@ -15,9 +15,8 @@ from dataclasses import dataclass, field
 from kvlab.kernels import quest
 from kvlab.kernels.quest_decode import kernel_problem
 from kvlab.policies import attention
-from kvlab.policies.base import Policy, PolicyError, check_int, hf_model, model_shape
+from kvlab.policies.base import Policy, PolicyError, check_int, hf_model, model_shape, on_cuda
 from kvlab.policies.full import FullPolicy
-from kvlab.policies.kivi import on_cuda
 from kvlab.policies.quest_layer import quest_cache
 
 GROUP_REDUCE = ("max", "sum")
