@@ -27,7 +27,7 @@ import statistics
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvlab.anatomy import op_times
@@ -247,7 +247,6 @@ class Measurement:
     record: dict[str, Any]
     window: WindowResult
     tokens: Any = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _token_count(tokens) -> int:

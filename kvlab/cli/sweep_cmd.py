@@ -16,7 +16,7 @@ from pathlib import Path
 from kvlab.cli import EXIT_USAGE, STATUS_EXIT
 from kvlab.preflight import check_out_dir
 from kvlab.sweep.lock import SweepLocked
-from kvlab.sweep.params import load_params
+from kvlab.sweep.params import EXECUTORS, load_params
 from kvlab.sweep.plan import count_by, planned_runs
 
 
@@ -27,7 +27,7 @@ def register(sub) -> None:
     p.add_argument("-o", "--out", default=None, help="sweep folder (default: outputs/<params name>)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="override a params key (value parsed as YAML), e.g. --set ctx=16384; repeatable")
-    p.add_argument("--executor", choices=("local", "process", "ray"), default=None,
+    p.add_argument("--executor", choices=tuple(EXECUTORS), default=None,
                    help="where runs execute (params key `executor`): local (this process, the default), "
                         "process (a child process per group: a crash costs the run in flight), ray (a Ray task per GPU)")
     p.add_argument("--ray-address", default=None, metavar="ADDR",

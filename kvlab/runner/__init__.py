@@ -17,22 +17,16 @@ resume and manifests do not depend on the executor; the manifest's invocation li
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 
-from kvlab.runner.local import LocalExecutor
-from kvlab.runner.process import ProcessExecutor
-from kvlab.runner.ray_cluster import RayExecutor
-
-EXECUTORS = ("local", "process", "ray")
+from kvlab.sweep.params import EXECUTORS
 
 
 def make_executor(name: str, *, ray_address: str | None = None, log: Callable[[str], None] = print):
-    """The executor called ``name``; ``ray`` is imported when one is made, so a missing extra fails
-    before any model loads with the install line."""
-    if name == "local":
-        return LocalExecutor()
-    if name == "process":
-        return ProcessExecutor(log=log)
-    if name == "ray":
-        return RayExecutor(address=ray_address, log=log)
-    raise ValueError(f"executor: {name!r} is not one of {', '.join(EXECUTORS)}")
+    """The executor called ``name`` (:data:`kvlab.sweep.params.EXECUTORS`); its module is imported
+    when one is made (``ray`` too), so a missing extra fails before any model loads with the install line."""
+    if name not in EXECUTORS:
+        raise ValueError(f"executor: {name!r} is not one of {', '.join(EXECUTORS)}")
+    module, cls = EXECUTORS[name].split(":")
+    return getattr(importlib.import_module(module), cls).from_options(ray_address=ray_address, log=log)

@@ -9,6 +9,11 @@ from kvlab.sweep.group import run_group
 class LocalExecutor:
     name = "local"
 
+    @classmethod
+    def from_options(cls, *, ray_address: str | None = None, log=print):
+        """The executor :func:`kvlab.runner.make_executor` makes from a sweep's options."""
+        return cls()
+
     def check(self, *, loader, sampler_factory) -> None:
         """Nothing to check before the lock: this executor takes any callables."""
 

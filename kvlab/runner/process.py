@@ -89,6 +89,11 @@ def spawn_transport(job: GroupJob) -> Iterator[tuple]:
 class ProcessExecutor:
     name = "process"
 
+    @classmethod
+    def from_options(cls, *, ray_address: str | None = None, log=print):
+        """The executor :func:`kvlab.runner.make_executor` makes from a sweep's options."""
+        return cls(log=log)
+
     def __init__(self, log: Callable[[str], None] = print, transport=spawn_transport):
         self.log = log
         self.transport = transport

@@ -86,6 +86,11 @@ def slots_for(resources: dict[str, float], cluster: dict[str, float]) -> int:
 class RayExecutor:
     name = "ray"
 
+    @classmethod
+    def from_options(cls, *, ray_address: str | None = None, log=print):
+        """The executor :func:`kvlab.runner.make_executor` makes from a sweep's options."""
+        return cls(address=ray_address, log=log)
+
     def __init__(self, address: str | None = None, log: Callable[[str], None] = print):
         self.ray = import_ray()
         self.address = address
@@ -153,7 +158,7 @@ class RayExecutor:
             cluster = self.ray.cluster_resources()
             resources = task_resources(params, cluster)
             if resources.get("num_gpus") and not cluster.get("GPU"):
-                raise ValueError(f"device: {params.device!r} but the Ray cluster has no GPU "
+                raise UserError(f"device: {params.device!r} but the Ray cluster has no GPU "
                                  f"(resources: {cluster}); start its nodes with GPUs, or --set device=cpu")
             slots = slots_for(resources, cluster)
             sink.log(f"kvlab sweep: ray executor, {slots} task(s) at a time with {resources} each")

@@ -25,6 +25,12 @@ from kvlab.workload import CtxDistribution, WorkloadError, parse_distribution
 
 SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
 DTYPES = ("bfloat16", "float16", "float32")
+# Where a sweep's runs execute, by name: the class behind each (``module:Class``, imported by
+# :func:`kvlab.runner.make_executor` when one is made). The params Literal and the CLI's
+# ``--executor`` choices read these names.
+EXECUTORS = {"local": "kvlab.runner.local:LocalExecutor", "process": "kvlab.runner.process:ProcessExecutor",
+             "ray": "kvlab.runner.ray_cluster:RayExecutor"}
+EXECUTOR_NAMES = tuple(EXECUTORS)
 
 
 class ParamsError(UserError):
@@ -97,7 +103,7 @@ class SweepParams(BaseModel):
     time_budget_s: float | None = Field(None, gt=0, description="stop cleanly before this many seconds")
     retry_failed: bool = Field(True, description="rerun runs recorded as failed (false: keep their failure)")
     timelines: bool = Field(True, description="write power timelines to timelines.jsonl")
-    executor: Literal["local", "process", "ray"] = Field(
+    executor: Literal[EXECUTOR_NAMES] = Field(  # type: ignore[valid-type]
         "local", description="where runs execute: local (this process), process (a child process per "
                              "group of runs), ray (a Ray task per GPU); see kvlab.runner")
     ray_address: str | None = Field(
