@@ -28,11 +28,11 @@ import torch
 
 from kvlab.engine.compare import compare_engines
 from kvlab.engine.fast import FastEngine
-from kvlab.engine.kvstore import cumulative_offsets, flash_available, flash_decode
-from kvlab.engine.kvstore_ragged import ragged_flash_decode, ragged_sdpa_decode, segment_offsets
 from kvlab.measure import make_prompt
 from kvlab.models import load_model
 from kvlab.policies import make_policy
+from kvlab.storage.ragged import ragged_flash_decode, ragged_sdpa_decode, segment_offsets
+from kvlab.storage.slots import cumulative_offsets, flash_available, flash_decode
 
 ATTENTIONS = ("flash", "sdpa")
 

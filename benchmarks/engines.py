@@ -123,8 +123,9 @@ def attention_kernel_bandwidth(decoder, ctx: int, device: str, copy_gbps: float 
     those bytes' GB/s as a fraction of a copy of the same bytes timed here (:func:`kvlab.budget.bandwidth_fields`).
     The new token's write is not included; the store's content is whatever the last run left."""
     from kvlab.budget import bandwidth_fields
-    from kvlab.engine.kvstore import DenseStore, flash_decode, sdpa_decode, segment_lengths
     from kvlab.kernels import decode_attention
+    from kvlab.storage.dense import DenseStore
+    from kvlab.storage.slots import flash_decode, sdpa_decode, segment_lengths
 
     store, layout, step = decoder.store, decoder.layout, decoder.step_fn
     b, hq, d = layout.batch, step.num_heads, layout.head_dim
@@ -301,7 +302,7 @@ def main() -> int:
                 result["rows"].append({"method": name, "batch": batch, "status": "failed", "error": repr(err)})
                 print(f"{name}: setup failed: {err!r}", flush=True)
         pairs = [(m, e) for m in policies for e in args.engines
-                 if not (e == "fast-deq" and policies[m].fast_storage()[1] == "model")]
+                 if not (e == "fast-deq" and policies[m].storage().kv_format == "model dtype")]
         ids = make_prompt(loaded, args.ctx, batch, 0, 0)
         for rep in range(-1, args.repeats):  # -1: the warm-up pass, never recorded
             order = list(pairs)

@@ -8,14 +8,14 @@ buffers held on 2026-12-03f; the same bytes, but the power drawn may depend on t
 variant:
 
 - ``flash``: what the engine runs, flash's varlen kernel over the head-major store, one sequence
-  per (row, KV head) (:func:`kvlab.engine.kvstore.flash_decode`);
+  per (row, KV head) (:func:`kvlab.storage.slots.flash_decode`);
 - ``flash-bchd``: the call the engine made before, ``B`` sequences of ``Hkv`` heads over
   ``[B, C, Hkv, D]``, whose GQA transposes torch copies at batch > 1 (three copy kernels a call);
 - ``flash-sN``: ``flash`` with ``N`` KV splits (``--splits``; 0 is flash's heuristic, which is
   ``flash``), where torch's op takes ``num_splits``: fewer splits, a shorter combine pass;
 - ``sdpa``: masked SDPA as the engine's ``attention="sdpa"`` calls it (GQA as query rows), torch's
   backend choice; ``cudnn-rows``: the same call pinned to cuDNN; ``cudnn``: the engine's
-  ``attention="cudnn"`` (:func:`kvlab.engine.kvstore.cudnn_decode`: ``Hq`` query heads,
+  ``attention="cudnn"`` (:func:`kvlab.storage.slots.cudnn_decode`: ``Hq`` query heads,
   ``enable_gqa``, the lengths as an additive bias: the minimal step's kernel, with the lengths).
 
 Each: max abs error against a float32 reference, µs per call replayed from a CUDA graph over
@@ -36,7 +36,7 @@ from contextlib import nullcontext
 
 import torch
 
-from kvlab.engine.kvstore import (
+from kvlab.storage.slots import (
     cudnn_decode,
     cumulative_offsets,
     flash_decode,

@@ -112,7 +112,7 @@ def run_case(batch, length, args, device, rows):
     # flash on the dense [B, H, C, D] cache (the fast engine's head-major store: one segment per row and head)
     dense = [(k.contiguous(), v.contiguous()) for _ in range(copies)]
     if device.type == "cuda":
-        from kvlab.engine.kvstore import cumulative_offsets, flash_decode, segment_lengths
+        from kvlab.storage.slots import cumulative_offsets, flash_decode, segment_lengths
 
         offsets = cumulative_offsets(batch * hkv, length, device)
         segments = segment_lengths(lengths, hkv)

@@ -17,3 +17,11 @@ class UserError(ValueError):
         """What IPython shows instead of the traceback (a notebook's cell, papermill's error): the
         CLI's one line, so a bad ``-p`` value reads first, not after the frames that raised it."""
         return [f"kvlab: error: {self}"]
+
+
+class PolicyError(UserError):
+    """Bad policy or storage input (method, keep, nbits, backend, model); the message names the fix."""
+
+
+class EngineError(UserError):
+    """An engine (or the store it builds) cannot run this model or policy; the message names the fix."""

@@ -8,14 +8,14 @@ import torch
 from tiny_models import load_tiny_d32
 
 from kvlab.engine import EngineError
-from kvlab.engine import kvstore_ragged as ragged
 from kvlab.engine.engines import generate_text, make_engine
 from kvlab.engine.fast import FastEngine
 from kvlab.engine.generation import greedy_decode, prefill
-from kvlab.engine.kvstore import Layout
 from kvlab.policies import PolicyError, make_policy
 from kvlab.policies.adakv import SCORERS
 from kvlab.policies.headwise import head_stats
+from kvlab.storage import ragged
+from kvlab.storage.slots import Layout
 
 N, NEW = 96, 10
 
@@ -212,6 +212,6 @@ def test_row_groups_load_their_own_segments(lm):
 
 def test_what_the_ragged_store_cannot_hold_is_refused(lm):
     with pytest.raises(PolicyError, match="use scope='layer'"):
-        make_policy("adakv", scorer="kvzip", scope="model").fast_storage()
+        make_policy("adakv", scorer="kvzip", scope="model").storage()
     with pytest.raises(EngineError, match="use attention auto, flash or sdpa"):
         FastEngine(lm, attention="triton").decoder(adakv(), 1, N, NEW)

@@ -126,7 +126,7 @@ def test_adakv_refuses_what_it_cannot_do():
     with pytest.raises(PolicyError, match="only the kvzip"):
         make_policy("adakv", scope="model")
     with pytest.raises(PolicyError, match="fast engine"):  # scope 'layer' runs there (tests/test_adakv_fast.py)
-        make_policy("adakv", scorer="kvzip", scope="model").fast_storage()
+        make_policy("adakv", scorer="kvzip", scope="model").storage()
     assert "adakv" in POLICIES and "kvzip" in POLICIES
 
 

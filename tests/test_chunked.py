@@ -230,7 +230,7 @@ def test_lower_right_chunk_attention_equals_the_masked_stock_path(lm, method, mo
     import contextlib
 
     import kvlab.engine.generation as generation
-    import kvlab.policies.attention as attention
+    import kvlab.storage.attention as attention
 
     calls = []
     real = attention.chunk_attention
@@ -248,7 +248,7 @@ def test_lower_right_chunk_attention_equals_the_masked_stock_path(lm, method, mo
 
 def test_chunk_attention_with_repeated_heads_is_the_same_attention(monkeypatch):
     """The CUDA fallback (flash cannot take the grouped heads): repeated K/V, the same output."""
-    import kvlab.policies.attention as attention
+    import kvlab.storage.attention as attention
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, h, n, 16, generator=g) for h, n in ((8, 5), (2, 12), (2, 12)))

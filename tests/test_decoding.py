@@ -109,7 +109,7 @@ def test_bad_decoding_params_name_the_fix(kwargs, message):
 
 def test_the_fast_engine_refuses_it_in_one_line():
     with pytest.raises(PolicyError, match="use engine hf"):
-        make_policy("decoding").fast_storage()
+        make_policy("decoding").storage()
 
 
 def test_params_and_label():

@@ -10,6 +10,7 @@ from kvlab.engine.fast import FastEngine
 from kvlab.engine.generation import greedy_decode, prefill
 from kvlab.policies import POLICIES, EvictionPolicy, make_policy
 from kvlab.policies.base import PolicyError
+from kvlab.policies.full import FullPolicy
 
 # Every policy the fast engine stores at the model dtype: full and every eviction, from the registry.
 DENSE = ["full"] + [name for name, cls in POLICIES.items() if issubclass(cls, EvictionPolicy)]
@@ -147,7 +148,7 @@ def test_other_architectures_fail_in_one_line():
 def test_hqq_says_it_has_no_fast_kernel():
     pytest.importorskip("hqq")
     with pytest.raises(PolicyError, match="engine hf for hqq"):
-        make_policy("hqq", nbits=4).fast_storage()
+        make_policy("hqq", nbits=4).storage()
 
 
 @pytest.mark.slow(reason="real SmolLM2 weights: per method two 512-token prefills and 2 x 16 decode steps "
@@ -241,7 +242,7 @@ def test_quality_on_the_fast_engine_replies_as_hf_does(smollm2):
 
 
 def test_step_slots_are_per_layer_and_advance_on_the_device():
-    from kvlab.engine.kvstore import StepSlots
+    from kvlab.storage.slots import StepSlots
 
     slots = StepSlots((5, 3, 7), batch=2, device="cpu")
     slots.begin()
@@ -321,7 +322,7 @@ def test_an_engine_set_holds_one_fast_decoder_and_drops_it_for_an_hf_run(tiny):
     assert hf.name == "hf" and not fast._decoders  # the fast store was released before the hf run
     assert not hf.release() and engines.get("fast") is fast
     policy = make_policy("kvq-int4")
-    assert hf.storage_policy(policy) is policy and fast.storage_policy(policy) == policy.fast_storage()[0]
+    assert hf.storage_policy(policy) is policy and fast.storage_policy(policy) == FullPolicy()
     with pytest.raises(EngineError, match="unknown engine"):
         make_engine("turbo", tiny)
 

@@ -26,7 +26,7 @@ from kvlab.engine.engines import make_engine
 from kvlab.engine.generation import prefill
 from kvlab.kernels import decode_attention
 from kvlab.policies import make_policy
-from kvlab.policies.quantized.kvq_layers import KVQLayer
+from kvlab.storage.kvq import KVQLayer
 
 METHODS = ["kvq-int4", "kvq-fp8"]
 

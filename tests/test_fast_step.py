@@ -7,8 +7,9 @@ C++ makes of the queries and output are replayed to show they are views (no copy
 import pytest
 import torch
 
-from kvlab.engine import kvstore
-from kvlab.engine.kvstore import DenseStore, Layout, StepSlots
+from kvlab.storage import slots as kvstore
+from kvlab.storage.dense import DenseStore
+from kvlab.storage.slots import Layout, StepSlots
 
 
 def varlen_semantics(q, keys, values, cu_q, cu_k, max_k, used, scale, splits=None):

@@ -1,4 +1,4 @@
-"""The KIVI cache layer for the hf engine (kvlab.policies.kivi_layer): it holds what the fast engine's
+"""The KIVI cache layer for the hf engine (kvlab.storage.kivi): it holds what the fast engine's
 store holds at every length, and a tiny model generates through it."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from kvlab.kernels import kivi
-from kvlab.policies.kivi_layer import KiviLayer, kivi_cache
+from kvlab.storage.kivi import KiviLayer, kivi_cache
 
 SPEC = kivi.KiviSpec(bits=2, group=16, residual=32, value_group=32)
 

@@ -8,8 +8,9 @@ from tiny_models import load_tiny_d32
 from kvlab.engine.compare import compare_engines
 from kvlab.engine.fast import FastEngine
 from kvlab.engine.generation import greedy_decode, prefill
-from kvlab.engine.kvstore_reads import KiviSlotStore, QuestStore
 from kvlab.policies import POLICIES, PolicyError, cache_stats, make_policy
+from kvlab.storage.kivi import KiviSlotStore
+from kvlab.storage.quest import QuestStore
 
 # small groups and residuals so that groups flush inside the prompt and during decode; small pages
 # and budgets so that the read really is sparse at 100 tokens
@@ -69,7 +70,7 @@ def test_fast_and_hf_logits_agree(tiny32, method, params):
 def test_quest_reads_sparsely_on_both_engines(tiny32, monkeypatch):
     """A budget below the context changes the tokens (on this random model), and hf's decode steps
     go through the layer's sparse read, not the stock kernel."""
-    from kvlab.policies import quest_layer
+    from kvlab.storage import quest as quest_layer
 
     calls = []
     real = quest_layer.QuestLayer.attend
@@ -94,7 +95,7 @@ def test_kivi_bytes_match_the_budget_arithmetic(tiny32):
     spec = tiny32.spec
     policy = make_policy("kivi", residual_length=16, q_group_size=16, value_group=16)
     ref, fast, decoder, cache = run_both(tiny32, policy, ids(), 40)
-    s = policy.spec
+    s = policy.storage().spec
     want = kivi_cache_bytes(spec, 100, 2, bits=2, group=16, residual=16, value_group=16, new_tokens=39)
     assert cache_stats(cache)["bytes"] < want  # hf holds only the ring's filled part
     store = decoder.store
@@ -197,17 +198,16 @@ def test_generate_runs_kivi_and_quest_on_both_engines(capsys):
 def test_the_stores_give_the_reference_tokens_through_the_triton_kernels(tiny32, method, params, monkeypatch):
     """The CUDA path's plumbing (workspaces, lengths, layouts) on CPU: the kernels interpreted
     (tests/conftest.py sets TRITON_INTERPRET=1) give the reference's tokens."""
-    import functools
     import os
 
-    from kvlab.engine import fast, kvstore_reads
+    from kvlab.engine import fast
 
     pytest.importorskip("triton")
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("no GPU and TRITON_INTERPRET is not 1")
     policy = make_policy(method, **params)
     ref, *_ = run_both(tiny32, policy, ids(), 12)
-    monkeypatch.setattr(fast, "read_store", functools.partial(kvstore_reads.read_store, backend="triton"))
+    monkeypatch.setattr(fast.FastEngine, "kernel_backend", "triton", raising=False)
     _, kernels, decoder, _ = run_both(tiny32, policy, ids(), 12)
     assert decoder.store.backend == "triton"
     assert torch.equal(ref, kernels)

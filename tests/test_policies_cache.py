@@ -11,7 +11,7 @@ from kvlab.engine.engines import generate_text
 from kvlab.engine.generation import cache_kwarg, greedy_decode, prefill
 from kvlab.models import load_model
 from kvlab.policies import EvictionError, cache_stats, kept_positions, make_policy
-from kvlab.policies.attention import window_attention
+from kvlab.storage.attention import window_attention
 
 EVICTION = ["streamingllm", "snapkv", "pyramidkv", "tova", "knorm", "random"]
 SMALL = {"snapkv": {"window_size": 8}, "pyramidkv": {"window_size": 8}}  # windows that fit 100 tokens

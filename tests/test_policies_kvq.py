@@ -13,7 +13,8 @@ from kvlab.models import get_spec
 from kvlab.policies import EvictionError, cache_stats, kept_positions, make_policy
 from kvlab.policies.base import PolicyError
 from kvlab.policies.cache import EvictingLayer, evicting_quantized_class
-from kvlab.policies.quantized.kvq_layers import EvictingKVQLayer, KVQLayer
+from kvlab.policies.quantized.storage import EvictingKVQLayer
+from kvlab.storage.kvq import KVQLayer, KVQStorage
 
 N = 100
 FORMATS = ["fp8", "int4-g32", "int2-g32"]
@@ -80,7 +81,7 @@ def test_evict_then_kvq_keeps_snapkvs_positions_and_stores_them_quantized(lm):
     combined = make_policy("snapkv", keep=0.25, window_size=8, quant={"backend": "kvq", "nbits": 4,
                                                                         "q_group_size": 32})
     alone = make_policy("snapkv", keep=0.25, window_size=8)
-    assert combined.fast_storage() == (alone, "int4-g32")
+    assert combined.storage() == KVQStorage("int4-g32", alone)
     with combined.attach(lm, warm=False):
         cache, ref = combined.make_cache(lm.model), alone.make_cache(lm.model)
         assert all(type(layer) is EvictingKVQLayer for layer in cache.layers)
@@ -135,7 +136,7 @@ def test_fast_equals_hf_token_for_token(lm, method, params):
     bf16 before attending, and tokens could part where two logits tie within that rounding."""
     policy = make_policy(method, **params)
     ref, fast, decoder = _both_engines(lm, policy, prompt(batch=2, n=64), 24)
-    assert decoder.store.kv_format == policy.fast_storage()[1] and decoder.graph is None
+    assert decoder.store.kv_format == policy.storage().kv_format and decoder.graph is None
     assert torch.equal(ref, fast)
 
 
@@ -168,6 +169,6 @@ def test_params_labels_and_fast_formats():
     assert make_policy("kvq-fp8").params()["q_group_size"] is None
     assert make_policy("kvq-fp8").label == "kvq fp8"
     assert make_policy("snapkv", keep=0.25, quant={"backend": "kvq"}).label == "snapkv 25% + kvq int4-g64"
-    assert [make_policy(m).fast_storage()[1] for m in ("kvq-fp8", "kvq-int4", "kvq-int2")] == \
+    assert [make_policy(m).storage().format for m in ("kvq-fp8", "kvq-int4", "kvq-int2")] == \
         ["fp8", "int4-g64", "int2-g64"]
     make_policy("kvq-fp8").check(get_spec("tiny-llama"))  # fp8 needs only head_dim % 16 == 0

@@ -11,10 +11,12 @@ from tiny_models import load_tiny_d32, registry_kwargs
 from kvlab.engine import EngineError, prefill_rows
 from kvlab.engine.engines import make_engine
 from kvlab.engine.fast import FastEngine
-from kvlab.engine.kvstore import DenseStore, Layout, QuantizedStore
 from kvlab.kernels import make_format, quantize_write
 from kvlab.measure import measure_generation
 from kvlab.policies import POLICIES, PolicyError, make_policy
+from kvlab.storage.dense import DenseStore
+from kvlab.storage.kvq import QuantizedStore
+from kvlab.storage.slots import Layout
 from kvlab.sweep.checks import check_params
 from kvlab.sweep.params import ParamsError, parse_params
 from kvlab.sweep.plan import expand
@@ -31,7 +33,7 @@ def lm():
 
 def runs_on_fast(name: str) -> bool:
     try:
-        make_policy(name, **registry_kwargs(name, pyramid_beta=2)).fast_storage()
+        make_policy(name, **registry_kwargs(name, pyramid_beta=2)).storage()
     except PolicyError:
         return False  # hqq (no kernel), decoding (shrinks the cache while decoding)
     return True

@@ -1,4 +1,4 @@
-"""Quest's bounds beside a transformers cache layer (kvlab.policies.quest_layer): kept on prefill,
+"""Quest's bounds beside a transformers cache layer (kvlab.storage.quest): kept on prefill,
 appends and chunks, and the sparse read at a full budget is the dense one."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kvlab.kernels import quest
-from kvlab.policies.quest_layer import QuestLayer, quest_cache
+from kvlab.storage.quest import QuestLayer, quest_cache
 
 
 def test_bounds_follow_updates():

@@ -7,8 +7,8 @@ from tiny_models import load_tiny_d32
 
 from kvlab.engine.fast import FastEngine
 from kvlab.engine.generation import greedy_decode, prefill
-from kvlab.engine.store_cache import StoreCache
 from kvlab.policies import make_policy
+from kvlab.storage.store_cache import StoreCache
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,7 @@ def check_args(args) -> dict[str, dict]:
     for policy in policies:
         policy.check(spec)
         if args.engine == "fast":
-            policy.fast_storage()
+            policy.storage()
     if args.engine == "fast":
         check_model_type(spec.model_type)
     require(*shape_problems(spec, args.device, None, args.ctx, 1, args.warmup + args.steps + 1,

@@ -16,7 +16,6 @@ from kvlab.engine.engines import generate_text, make_engine
 from kvlab.errors import UserError
 from kvlab.policies import POLICIES, PolicyError, QuantizedPolicy, make_policy
 from kvlab.policies.eviction import EvictionPolicy
-from kvlab.policies.kivi import KiviPolicy
 from kvlab.policies.quantized import BACKENDS, DEFAULT_BACKEND
 from kvlab.preflight import (
     compressions,
@@ -39,6 +38,11 @@ ADAKV_FLAGS = {"scorer": "scorer", "alpha_safeguard": "alpha_safeguard", "scope"
 
 
 
+def stores_bits(cls) -> bool:
+    """Whether a method takes the quantization flags as its own parameters (a quantized storage's)."""
+    return {"nbits", "q_group_size"} <= {row["name"] for row in cls.describe()}
+
+
 def _given(args, flags: dict[str, str]) -> dict:
     return {param: getattr(args, flag) for flag, param in flags.items() if getattr(args, flag) is not None}
 
@@ -53,7 +57,7 @@ def policy_from_args(args):
     if cls is not None and issubclass(cls, EvictionPolicy):
         if quant or args.backend:
             params["quant"] = {"backend": args.backend or DEFAULT_BACKEND, **quant}
-    elif cls is not None and issubclass(cls, (QuantizedPolicy, KiviPolicy)):
+    elif cls is not None and (issubclass(cls, QuantizedPolicy) or stores_bits(cls)):
         if args.backend and args.backend != args.method:
             raise PolicyError(f"--backend {args.backend} contradicts --method {args.method}: drop --backend")
         params.update(quant)
@@ -144,7 +148,7 @@ def generate(args) -> int:
     text = _prompt_text(args)
     if args.engine == "fast":
         check_model_type(spec.model_type)
-        policy.fast_storage()  # formats the fast engine cannot store fail here, before the load
+        policy.storage()  # formats the fast engine cannot store fail here, before the load
     loaded = models.load_model(args.model, weights=args.weights, device=args.device, dtype=args.dtype, seed=args.seed)
     if loaded.tokenizer is None and args.prompt_tokens is None:
         raise UserError(f"{args.model} has no tokenizer here: pass --prompt-tokens N")

@@ -50,7 +50,7 @@ def check_args(args, spec):
     if args.engine == "fast":
         check_model_type(model_spec.model_type)
         for policy in policies:
-            policy.fast_storage()
+            policy.storage()
     require(device_problem(args.device), weights_problem(args.model, args.weights))
     require(*weights_quant_problems([args.weights_quant], [args.engine]))
     done = read_manifest(args.out) if Path(args.out).is_dir() else None

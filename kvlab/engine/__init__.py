@@ -20,16 +20,12 @@ Generation helpers both use (prefill, question append, greedy decode, teacher fo
 
 from __future__ import annotations
 
-from kvlab.errors import UserError
+from kvlab.errors import EngineError
 
 ENGINES: dict[str, str] = {
     "hf": "transformers forward per decode step, the policy's transformers cache (today's stack)",
     "fast": "static KV buffers + one CUDA-graph replay per decode step, greedy argmax on the GPU",
 }
-
-
-class EngineError(UserError):
-    """An engine cannot run this model or policy; the message names the fix."""
 
 
 def check_engine(name: str) -> str:

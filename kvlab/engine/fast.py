@@ -31,15 +31,11 @@ from kvlab.columns import engine_columns
 from kvlab.engine import EngineError, prefill_rows
 from kvlab.engine.anatomy import fast_anatomy
 from kvlab.engine.generation import chunk_bounds, prefill
-from kvlab.engine.kvstore import DENSE_ATTENTION, DenseStore, Layout, QuantizedStore, flash_takes_splits
-from kvlab.engine.kvstore_ragged import RaggedStore, per_head_budget
-from kvlab.engine.kvstore_reads import read_store
 from kvlab.engine.llama import LlamaFamilyStep, check_model
-from kvlab.engine.store_cache import StoreCache
 from kvlab.policies.base import hf_model
-from kvlab.policies.cache import layer_tensors
 from kvlab.policies.full import FullPolicy
-from kvlab.policies.headwise import RaggedHeads, head_tensors
+from kvlab.storage.base import Storage, StoreOptions
+from kvlab.storage.slots import DENSE_ATTENTION, Layout, flash_takes_splits
 
 CAPTURE_WARMUP_STEPS = 3
 # How the step is compiled by default, per device type (:data:`kvlab.engine.llama.STEP_COMPILE`).
@@ -55,7 +51,7 @@ class FastDecoder:
 
     cache = None  # decode runs in the static store, not in a transformers cache
 
-    def __init__(self, model, step: LlamaFamilyStep, store, layout: Layout, prefill_policy, device,
+    def __init__(self, model, step: LlamaFamilyStep, store, layout: Layout, storage: Storage, device,
                  capture: bool):
         """``capture``: CUDA only. With ``step.compile == "reduce-overhead"`` the step is handed to
         ``torch.compile(mode="reduce-overhead")`` (torch's CUDA graph trees) instead of captured here."""
@@ -63,7 +59,7 @@ class FastDecoder:
         self.step_fn = step
         self.store = store
         self.layout = layout
-        self.prefill_policy = prefill_policy
+        self.storage = storage
         self.device = torch.device(device)
         bsz = layout.batch
         self.token = torch.zeros(bsz, 1, dtype=torch.long, device=device)
@@ -118,39 +114,21 @@ class FastDecoder:
         return self.graph is not None or self._compiled is not None
 
     # -- a generation ------------------------------------------------------------------------
-    @property
-    def prefills_into_store(self) -> bool:
-        """Whether the prefill writes straight into the store (:class:`StoreCache`): a policy that
-        keeps every prompt token (``full``, and the quantized formats, whose prefill policy is full)
-        into a store :class:`StoreCache` can write (dense or kvlab-format; the KIVI and Quest stores
-        keep their own layouts and load from a prefill cache)."""
-        return isinstance(self.prefill_policy, FullPolicy) and type(self.store) in (DenseStore, QuantizedStore)
-
     def prefill_cache(self, rows: slice | None = None):
-        """A fresh transformers cache to prefill (batch rows ``rows`` of the store; None: all) into:
-        a :class:`StoreCache` over the store itself when the policy keeps every token (no second copy
-        of the prompt's K/V at the peak), else the policy's own, minus any quantization (an evicting
-        policy selects from the whole prompt's K/V; :meth:`load` copies what it kept)."""
-        if self.prefills_into_store:
-            return StoreCache(self.store, rows)
-        return self.prefill_policy.make_cache(self.model)
+        """A fresh transformers cache to prefill (batch rows ``rows`` of the store; None: all) into,
+        the storage's: the store itself where the prompt enters whole and the store takes its writes
+        (no second copy of the prompt's K/V at the peak), else a cache :meth:`load` copies from (an
+        evicting policy's own, unquantized: it selects from the whole prompt's K/V)."""
+        return self.storage.prefill_cache(self.store, rows, self.model)
 
     def load(self, cache, rows: slice | None = None) -> None:
         """Move the prefilled cache's kept K/V into the static buffers (a copy, inside prefill):
-        into batch rows ``rows`` when the cache holds a group of the batch's sequences. A
-        :class:`StoreCache` already wrote them there: only its lengths are checked."""
-        if isinstance(cache, StoreCache):
-            if cache.store is not self.store:
-                raise EngineError("this StoreCache writes into another decoder's store")
-            got = [layer.get_seq_length() for layer in cache.layers]
-            if got != list(self.layout.kept):
-                raise ValueError(f"the prefill wrote {got[0]} tokens per layer, the store was sized for "
-                                 f"{self.layout.kept[0]}")
-            self.store.step.zero_()
-        elif isinstance(self.store, RaggedStore):  # each (row, KV head)'s kept rows, without the padding
-            self.store.load(head_tensors(cache), rows)
-        else:
-            self.store.load(layer_tensors(cache), rows)
+        into batch rows ``rows`` when the cache holds a group of the batch's sequences. A cache that
+        wrote into the store already is only checked."""
+        try:
+            self.storage.load(self.store, cache, rows)
+        except ValueError as err:
+            raise EngineError(str(err)) from None
         self.logical_tokens = int(cache.get_seq_length())
         self.fed = 0
 
@@ -290,6 +268,7 @@ class FastEngine:
     """
 
     name = "fast"
+    kernel_backend = "auto"  # the KIVI and Quest kernels' (``triton`` on CPU: the interpreter)
 
     def __init__(self, model, attention: str = "auto", capture: bool | None = None, max_decoders: int = 4,
                  quant_attention: str = "auto", keep_fraction: float = 0.25, compile: str | None = None,
@@ -315,7 +294,7 @@ class FastEngine:
     def storage_policy(self, policy):
         """The policy whose transformers cache the prefill fills (and whose warm-up runs): the
         policy's unquantized prefill policy; the store holds the quantized format."""
-        return policy.fast_storage()[0]
+        return policy.storage().prefill or FullPolicy()
 
     def layout(self, policy, batch: int, ctx: int, new_tokens: int) -> Layout:
         return Layout(batch, tuple(policy.kept_tokens(ctx, self.step.num_layers)), new_tokens,
@@ -324,8 +303,7 @@ class FastEngine:
     def decoder(self, policy, batch: int, ctx: int, new_tokens: int) -> FastDecoder:
         """The decoder for a ``ctx``-token prompt, sized from the policy before any prefill (so a
         measured run captures its graph before its energy window opens)."""
-        prefill_policy, kv_format = policy.fast_storage()
-        return self._decoder(self.layout(policy, batch, ctx, new_tokens), kv_format, prefill_policy)
+        return self._decoder(self.layout(policy, batch, ctx, new_tokens), policy.storage())
 
     def decoder_for_cache(self, policy, cache, new_tokens: int,
                           prefill_stats: dict[str, Any] | None = None) -> FastDecoder:
@@ -333,20 +311,15 @@ class FastEngine:
         context: sized from the cache, loaded from it, with room for ``new_tokens`` more (fed with
         :meth:`FastDecoder.feed`, e.g. a question, or decoded). Its stats are the store's
         (``prefill_stats`` is for ``hf``, unused here)."""
-        prefill_policy, kv_format = policy.fast_storage()
-        if isinstance(kv_format, RaggedHeads):  # a layer's budget: its kept rows per row over the KV heads
-            kv = head_tensors(cache)
-            kept = tuple(per_head_budget(lengths) for _, _, lengths in kv)
-        else:
-            kv = layer_tensors(cache)
-            kept = tuple(k.shape[-2] for k, _ in kv)
-        layout = Layout(kv[0][0].shape[0], kept, new_tokens, self.step.num_kv_heads, self.step.head_dim)
-        decoder = self._decoder(layout, kv_format, prefill_policy)
+        storage = policy.storage()
+        batch, kept = storage.kept(cache)
+        layout = Layout(batch, kept, new_tokens, self.step.num_kv_heads, self.step.head_dim)
+        decoder = self._decoder(layout, storage)
         decoder.load(cache)
         return decoder
 
-    def _decoder(self, layout: Layout, kv_format: str, prefill_policy) -> FastDecoder:
-        key = (layout, kv_format, repr(prefill_policy.params()))
+    def _decoder(self, layout: Layout, storage: Storage) -> FastDecoder:
+        key = (layout, repr(storage))
         if key in self._decoders:
             self._decoders.move_to_end(key)
             return self._decoders[key]
@@ -360,29 +333,12 @@ class FastEngine:
                     > self.max_kept_bytes:
                 self._decoders.popitem(last=False)
             torch.cuda.empty_cache()
-        store = self._store(layout, kv_format)
-        decoder = FastDecoder(self.model, self.step, store, layout, prefill_policy, self.device, self.capture)
+        store = storage.store(layout, StoreOptions(self.dtype, self.device, self.step.num_heads, self.step.scaling,
+                                                   self.attention, self.quant_attention, self.flash_splits,
+                                                   self.kernel_backend))
+        decoder = FastDecoder(self.model, self.step, store, layout, storage, self.device, self.capture)
         self._decoders[key] = decoder
         return decoder
-
-    def _store(self, layout: Layout, kv_format):
-        if isinstance(kv_format, RaggedHeads):  # per-KV-head budgets (adakv): flash varlen or masked SDPA
-            if self.attention in ("triton", "cudnn"):
-                raise EngineError(f"attention={self.attention!r} reads one length per layer; per-KV-head budgets "
-                                  "(adakv) need the ragged store: use attention auto, flash or sdpa")
-            return RaggedStore(layout, self.dtype, self.device, self.step.scaling, self.attention)
-        if not isinstance(kv_format, str):  # issue 29's reads: a KIVI spec or a Quest read
-            return read_store(layout, kv_format, self.step.num_heads, self.dtype, self.device, self.step.scaling,
-                              "auto" if self.attention == "triton" else self.attention)
-        if kv_format == "model" and self.attention == "triton":  # bf16 read by kvlab's split-K kernel
-            if self.dtype != torch.bfloat16:
-                raise EngineError("attention='triton' stores the cache in bf16: load the model in bfloat16")
-            return QuantizedStore(layout, "bf16", self.step.num_heads, self.dtype, self.device, self.step.scaling,
-                                  "fused")
-        if kv_format == "model":
-            return DenseStore(layout, self.dtype, self.device, self.step.scaling, self.attention, self.flash_splits)
-        return QuantizedStore(layout, kv_format, self.step.num_heads, self.dtype, self.device, self.step.scaling,
-                              self.quant_attention)
 
     def anatomy(self, policy, ctx: int, batch: int = 1, steps: int = 8, warmup: int = 2, seed: int = 0) -> Anatomy:
         """Where a decode step's time goes (:func:`kvlab.engine.anatomy.fast_anatomy`)."""

@@ -13,7 +13,7 @@ x 14336 x 2 bytes) and, before an evicting cache compresses, every layer's full 
 transients scale with the chunk and an evicting cache compresses as the prompt streams in
 (:mod:`kvlab.policies.chunking` gives the semantics per method), so a sequence's peak approaches its
 kept cache plus one chunk's transients. Unpadded chunks attend through
-:func:`kvlab.policies.attention.lower_right_chunks` (no 4-D mask, no K/V repeated per query head).
+:func:`kvlab.storage.attention.lower_right_chunks` (no 4-D mask, no K/V repeated per query head).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from kvlab.policies.attention import lower_right_chunks
 from kvlab.policies.chunking import streaming
+from kvlab.storage.attention import lower_right_chunks
 
 
 @cache

@@ -4,7 +4,7 @@ Why the model's own modules: the fast step must compute what transformers comput
 compare tokens one for one) with the weights the user loaded, so it calls the model's embedding,
 norms, projections, MLP, rotary embedding and LM head directly and replaces only what sits between
 the projections and ``o_proj``: the cache update and attention, which go to a static KV store
-(:mod:`kvlab.engine.kvstore`). No weight is copied: q/k/v and gate/up become views into one
+(:mod:`kvlab.storage`). No weight is copied: q/k/v and gate/up become views into one
 fused tensor each (one GEMM instead of three and two), so memory is the model's.
 
 Supported: decoder-only models whose layers are Llama's (``input_layernorm`` -> attention with

@@ -8,13 +8,15 @@
     cache_stats(cache)                        # logical/physical tokens, bytes
     kept_positions(cache)                     # per layer, the prompt positions each KV head kept
 
-Adding a method: one module holding its ``Policy`` subclass, and one line in :data:`POLICIES`.
+Adding a method: one module holding its ``Policy`` subclass, and one line in :data:`POLICIES`; a
+method that is a way of storing the cache alone: its :mod:`kvlab.storage` module and its class in the
+``storage_policies`` line.
 Nothing below this module imports it (a policy that needs another one imports that class).
 
 transformers' cache internals are touched in this package (:mod:`~kvlab.policies.cache`,
 :mod:`~kvlab.policies.quantized`, :mod:`~kvlab.policies.decoding`, :mod:`~kvlab.policies.chunking`, the
-method layers) and in :mod:`kvlab.engine.generation` (forking a cache, reading its compressions) and
-:mod:`kvlab.engine.store_cache` (a cache writing into the fast engine's store), nowhere else; kvlab
+method layers), in :mod:`kvlab.storage` (each family's cache layer, the stats) and in
+:mod:`kvlab.engine.generation` (forking a cache, reading its compressions), nowhere else; kvlab
 supports transformers >= 5.17, < 5.25.
 """
 
@@ -29,7 +31,6 @@ from kvlab.policies.decoding import DecodingPolicy
 from kvlab.policies.eviction import EvictionPolicy
 from kvlab.policies.expected_attention import ExpectedAttentionPolicy
 from kvlab.policies.full import FullPolicy
-from kvlab.policies.kivi import KiviPolicy
 from kvlab.policies.knorm import KnormPolicy
 from kvlab.policies.kvzip import KVzipPolicy
 from kvlab.policies.pyramidkv import PyramidKVPolicy
@@ -42,11 +43,13 @@ from kvlab.policies.quantized.policies import (
     KVQInt4Policy,
     QuantoPolicy,
 )
-from kvlab.policies.quest import QuestPolicy
 from kvlab.policies.random import RandomPolicy
 from kvlab.policies.snapkv import SnapKVPolicy
+from kvlab.policies.stored import storage_policies
 from kvlab.policies.streamingllm import StreamingLLMPolicy
 from kvlab.policies.tova import TOVAPolicy
+from kvlab.storage.kivi import KiviStorage
+from kvlab.storage.quest import QuestStorage
 
 POLICIES: dict[str, type[Policy]] = {
     cls.name: cls
@@ -54,7 +57,7 @@ POLICIES: dict[str, type[Policy]] = {
                 RandomPolicy, QuantoPolicy, HQQPolicy, FP8Policy, KVQFp8Policy, KVQInt4Policy, KVQInt2Policy,
                 DecodingPolicy, ExpectedAttentionPolicy, KVzipPolicy, AdaKVPolicy)
 }
-POLICIES.update({cls.name: cls for cls in (KiviPolicy, QuestPolicy)})  # issue 29's reads
+POLICIES.update(storage_policies(KiviStorage, QuestStorage))  # methods that are a storage alone
 
 
 def make_policy(method: str, **params: Any) -> Policy:

@@ -12,7 +12,7 @@ default; ``scope='layer'`` with kvzip and ``alpha_safeguard=0`` is its ``layerwi
 Storage (:mod:`kvlab.policies.headwise`): on ``hf``, each head's kept positions padded to the
 layer's longest head, the padding masked out of attention (exact); :func:`head_stats` gives the
 logical kept tokens and the padded tokens/bytes. On ``fast`` (scope 'layer'), a ragged store
-(:mod:`kvlab.engine.kvstore_ragged`): a layer keeps exactly ``Hkv x budget`` rows per sequence, so
+(:mod:`kvlab.storage.ragged`): a layer keeps exactly ``Hkv x budget`` rows per sequence, so
 its buffer has a static size (graph-capturable) and only the per-(row, head) offsets and lengths,
 device tensors filled after the prefill, change; nothing is allocated for padding. Scope 'model'
 moves budget between layers after the prefill, which a fixed size per layer cannot hold: fast
@@ -28,13 +28,14 @@ import torch
 
 from kvlab.policies.base import Policy, PolicyError, check_keep
 from kvlab.policies.expected_attention import ExpectedAttentionPolicy, rotary_of
-from kvlab.policies.headwise import RAGGED_HEADS, HeadBudgetMixin, adakv_keep_mask, install_head_masks
+from kvlab.policies.headwise import HeadBudgetMixin, adakv_keep_mask, install_head_masks
 from kvlab.policies.knorm import KnormPolicy
 from kvlab.policies.kvzip import KVzipPolicy
 from kvlab.policies.mixed import mixed_cache
 from kvlab.policies.pyramidkv import PyramidKVPolicy
 from kvlab.policies.snapkv import SnapKVPolicy
 from kvlab.policies.tova import TOVAPolicy
+from kvlab.storage.ragged import RaggedStorage
 
 SCORERS = {cls.name: cls for cls in (SnapKVPolicy, PyramidKVPolicy, TOVAPolicy, KnormPolicy,
                                      ExpectedAttentionPolicy, KVzipPolicy)}
@@ -120,13 +121,13 @@ class AdaKVPolicy(Policy):
     def kept_tokens(self, n: int, num_layers: int) -> list[int]:
         return self.inner.kept_tokens(n, num_layers)
 
-    def fast_storage(self):
-        """Itself (its prefill selects per head) and the ragged per-head store, for scope 'layer'."""
+    def storage(self):
+        """The ragged per-head store, filled from its own prefill (which selects per head), for scope 'layer'."""
         if self.scope == "model":
             raise PolicyError("adakv scope='model' moves budget between layers after the prefill, and the fast "
                               "engine's ragged store has a fixed size per layer: use scope='layer' (kvpress's "
                               "layerwise=True) on the fast engine, or engine hf for scope='model'")
-        return self, RAGGED_HEADS
+        return RaggedStorage(prefill=self)
 
 
 def _select(scores, n_kept, alpha):

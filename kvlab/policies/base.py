@@ -13,83 +13,12 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar
 
 from kvlab.budget import keep_problem
-from kvlab.errors import UserError
-from kvlab.models import LoadedModel, ModelSpec, spec_from_config
+from kvlab.errors import PolicyError
+from kvlab.storage.base import ModelShape, Storage, check_int, hf_model, model_shape, on_cuda
+from kvlab.storage.dense import DenseStorage
 
-
-class PolicyError(UserError):
-    """Bad policy input (method, keep, nbits, backend, model); the message names the fix."""
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What a policy needs to know about a model before any tensor exists: its spec (the numbers the byte
-    budget reads too, so head dim and name have one rule) and each layer's attention kind."""
-
-    spec: ModelSpec
-    layer_types: tuple[str, ...]
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def head_dim(self) -> int:
-        return self.spec.head_dim
-
-    @property
-    def num_layers(self) -> int:
-        return self.spec.num_layers
-
-    @property
-    def non_full_layers(self) -> set[str]:
-        return set(self.layer_types) - {"full_attention"}
-
-    def check_full_attention(self, doing: str, fix: str = "use 'full' or a full-attention model") -> None:
-        """Raise :class:`PolicyError` if the model has other layers than full attention; ``doing``
-        (e.g. ``"kivi stores"``) names what takes full-attention layers only."""
-        if self.non_full_layers:
-            raise PolicyError(f"{doing} full-attention layers only, and {self.name} has "
-                              f"{', '.join(sorted(self.non_full_layers))} layers: {fix}")
-
-
-def hf_model(model):
-    """The transformers model inside a kvlab ``LoadedModel``, or the model itself."""
-    return model.model if isinstance(model, LoadedModel) else model
-
-
-def on_cuda(model) -> bool:
-    """Whether ``model`` (a loaded model; not a spec or config) holds its weights on a CUDA device."""
-    params = getattr(hf_model(model), "parameters", None)
-    if params is None:
-        return False
-    first = next(params(), None)
-    return first is not None and first.device.type == "cuda"
-
-
-def _layer_types(config) -> list[str]:
-    try:
-        from transformers.cache_utils import get_layer_types_and_kwargs
-
-        return list(get_layer_types_and_kwargs(config)[0])
-    except Exception:  # private helper; its signature moved between releases
-        sliding = getattr(config, "sliding_window", None)
-        if getattr(config, "use_sliding_window", True) is False:
-            sliding = None
-        kind = "sliding_attention" if sliding else "full_attention"
-        return list(getattr(config, "layer_types", None) or [kind] * config.num_hidden_layers)
-
-
-def model_shape(model) -> ModelShape:
-    """Shape of a transformers model, a ``LoadedModel``, a ``ModelSpec`` or a transformers config."""
-    if isinstance(model, ModelSpec):
-        kind = "sliding_attention" if model.sliding_window else "full_attention"
-        return ModelShape(model, (kind,) * model.num_layers)
-    spec = model.spec if isinstance(model, LoadedModel) else None
-    model = hf_model(model)
-    config = getattr(model, "config", model)
-    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    return ModelShape(spec or spec_from_config(config), tuple(_layer_types(config)))
+__all__ = ["ModelShape", "Policy", "PolicyError", "attached", "check_int", "check_keep", "hf_model", "int_param",
+           "model_shape", "on_cuda"]
 
 
 @contextmanager
@@ -108,16 +37,6 @@ def check_keep(keep: Any) -> float:
     if problem:
         raise PolicyError(problem)
     return float(keep)
-
-
-def check_int(name: str, value: Any, minimum: int | None = None, choices: tuple | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise PolicyError(f"{name} must be an integer, got {value!r}")
-    if choices is not None and value not in choices:
-        raise PolicyError(f"{name}={value} is not supported: use one of {', '.join(map(str, choices))}")
-    if minimum is not None and value < minimum:
-        raise PolicyError(f"{name} must be >= {minimum}, got {value}")
-    return value
 
 
 def int_param(default: int, help_text: str, minimum: int) -> Any:
@@ -258,7 +177,7 @@ class Policy:
         """Prompt tokens each layer keeps after a prefill of ``n`` (sizes the fast engine's buffers)."""
         return [n] * num_layers
 
-    def fast_storage(self) -> tuple[Policy, str]:
-        """``(policy to prefill with, KV format of the fast engine's store)``: the prefill runs through
-        transformers unquantized, and the store holds the format (``"model"``: the model dtype)."""
-        return self, "model"
+    def storage(self) -> Storage:
+        """How both engines keep this policy's K/V (:mod:`kvlab.storage`): by default the whole cache
+        at the model dtype, the prompt written straight into the fast engine's store."""
+        return DenseStorage()

@@ -1,4 +1,5 @@
-"""Evicting cache layers and cache statistics (transformers cache internals: see :mod:`kvlab.policies`).
+"""Evicting cache layers, composed over a storage's layer (transformers cache internals: see
+:mod:`kvlab.policies`); the cache statistics are :mod:`kvlab.storage.base`'s.
 
 An evicting layer behaves like a ``DynamicLayer`` except for its first ``update`` (the prefill):
 it returns the full prompt K/V, so the prefill attention is exact, and keeps only
@@ -8,7 +9,7 @@ counts tokens logically: ``get_seq_length()`` is every token seen (so model-made
 (``(physical + q, logical - physical)``), which keeps causal masks right after eviction.
 
 Methods that need attention scores (SnapKV, PyramidKV, TOVA) wait for the prefill queries, handed
-over by :mod:`kvlab.policies.attention` right after the layer's attention call.
+over by :mod:`kvlab.storage.attention` right after the layer's attention call.
 
 Chunked prefill (:mod:`kvlab.policies.chunking`): between ``begin_stream(n)`` and ``end_stream()``
 every update is a chunk of one ``n``-token prompt; the layer keeps a running budget of
@@ -28,14 +29,16 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
-from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
-from kvlab.kernels.formats import KVStore
-from kvlab.policies import attention
 from kvlab.policies.base import PolicyError
+from kvlab.storage import attention
+from kvlab.storage.base import StorageLayer, cache_stats, layer_tensors, tensor_bytes
+
+__all__ = ["EvictingLayer", "EvictionCache", "EvictionError", "EvictionMixin", "LogicalLengthMixin", "cache_stats",
+           "evicting_quantized_class", "kept_positions", "layer_tensors", "profiler_scopes", "tensor_bytes"]
 
 
 class EvictionError(PolicyError):
@@ -60,25 +63,17 @@ class LogicalLengthMixin:
         return -1
 
 
-class StoredLengthMixin:
-    """A cache layer that holds every token it has seen, but not in ``DynamicLayer``'s ``keys``
-    (codes, the fast engine's store): the sequence length and the mask follow ``stored_tokens``
-    (spelled out: ``DynamicLayer``'s ``get_mask_sizes`` varies by release)."""
-
-    stored_tokens: int
-
-    def get_seq_length(self) -> int:
-        return self.stored_tokens
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.stored_tokens + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
-
-
-class EvictionMixin(LogicalLengthMixin):
+class EvictionMixin(LogicalLengthMixin, StorageLayer):
     """Prefill eviction with logical/physical bookkeeping, over a DynamicLayer or a quantized layer."""
+
+    @property
+    def physical_tokens(self) -> int:
+        return self.physical_length
+
+    def nbytes(self) -> int:
+        seen: set = set()
+        return sum(tensor_bytes(getattr(self, name, None), seen) for name in
+                   ("keys", "values", "_quantized_keys", "_quantized_values", "key_store", "value_store"))
 
     def _init_eviction(self, policy, layer_idx: int, num_layers: int) -> None:
         self.policy = policy
@@ -303,75 +298,6 @@ def kept_positions(cache) -> list[torch.Tensor | None]:
     """Per layer, the original prompt positions kept per KV head (``[B, Hkv, n_kept]``), or None
     for layers that do not evict."""
     return [getattr(layer, "kept_positions", None) for layer in cache.layers]
-
-
-def layer_tensors(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer, the stored K/V ``[B, Hkv, n_l, D]`` of an unquantized cache (dynamic or evicting):
-    what the fast engine copies into its static buffers after the prefill."""
-    out = []
-    for i, layer in enumerate(cache.layers):
-        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
-        if (not isinstance(keys, torch.Tensor) or keys.dim() != 4 or hasattr(layer, "_quantized_keys")
-                or hasattr(layer, "key_store")):
-            raise EvictionError(f"layer {i} ({type(layer).__name__}) holds no plain K/V tensors to copy")
-        out.append((keys, values))
-    return out
-
-
-# -- statistics -----------------------------------------------------------------------------------
-def tensor_bytes(obj: Any, _seen: set | None = None) -> int:
-    """Bytes held by tensors inside ``obj`` (tensors, quanto tensor subclasses, HQQ (W, meta), tuples,
-    kvlab ``KVStore`` s)."""
-    seen = set() if _seen is None else _seen
-    if isinstance(obj, KVStore):  # kvlab formats: codes, scales, zeros
-        return sum(tensor_bytes(t, seen) for t in obj.tensors())
-    if isinstance(obj, torch.Tensor):
-        if hasattr(obj, "__tensor_flatten__") and type(obj) is not torch.Tensor:
-            names, _ = obj.__tensor_flatten__()
-            return sum(tensor_bytes(getattr(obj, name), seen) for name in names)
-        key = (obj.data_ptr(), obj.numel(), obj.dtype)
-        if obj.numel() == 0 or key in seen:
-            return 0
-        seen.add(key)
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, (tuple, list)):
-        return sum(tensor_bytes(x, seen) for x in obj)
-    if isinstance(obj, dict):
-        return sum(tensor_bytes(x, seen) for x in obj.values())
-    return 0
-
-
-def _physical_tokens(layer) -> int:
-    if isinstance(layer, EvictionMixin):
-        return layer.physical_length
-    if hasattr(layer, "_quantized_keys"):  # quantized: all tokens are stored (packed or residual)
-        return layer.get_seq_length()
-    if hasattr(layer, "key_store") or hasattr(layer, "codes"):  # kvlab formats (kvq_layers, kivi_layer)
-        return layer.stored_tokens
-    keys = getattr(layer, "keys", None)
-    return keys.shape[-2] if isinstance(keys, torch.Tensor) and keys.dim() == 4 else 0
-
-
-def _layer_bytes(layer) -> int:
-    if callable(getattr(layer, "nbytes", None)):  # a layer that counts its own storage (KIVI, Quest's bounds)
-        return layer.nbytes()
-    seen: set = set()
-    return sum(tensor_bytes(getattr(layer, name, None), seen)
-               for name in ("keys", "values", "_quantized_keys", "_quantized_values", "key_store", "value_store"))
-
-
-def cache_stats(cache) -> dict[str, Any]:
-    """Logical tokens (seen, per sequence), physical tokens (stored per sequence and KV head,
-    averaged over layers) and bytes (all K/V storage incl. quantization scales) of a cache."""
-    layers = [layer for layer in cache.layers if isinstance(layer, CacheLayerMixin)]
-    per_layer = [_physical_tokens(layer) for layer in layers]
-    mean = sum(per_layer) / len(per_layer) if per_layer else 0
-    return {
-        "logical_tokens": int(cache.get_seq_length()),
-        "physical_tokens": int(mean) if mean == int(mean) else round(mean, 2),
-        "bytes": int(sum(_layer_bytes(layer) for layer in layers)),
-        "physical_tokens_per_layer": per_layer,
-    }
 
 
 @contextmanager

@@ -28,7 +28,6 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from kvlab.policies import attention
 from kvlab.policies.base import Policy, PolicyError, hf_model, int_param, model_shape
 from kvlab.policies.cache import EvictionError, LogicalLengthMixin
 from kvlab.policies.knorm import KnormPolicy
@@ -36,6 +35,7 @@ from kvlab.policies.random import RandomPolicy
 from kvlab.policies.snapkv import SnapKVPolicy
 from kvlab.policies.streamingllm import StreamingLLMPolicy
 from kvlab.policies.tova import TOVAPolicy
+from kvlab.storage import attention
 
 SCORERS: dict[str, type[Policy]] = {
     cls.name: cls for cls in (SnapKVPolicy, TOVAPolicy, KnormPolicy, StreamingLLMPolicy, RandomPolicy)}
@@ -210,6 +210,6 @@ class DecodingPolicy(Policy):
         num_layers = model_shape(model).num_layers
         return Cache(layers=[DecodingLayer(self, self.scorer, i, num_layers) for i in range(num_layers)])
 
-    def fast_storage(self):
+    def storage(self):
         raise PolicyError("decode-time compression (decoding) shrinks the cache while decoding, and the fast "
                           "engine's static buffers cannot: use engine hf")

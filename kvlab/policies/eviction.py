@@ -15,10 +15,11 @@ from typing import ClassVar
 
 import torch
 
-from kvlab.policies import attention
 from kvlab.policies.base import Policy, check_keep, hf_model, model_shape
 from kvlab.policies.cache import EvictingLayer, EvictionCache
 from kvlab.policies.quantized.storage import QuantSpec
+from kvlab.storage import attention
+from kvlab.storage.dense import DenseStorage
 
 
 @dataclass(frozen=True)
@@ -58,10 +59,12 @@ class EvictionPolicy(Policy):
     def kept_tokens(self, n: int, num_layers: int) -> list[int]:
         return [min(n, self.budget(n, i, num_layers)) for i in range(num_layers)]
 
-    def fast_storage(self):
+    def storage(self):
+        """The kept K/V at the model dtype, or in the kvq format of ``quant``; the prefill fills this
+        policy's own cache (unquantized) and the store takes what it kept."""
         if self.quant is None:
-            return self, "model"
-        return replace(self, quant=None), self.quant.fast_format()
+            return DenseStorage(prefill=self)
+        return self.quant.storage(prefill=replace(self, quant=None))
 
     @property
     def bits(self) -> int | None:

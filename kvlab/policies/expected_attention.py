@@ -12,7 +12,7 @@ Rule (kvpress ``ExpectedAttentionPress`` at 0.5.4, arXiv 2510.00636), per layer:
 4. ``(a + epsilon) * ||v_j||`` when ``use_vnorm``; the sinks score above everything.
 
 Where the queries come from: kvpress recomputes them from the layer's hidden states with
-``q_proj``; kvlab's attention hand-off (:mod:`kvlab.policies.attention`) gives the layer its
+``q_proj``; kvlab's attention hand-off (:mod:`kvlab.storage.attention`) gives the layer its
 post-RoPE queries, which are un-rotated here with the model's own ``rotary_emb`` (the inverse of
 ``q cos + rotate_half(q) sin`` is exact up to float rounding). A cleaner shared hook would hand
 over the pre-RoPE queries (or the hidden states) directly.

@@ -17,7 +17,7 @@ query head and the flash/fused GQA paths are off). kvpress's own AdaKV keeps *al
 masks the evicted ones, so it frees nothing; this layout frees everything above the longest head.
 
 A cleaner shared hook (for after the restructure): the attention hand-off in
-:mod:`kvlab.policies.attention` could take a per-layer mask provider from the cache layer (one
+:mod:`kvlab.storage.attention` could take a per-layer mask provider from the cache layer (one
 wrapper, no second registered implementation), and :func:`kvlab.policies.cache_stats` could
 report ``kept_tokens`` next to ``physical_tokens`` for any layer exposing a validity mask.
 """
@@ -27,27 +27,14 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-from kvlab.policies.attention import fit_mask, install_wrapped
-from kvlab.policies.cache import EvictionError, layer_tensors, tensor_bytes
+from kvlab.policies.cache import EvictionError, tensor_bytes
+from kvlab.storage.attention import fit_mask, install_wrapped
 
 PREFIX = "kvlab_heads_"
 _slots = threading.local()
-
-
-@dataclass(frozen=True)
-class RaggedHeads:
-    """``fast_storage()``'s format for per-KV-head budgets with a fixed total per layer: the fast
-    engine keeps each (row, KV head)'s kept rows in a segment of its own at the model dtype
-    (:mod:`kvlab.engine.kvstore_ragged`), so no padding is allocated."""
-
-    label: str = "model dtype, ragged heads"
-
-
-RAGGED_HEADS = RaggedHeads()
 
 
 def adakv_keep_mask(scores: torch.Tensor, n_kept: int, alpha_safeguard: float) -> torch.Tensor:
@@ -176,26 +163,6 @@ class HeadBudgetMixin:
         super()._map_rows(fn)
         if self.head_valid is not None:
             self.head_valid = fn(self.head_valid)
-
-
-def head_tensors(cache) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Per layer of a per-head-budget cache right after its prefill: the stored K/V ``[B, Hkv, L, D]``
-    and each (row, KV head)'s kept count ``[B, Hkv]`` (int64). A head's kept rows come first
-    (:func:`ragged_layout`), its padding after; a layer that evicted nothing keeps all ``L`` rows
-    per head. What the fast engine's ragged store copies (the padding stays behind)."""
-    out = []
-    for i, ((keys, values), layer) in enumerate(zip(layer_tensors(cache), cache.layers, strict=True)):
-        prompt = getattr(layer, "prompt_length", None)
-        if prompt is None or getattr(layer, "logical_length", None) != prompt:
-            raise EvictionError(f"layer {i} holds tokens after its prefill (or no prefill): take the per-head "
-                                f"rows right after the prefill")
-        valid = getattr(layer, "head_valid", None)
-        if valid is None:
-            lengths = torch.full(keys.shape[:2], keys.shape[-2], dtype=torch.long, device=keys.device)
-        else:
-            lengths = valid.sum(dim=-1)
-        out.append((keys, values, lengths))
-    return out
 
 
 def head_stats(cache) -> dict:

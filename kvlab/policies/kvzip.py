@@ -47,11 +47,11 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.cache_utils import DynamicLayer
 
-from kvlab.policies import attention
 from kvlab.policies.base import PolicyError, check_int, hf_model
 from kvlab.policies.cache import EvictionError
 from kvlab.policies.eviction import EvictionPolicy
 from kvlab.policies.mixed import mixed_cache
+from kvlab.storage import attention
 
 FIRST_PROMPT = "\n\nRepeat the previous context exactly."
 LATER_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
@@ -204,7 +204,7 @@ def reconstruction_forward(base_model, cache, repeat: torch.Tensor, start: int, 
     """One reconstruction forward: ``repeat`` ``[B, q]`` at positions ``start..`` over the cached prompt.
 
     The repeat tokens see the whole cached prompt and each other causally: lower-right causal
-    attention, which :func:`kvlab.policies.attention.lower_right_chunks` runs with no mask. Without
+    attention, which :func:`kvlab.storage.attention.lower_right_chunks` runs with no mask. Without
     it transformers builds a ``[B, 1, q, n + q]`` mask, repeats every K/V head per query head (SDPA
     takes grouped heads only without a mask on CUDA) and keeps SDPA off flash (efficient or math on
     CUDA; "No available kernel" under a flash pin, H200 2026-12-03f). The other backends stay open

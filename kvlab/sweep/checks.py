@@ -28,7 +28,7 @@ from kvlab.sweep.ray_address import address_problem
 from kvlab.weights_quant import weights_quant_problems
 from kvlab.workload import CtxDistribution, context_points
 
-# transformers' attention implementations kvlab can load a model with (kvlab.policies.attention
+# transformers' attention implementations kvlab can load a model with (kvlab.storage.attention
 # wraps each); the flash ones need their package
 ATTN_IMPLEMENTATIONS = {"sdpa": None, "eager": None, "flex_attention": None,
                         "flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
@@ -189,7 +189,7 @@ def check_params(params: SweepParams, check_device: bool = True,
         try:
             policy = make_policy(v.method, **v.kwargs)
             if "fast" in params.engine:
-                policy.fast_storage()
+                policy.storage()
             for spec in specs:  # e.g. a q_group_size that does not divide the model's head dim
                 policy.check(spec)
         except ValueError as err:

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from kvlab.policies.base import Policy, model_shape
-from kvlab.policies.full import FullPolicy
 from kvlab.policies.quantized.storage import FP8_MIN_TRANSFORMERS, QuantSpec
 
 
@@ -51,8 +50,8 @@ class QuantizedPolicy(Policy):
     def make_cache(self, model):
         return self.spec.make_cache(model)
 
-    def fast_storage(self):
-        return FullPolicy(), self.spec.fast_format()
+    def storage(self):
+        return self.spec.storage()
 
 
 @dataclass(frozen=True)
@@ -92,7 +91,7 @@ class FP8Policy(QuantizedPolicy):
 @dataclass(frozen=True)
 class KVQPolicy(QuantizedPolicy):
     """A whole cache in one kvlab format (subclasses fix ``nbits``); on ``hf``: dequantize, then attend
-    (:mod:`kvlab.policies.quantized.kvq_layers`); on ``fast``: the fused kernels read the same codes."""
+    (:mod:`kvlab.storage.kvq`); on ``fast``: the fused kernels read the same codes."""
 
     nbits: ClassVar[int] = 4  # fixed per subclass, not a parameter
 

@@ -20,8 +20,8 @@ from packaging.version import Version
 
 from kvlab.kernels.formats import GROUPS, FormatError, format_label, parse_format
 from kvlab.policies.base import ModelShape, PolicyError, check_int, hf_model, model_shape
-from kvlab.policies.cache import evicting_quantized_class
-from kvlab.policies.quantized.kvq_layers import EvictingKVQLayer, KVQLayer
+from kvlab.policies.cache import EvictionError, EvictionMixin, evicting_quantized_class
+from kvlab.storage.kvq import KVQLayer, KVQStorage
 
 FP8_MIN_TRANSFORMERS = "5.21"
 
@@ -210,7 +210,7 @@ class KVQBackend(QuantBackend):
     """kvlab's own formats (:mod:`kvlab.kernels`): ``nbits`` 8 = float8_e4m3 with a scale per token
     and KV head; 4 / 2 = asymmetric integers with a scale and zero per ``q_group_size`` elements of
     the head dim (32, 64, 128). Every token is stored quantized (no residual window). On ``hf`` the
-    layers dequantize the whole store before attention (:mod:`kvlab.policies.quantized.kvq_layers`); on ``fast`` the
+    layers dequantize the whole store before attention (:mod:`kvlab.storage.kvq`); on ``fast`` the
     same codes are read by the fused kernels."""
 
     name = "kvq"
@@ -267,6 +267,33 @@ class KVQBackend(QuantBackend):
     def fast_format(self, spec: QuantSpec) -> str:
         """The same format: both engines hold the same codes."""
         return self.format_label(spec)
+
+
+class EvictingKVQLayer(EvictionMixin, KVQLayer):
+    """Evict at prefill (``policy.budget(n)`` positions per KV head), store the kept K/V in
+    ``kv_format``; later tokens are quantized and appended as in :class:`KVQLayer`."""
+
+    def __init__(self, policy, layer_idx: int, num_layers: int, kv_format: str = "int4-g64"):
+        KVQLayer.__init__(self, kv_format)
+        self._init_eviction(policy, layer_idx, num_layers)
+
+    def _store(self, keys, values) -> None:
+        self.dtype = keys.dtype
+        self.key_store = self.value_store = None
+        self._add(keys, values)
+
+    def _append(self, keys, values, *args, **kwargs):
+        self._add(keys, values)
+        return self._dequantized()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        appended = self.logical_length - (self.prompt_length or 0)
+        if tokens_to_remove > 0 or -tokens_to_remove > appended:
+            raise EvictionError(f"an evicting cache can only crop tokens added after its prefill "
+                                f"(at most {appended}, passed as a negative number); got {tokens_to_remove}")
+        KVQLayer.crop(self, tokens_to_remove)
+        self.logical_length += tokens_to_remove
+        self.physical_length += tokens_to_remove
 
 
 BACKENDS: dict[str, QuantBackend] = {b.name: b for b in (QuantoBackend(), HQQBackend(), FP8Backend(), KVQBackend())}
@@ -344,6 +371,11 @@ class QuantSpec:
     def fast_format(self) -> str:
         """This storage in the fast engine's terms (a :mod:`kvlab.kernels` format name)."""
         return self.impl.fast_format(self)
+
+    def storage(self, prefill=None) -> KVQStorage:
+        """The kvq storage holding what this spec holds (:meth:`fast_format`); ``prefill``: the evicting
+        policy whose cache the prefill fills (None: the prompt whole)."""
+        return KVQStorage(self.fast_format(), prefill)
 
     def evicting_layer_class(self) -> type:
         """The layer class that evicts at prefill, then stores the kept K/V this way."""

@@ -1,4 +1,4 @@
-"""A registered attention function that hands the last prompt queries to an evicting cache layer.
+"""A registered attention function that hands a step's queries to the cache layer that asked for them.
 
 Why: SnapKV, PyramidKV and TOVA score prompt tokens by the attention of the last ``window`` prompt
 queries, but SDPA and flash kernels never return attention weights, and eager attention over a
@@ -9,9 +9,9 @@ kernel (bit-identical to it) and, only for a layer that asked for queries during
 
 A read the stock kernel cannot do uses the same hand-off: a cache layer with
 ``attends_own_queries`` set that asked for the queries of a step attends them itself
-(``layer.attend``) instead of the stock kernel: Quest's sparse read
-(:mod:`kvlab.policies.quest_layer`) and KIVI's per-row read of a multi-token chunk
-(:mod:`kvlab.policies.kivi_layer`).
+(``layer.attend``) instead of the stock kernel: a storage whose read is its own, such as Quest's
+sparse read (:mod:`kvlab.storage.quest`) and KIVI's per-row read of a multi-token chunk
+(:mod:`kvlab.storage.kivi`).
 
 The hand-off is a per-thread slot keyed by layer index: the cache layer's ``update`` runs right
 before the attention call of the same layer, so no reference from model to cache is needed; the

@@ -1,4 +1,4 @@
-"""Static KV buffers for the fast engine: sized once, written in place, attended by length.
+"""What the fast engine's stores share: static KV buffers sized once, written in place, attended by length.
 
 Each layer ``l`` owns buffers of ``capacity_l = kept_l + new_tokens`` slots. The prefill's kept K/V
 fill slots ``[0, kept_l)`` (``load``: every batch row at once, or a slice of rows per call when the
@@ -22,8 +22,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-from kvlab.kernels import decode_attention, make_workspace, parse_format, quantize_write
 
 ATTENTION = ("auto", "flash", "sdpa")
 DENSE_ATTENTION = (*ATTENTION, "cudnn")  # the dense store's: cuDNN's attention over a length bias too
@@ -262,7 +260,7 @@ class SlotStore:
 
 class ModelDtypeStore(SlotStore):
     """A store whose ``keys``/``values`` are one model-dtype tensor per layer (:class:`DenseStore`,
-    :class:`~kvlab.engine.kvstore_ragged.RaggedStore`): their bytes and the buffers a step touches."""
+    :class:`~kvlab.storage.ragged.RaggedStore`): their bytes and the buffers a step touches."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
@@ -279,114 +277,6 @@ class ModelDtypeStore(SlotStore):
         return 2 * self.layout.kv_heads * self.layout.head_dim * self.keys[0].element_size()
 
 
-class DenseStore(ModelDtypeStore):
-    """Per-layer K/V at the model dtype, ``[B, Hkv, C_l, D]``, attended with ``flash``, ``sdpa`` or
-    ``cudnn`` (:func:`cudnn_decode`, opt-in: ``auto`` stays flash until it is measured faster).
-
-    ``offsets[l]``: flash's ``cu_seqlens`` for layer ``l``'s ``B Hkv`` segments (constants).
-    ``splits``: flash's split-KV count (None: its heuristic; :func:`flash_varlen`). ``bias[l]``:
-    cuDNN's length bias for layer ``l``, computed for every layer in :meth:`begin` (two kernels)."""
-
-    kv_format = "model dtype"
-
-    def __init__(self, layout: Layout, dtype, device, scale: float, attention: str = "auto",
-                 splits: int | None = None):
-        self.layout = layout
-        self.attention = dense_attention(attention, device, dtype, DENSE_ATTENTION)
-        self.scale = scale
-        self.splits = splits
-        b, h, d = layout.batch, layout.kv_heads, layout.head_dim
-        self.keys = [torch.zeros(b, h, c, d, dtype=dtype, device=device) for c in layout.capacity]
-        self.values = [torch.zeros_like(k) for k in self.keys]
-        self.slots = StepSlots(layout.kept, layout.batch, device, segments=h)
-        self.offsets = [cumulative_offsets(b * h, c, device) for c in layout.capacity]
-        width = -(-max(layout.capacity) // 8) * 8  # rows 16-byte aligned, as cuDNN wants its operands
-        self._slot_index = torch.arange(width, dtype=torch.int32, device=device)
-        self._bias = torch.zeros(len(layout.kept), width, dtype=dtype, device=device)
-        self._open, self._shut = (torch.tensor(x, dtype=dtype, device=device) for x in (0.0, float("-inf")))
-
-    def begin(self) -> None:
-        """Every layer's slot and length, and with ``cudnn`` its length bias."""
-        super().begin()
-        if self.attention == "cudnn":
-            torch.where(self._slot_index < self.slots.used_column(), self._open, self._shut, out=self._bias)
-
-    def bias(self, layer: int) -> torch.Tensor:
-        return self._bias[layer, :self.layout.capacity[layer]].view(1, 1, 1, -1)
-
-    def buffers(self) -> list[torch.Tensor]:
-        """Every tensor a step writes or reads in place, the cuDNN length bias included."""
-        return [*super().buffers(), self._bias]
-
-    def _load_layer(self, layer: int, rows: slice, k: torch.Tensor, v: torch.Tensor) -> None:
-        n = k.shape[-2]
-        self.keys[layer][rows, :, :n].copy_(k)
-        self.values[layer][rows, :, :n].copy_(v)
-
-    def _attend(self, layer: int, q, k, v) -> torch.Tensor:
-        slot = self.slots.slot(layer)
-        self.keys[layer].index_copy_(2, slot, k)
-        self.values[layer].index_copy_(2, slot, v)
-        if self.attention == "flash":
-            return flash_decode(q, self.keys[layer], self.values[layer], self.slots.segment_used(layer), self.scale,
-                                *self.offsets[layer], splits=self.splits)
-        if self.attention == "cudnn":
-            return cudnn_decode(q, self.keys[layer], self.values[layer], self.bias(layer), self.scale)
-        return sdpa_decode(q, self.keys[layer], self.values[layer], slot + 1, self.scale)
-
-
-QUANT_ATTENTION = ("auto", "fused", "dequantize")
-
-
-class QuantizedStore(SlotStore):
-    """Per-layer K/V in a :mod:`kvlab.kernels` format (``[B, Hkv, C_l, ...]`` codes and scales).
-
-    The new token is quantized on write (one Triton launch per tensor on CUDA), before it attends,
-    as ``hf``'s :class:`~kvlab.policies.quantized.kvq_layers.KVQLayer` does. Attention is ``fused``
-    (the split-K Triton kernel reads the codes: float16 operands, float32 accumulation and softmax;
-    the float32 reference on CPU) or ``dequantize``: the whole store converted to the model dtype,
-    then masked SDPA, i.e. what an implementation without a fused kernel does (``hf``'s arithmetic),
-    kept as the explicit baseline.
-    """
-
-    def __init__(self, layout: Layout, kv_format: str, num_heads: int, dtype, device, scale: float,
-                 attention: str = "auto"):
-        if attention not in QUANT_ATTENTION:
-            raise ValueError(f"attention={attention!r} for a quantized store: use one of {', '.join(QUANT_ATTENTION)}")
-        self.fmt = parse_format(kv_format)
-        self.kv_format = self.fmt.label
-        self.attention = "fused" if attention == "auto" else attention
-        self.layout, self.scale, self.dtype = layout, scale, dtype
-        b, h, d = layout.batch, layout.kv_heads, layout.head_dim
-        self.keys = [self.fmt.alloc(b, h, c, d, device) for c in layout.capacity]
-        self.values = [self.fmt.alloc(b, h, c, d, device) for c in layout.capacity]
-        cuda = torch.device(device).type == "cuda"
-        self.workspaces = [make_workspace(num_heads, k) if cuda else None for k in self.keys]
-        self.slots = StepSlots(layout.kept, layout.batch, device)
-
-    def bytes_allocated(self) -> int:
-        return sum(s.nbytes() for s in self.keys + self.values)
-
-    def buffers(self) -> list[torch.Tensor]:
-        return [t for s in self.keys + self.values for t in s.tensors()] + list(self.slots.tensors())
-
-    def bytes_per_slot(self) -> int:
-        return 2 * self.fmt.bytes_per_token(self.layout.kv_heads, self.layout.head_dim)
-
-    def _load_layer(self, layer: int, rows: slice, k: torch.Tensor, v: torch.Tensor) -> None:
-        slots = torch.arange(k.shape[-2], device=k.device)
-        quantize_write(self.keys[layer].rows(rows), k.contiguous(), slots)
-        quantize_write(self.values[layer].rows(rows), v.contiguous(), slots)
-
-    def _attend(self, layer: int, q, k, v) -> torch.Tensor:
-        slot = self.slots.slot(layer)
-        quantize_write(self.keys[layer], k, slot)
-        quantize_write(self.values[layer], v, slot)
-        bsz, n_heads, _, dim = q.shape
-        if self.attention == "fused":
-            out = decode_attention(q.reshape(bsz, n_heads, dim).contiguous(), self.keys[layer], self.values[layer],
-                                   self.slots.used(layer), self.scale, workspace=self.workspaces[layer])
-            return out.to(q.dtype)
-        keys = self.keys[layer].dequantize().to(self.dtype)
-        values = self.values[layer].dequantize().to(self.dtype)
-        return sdpa_decode(q, keys, values, slot + 1, self.scale)
+def uses_kernel(backend: str, device) -> bool:
+    """Whether the kernels' ``backend`` runs Triton here (``auto``: on CUDA devices)."""
+    return backend == "triton" or (backend == "auto" and torch.device(device).type == "cuda")

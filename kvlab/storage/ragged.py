@@ -1,4 +1,4 @@
-"""The fast engine's store for per-KV-head budgets (AdaKV, scope 'layer'): only the kept rows are allocated.
+"""The ragged family: per-KV-head budgets (AdaKV, scope 'layer'); on ``fast`` only the kept rows are allocated.
 
 A layer with budget ``k`` keeps exactly ``Hkv x k`` prompt rows per sequence, split unevenly over
 its KV heads (``kept[b, h]``, known only after the prefill). Its K and its V are each one flat
@@ -9,7 +9,7 @@ new)``, and inside it KV head ``h`` a segment at ``off[b, h]`` of ``kept[b, h] +
 segment and fills the offsets and lengths (device tensors, read in place by the captured graph);
 decode step ``s`` writes head ``(b, h)``'s token at ``off + kept + s`` and attends over the first
 ``kept + s + 1`` rows of its segment. The same bytes as a dense store of the layer's mean budget
-(:meth:`~kvlab.engine.kvstore.Layout.dense_bytes`); transformers' cache on ``hf`` pads every head to
+(:meth:`~kvlab.storage.slots.Layout.dense_bytes`); transformers' cache on ``hf`` pads every head to
 the layer's longest (:func:`kvlab.policies.headwise.head_stats`).
 
 Attention treats each (row, KV head) as a sequence with one KV head and its GQA group's ``Hq / Hkv``
@@ -21,10 +21,15 @@ device, the CPU reference) attends each row's block with a mask of the head's se
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
-from kvlab.engine.kvstore import Layout, ModelDtypeStore, dense_attention, flash_varlen, row_slice
+from kvlab.errors import EngineError, PolicyError
+from kvlab.storage.base import ModelShape, StoreOptions, layer_tensors, paged_layout
+from kvlab.storage.slots import Layout, ModelDtypeStore, dense_attention, flash_varlen, row_slice
 
 
 def segment_offsets(lengths: torch.Tensor, kept: int, new_tokens: int, first_row: int = 0) -> torch.Tensor:
@@ -162,7 +167,7 @@ class RaggedStore(ModelDtypeStore):
         self.max_segment = [layout.kv_heads * k + layout.new_tokens for k in layout.kept]
 
     def load(self, layer_kv, rows: slice | None = None) -> None:
-        """Each layer's ``(keys, values, lengths)`` after the prefill (:func:`kvlab.policies.headwise.head_tensors`:
+        """Each layer's ``(keys, values, lengths)`` after the prefill (:func:`head_tensors`:
         ``[b, Hkv, n, D]`` with head ``(b, h)``'s kept rows first, ``lengths`` ``[b, Hkv]``) into batch rows
         ``rows`` (None: all): each head's kept rows at the start of its segment, the padding left behind."""
         for i, (k, v, lengths) in enumerate(layer_kv):
@@ -186,3 +191,61 @@ class RaggedStore(ModelDtypeStore):
                                        self.slots.cu_k(layer), used, self.max_segment[layer], self.scale)
         return ragged_sdpa_decode(q, self.keys[layer], self.values[layer], self.slots.offsets[layer], used,
                                   self.scale)
+
+
+def head_tensors(cache) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per layer of a per-head-budget cache right after its prefill: the stored K/V ``[B, Hkv, L, D]``
+    and each (row, KV head)'s kept count ``[B, Hkv]`` (int64). A head's kept rows come first
+    (:func:`ragged_layout`), its padding after; a layer that evicted nothing keeps all ``L`` rows
+    per head. What the fast engine's ragged store copies (the padding stays behind)."""
+    out = []
+    for i, ((keys, values), layer) in enumerate(zip(layer_tensors(cache), cache.layers, strict=True)):
+        prompt = getattr(layer, "prompt_length", None)
+        if prompt is None or getattr(layer, "logical_length", None) != prompt:
+            raise PolicyError(f"layer {i} holds tokens after its prefill (or no prefill): take the per-head "
+                                f"rows right after the prefill")
+        valid = getattr(layer, "head_valid", None)
+        if valid is None:
+            lengths = torch.full(keys.shape[:2], keys.shape[-2], dtype=torch.long, device=keys.device)
+        else:
+            lengths = valid.sum(dim=-1)
+        out.append((keys, values, lengths))
+    return out
+
+
+@dataclass(frozen=True)
+class RaggedStorage:
+    """Per-KV-head budgets with a fixed total per layer: each (row, KV head)'s kept rows in a segment of
+    its own at the model dtype, no padding. ``prefill``: the policy whose prefill selects per head (its
+    cache, padded per head on ``hf``: :mod:`kvlab.policies.headwise`, is what the store loads from)."""
+
+    prefill: Any = None
+    kv_format = "model dtype, ragged heads"
+
+    def check(self, shape: ModelShape, cuda: bool) -> None:
+        """Any full-attention model (the prefill policy checks it)."""
+
+    def token_bytes(self, kv_heads: int, head_dim: int, element_size: int = 2) -> float:
+        return 2 * kv_heads * head_dim * element_size
+
+    def paged(self, kv_heads: int, head_dim: int, block_tokens: int = 16, element_size: int = 2):
+        """Blocks of ``block_tokens`` tokens per layer, counted over the layer's KV heads together (a
+        layer keeps ``Hkv x budget`` rows in all, however they split over its heads)."""
+        return paged_layout(self.token_bytes(kv_heads, head_dim, element_size), block_tokens)
+
+    def store(self, layout: Layout, options: StoreOptions):
+        if options.attention in ("triton", "cudnn"):
+            raise EngineError(f"attention={options.attention!r} reads one length per layer; per-KV-head budgets "
+                              "(adakv) need the ragged store: use attention auto, flash or sdpa")
+        return RaggedStore(layout, options.dtype, options.device, options.scale, options.attention)
+
+    def prefill_cache(self, store, rows: slice | None, model):
+        return self.prefill.make_cache(model)
+
+    def load(self, store, cache, rows: slice | None = None) -> None:
+        store.load(head_tensors(cache), rows)
+
+    def kept(self, cache) -> tuple[int, tuple[int, ...]]:
+        """A layer's budget: its kept rows per row over the KV heads."""
+        kv = head_tensors(cache)
+        return kv[0][0].shape[0], tuple(per_head_budget(lengths) for _, _, lengths in kv)
