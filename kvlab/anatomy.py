@@ -38,7 +38,7 @@ SCOPE_ATTENTION = "kvlab::attention"
 SCOPE_CACHE = "kvlab::cache_update"
 SCOPE_QUANTIZE = "kvlab::quantize"
 SCOPE_DEQUANTIZE = "kvlab::dequantize"
-SCOPE_SELECT = "kvlab::quest_select"  # a sparse read's page selection (kvlab.storage.quest)
+SCOPE_SELECT = "kvlab::quest_select"  # a sparse read's page selection (kvlab.storage)
 
 # Checked in order against each name of an op's chain (the op first, then its parents).
 RULES: tuple[tuple[re.Pattern, str], ...] = (

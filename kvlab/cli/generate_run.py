@@ -33,7 +33,7 @@ QUANT_FLAGS = {"bits": "nbits", "group_size": "q_group_size", "residual": "resid
                "axis_key": "axis_key", "axis_value": "axis_value"}
 DECODING_FLAGS = {"target": "target", "interval": "interval", "score": "score"}
 READ_FLAGS = {"key_bits": "key_bits", "value_group": "value_group", "page": "page", "token_budget": "budget",
-              "group_reduce": "group_reduce", "dense_layers": "dense_layers"}  # kivi, quest
+              "group_reduce": "group_reduce", "dense_layers": "dense_layers"}  # storages' own knobs
 ADAKV_FLAGS = {"scorer": "scorer", "alpha_safeguard": "alpha_safeguard", "scope": "scope"}
 
 

@@ -1,7 +1,7 @@
-"""A method that is a storage and nothing else (kivi, quest, or a new format): its policy is made from
-the storage class, so a storage family needs no policy module of its own.
+"""A method that is a storage and nothing else (a KIVI-style cache, a Quest-style read, a new format):
+its policy is made from the storage class, so a storage family needs no policy module of its own.
 
-    POLICIES.update(storage_policies(KiviStorage, QuestStorage))   # kvlab.policies
+    POLICIES.update(storage_policies(SomeStorage, OtherStorage))   # kvlab.policies
 
 The policy's parameters are the storage's dataclass fields (with their defaults and help), so
 ``kvlab policies``, sweep params and records see them as any method's; its label, bits, checks and

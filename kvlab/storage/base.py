@@ -146,6 +146,25 @@ def paged_layout(token_bytes: float, block_tokens: int) -> PagedLayout:
     return PagedLayout(block_tokens, math.ceil(token_bytes * block_tokens))
 
 
+def storage_bytes(storage, spec: ModelSpec, kept: list[int], new_tokens: int = 0, batch: int = 1) -> int:
+    """The budget math of any storage: bytes of ``batch`` sequences holding ``kept[l]`` prompt tokens
+    in layer ``l`` (after the prefill's compression) plus ``new_tokens`` appended while decoding."""
+    per_token = storage.token_bytes(spec.num_kv_heads, spec.head_dim, element_size(spec))
+    return batch * sum(math.ceil((k + new_tokens) * per_token) for k in kept)
+
+
+def storage_blocks(storage, spec: ModelSpec, kept: list[int], new_tokens: int = 0, batch: int = 1,
+                   block_tokens: int = 16) -> int:
+    """Blocks of ``block_tokens`` tokens a paged allocator gives ``batch`` such sequences."""
+    layout = storage.paged(spec.num_kv_heads, spec.head_dim, block_tokens, element_size(spec))
+    return batch * layout.sequence_blocks(kept, new_tokens)
+
+
+def element_size(spec: ModelSpec) -> int:
+    """Bytes of one element at the model's dtype."""
+    return torch.finfo(getattr(torch, spec.dtype)).bits // 8
+
+
 class Storage(Protocol):
     """One way of keeping K/V, for both engines (a frozen dataclass of its parameters).
 
