@@ -41,7 +41,7 @@ CAPTURE_WARMUP_STEPS = 3
 # How the step is compiled by default, per device type (:data:`kvlab.engine.llama.STEP_COMPILE`).
 # On the H200 (Llama-3.1-8B shape, 16k, batch 1) the compiled layers inside kvlab's own graph took
 # 5.60 ms/step against 6.71 eager-in-graph and 10.10 for mode="reduce-overhead" over the whole step
-# (reports/h200-2026-12-03b); compiling costs ~7 s once per engine. CPU steps stay eager (the
+# (reports/); compiling costs ~7 s once per engine. CPU steps stay eager (the
 # reference the tests compare with transformers).
 DEFAULT_COMPILE = {"cuda": "layers"}
 
@@ -327,7 +327,7 @@ class FastEngine:
             self._decoders.popitem(last=False)
         if self.max_kept_bytes is not None:
             # the new store counts too: at batch 16 and 16k a full store (34 GB) beside the kept stores of
-            # the other methods and its own prefill cache ran out of the H200's memory (2026-12-03c)
+            # the other methods and its own prefill cache ran out of the H200's memory
             new = layout.dense_bytes(self.dtype.itemsize)
             while self._decoders and sum(d.store.bytes_allocated() for d in self._decoders.values()) + new \
                     > self.max_kept_bytes:
