@@ -125,10 +125,7 @@ class FastDecoder:
         """Move the prefilled cache's kept K/V into the static buffers (a copy, inside prefill):
         into batch rows ``rows`` when the cache holds a group of the batch's sequences. A cache that
         wrote into the store already is only checked."""
-        try:
-            self.storage.load(self.store, cache, rows)
-        except ValueError as err:
-            raise EngineError(str(err)) from None
+        self.storage.load(self.store, cache, rows)
         self.logical_tokens = int(cache.get_seq_length())
         self.fed = 0
 
@@ -292,8 +289,8 @@ class FastEngine:
         self._decoders: OrderedDict[tuple, FastDecoder] = OrderedDict()
 
     def storage_policy(self, policy):
-        """The policy whose transformers cache the prefill fills (and whose warm-up runs): the
-        policy's unquantized prefill policy; the store holds the quantized format."""
+        """The policy whose transformers cache the prefill fills (and whose warm-up runs): its storage's
+        prefill policy (an evicting policy, unquantized), else ``full`` (the prompt enters whole)."""
         return policy.storage().prefill or FullPolicy()
 
     def layout(self, policy, batch: int, ctx: int, new_tokens: int) -> Layout:

@@ -3,6 +3,7 @@ sizing a store from it, and the defaults of the :class:`~kvlab.storage.base.Stor
 
 from __future__ import annotations
 
+from kvlab.errors import EngineError
 from kvlab.storage.base import hf_model, layer_tensors, paged_layout
 from kvlab.storage.store_cache import StoreCache
 
@@ -12,7 +13,7 @@ def load_prefilled(store, cache, rows: slice | None = None) -> None:
     (its lengths are checked), any other cache's plain K/V are copied (:func:`layer_tensors`)."""
     if isinstance(cache, StoreCache):
         if cache.store is not store:
-            raise ValueError("this StoreCache writes into another decoder's store")
+            raise EngineError("this StoreCache writes into another decoder's store")
         got = [layer.get_seq_length() for layer in cache.layers]
         if got != list(store.layout.kept):
             raise ValueError(f"the prefill wrote {got[0]} tokens per layer, the store was sized for "
