@@ -1,4 +1,4 @@
-"""Per-GPU energy attribution over a sweep (issue #18): do a GPU's windows and idle gaps add up to
+"""Per-GPU energy attribution over a sweep: do a GPU's windows and idle gaps add up to
 what its hardware counter counted?
 
 ``scripts/device/counters.py`` reads every GPU's cumulative NVML energy counter (by UUID) before
