@@ -34,7 +34,7 @@ from typing import Any
 
 import pandas as pd
 
-from kvlab.records import load_records, read_manifest
+from kvlab.records import load_records, read_manifest, stored_path
 from kvlab.reporting.stats import method_summary, ratio_ci
 
 METRICS = {"itl_mean_ms": "ms/step", "j_per_token": "J/token", "ttft_s": "TTFT s"}
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--other", default="ray")
     ap.add_argument("--target", type=float, default=TARGET, help="overhead target, a share of the base wall time")
     args = ap.parse_args(argv)
-    missing = [str(args.folder / ex) for ex in (args.base, args.other) if not (args.folder / ex / "records.jsonl").is_file()]
+    missing = [str(args.folder / ex) for ex in (args.base, args.other) if stored_path(args.folder / ex / "records.jsonl") is None]
     if missing:
         print(f"kvlab.analysis.executors: error: no records in {', '.join(missing)}", file=sys.stderr)
         return 2

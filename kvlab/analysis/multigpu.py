@@ -33,7 +33,7 @@ from typing import Any
 from kvlab.analysis.attribution import TOLERANCE, attribute, read_counters, render, sweep_records
 from kvlab.analysis.executors import config_table, provenance_lines, read_walls, table_lines
 from kvlab.energy import norm_uuid
-from kvlab.records import load_records
+from kvlab.records import load_records, stored_path
 
 TARGET = 0.55
 MANY, ONE = "gpu2", "gpu1"
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", type=float, default=TARGET, help="wall-time ratio 2 GPUs / 1 GPU to meet")
     ap.add_argument("--tolerance", type=float, default=TOLERANCE, help="energy attribution tolerance (share)")
     args = ap.parse_args(argv)
-    missing = [str(args.folder / s) for s in (MANY, ONE) if not (args.folder / s / "records.jsonl").is_file()]
+    missing = [str(args.folder / s) for s in (MANY, ONE) if stored_path(args.folder / s / "records.jsonl") is None]
     if missing:
         print(f"kvlab.analysis.multigpu: error: no records in {', '.join(missing)}", file=sys.stderr)
         return 2
