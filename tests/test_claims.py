@@ -39,7 +39,7 @@ def test_every_measured_number_in_the_texts_has_a_claim(rel):
 
 def test_the_checks_catch_a_changed_number_and_an_unlisted_one(tmp_path):
     """The mechanism on a fake claim: a text that rounds differently from the data fails, and a
-    measured number outside every entry is reported (code spans and plain counts are not)."""
+    measured number outside every entry is reported (code spans, counts and keep ratios are not)."""
     claim = {"id": "t", "printed": "0.50x (n=2 a side)", "format": "{ratio:.2f}x ({runs} a side)",
              "data": ["x.json"], "compute": "json_value", "args": {"path": ["r"]}}
     (tmp_path / "x.json").write_text('{"r": 0.4951}')
@@ -47,8 +47,9 @@ def test_the_checks_catch_a_changed_number_and_an_unlisted_one(tmp_path):
     assert C.recompute(tmp_path, claim) == "0.50x (n=2 a side)"
     (tmp_path / "x.json").write_text('{"r": 0.4949}')
     assert C.recompute(tmp_path, claim) != claim["printed"]
-    text = "It uses 0.50x (n=2 a\nside) and +12% more, in `3.5 ms` code, over 3 repeats [0.4, 0.6]."
-    assert C.uncovered_numbers(text, [claim["printed"]]) == ["+12%", "[0.4, 0.6]"]
+    text = ("It uses 0.50x (n=2 a\nside) and +12% more, in `3.5 ms` code, over 3 repeats [0.4, 0.6]; "
+            "keep 0.25 reads 0.77 of it.")
+    assert C.uncovered_numbers(text, [claim["printed"]]) == ["+12%", "[0.4, 0.6]", "0.77"]
 
 
 def test_no_interval_is_printed_from_fewer_than_three_runs_a_side():

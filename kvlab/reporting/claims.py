@@ -130,12 +130,15 @@ def recompute(root: Path, claim: Mapping[str, Any]) -> str:
     return flat(claim["format"].format(**result))
 
 
-# A measurement as prose prints one: a number with a unit or a ratio/percent sign, or an interval.
+# A measurement as prose prints one: a number with a unit or a ratio/percent sign, an interval, or
+# any number with a decimal point (0.86). Bare integers are counts and settings (3 runs, batch 16).
 _NUMBER = r"(?<![\w.])[+\-−]?\d[\d,]*(?:\.\d+)?"
 MEASURED = re.compile(
     rf"\[{_NUMBER}%?, {_NUMBER}%?\]"  # an interval [0.49, 0.51]
-    rf"|{_NUMBER}(?:-{_NUMBER})?(?:%|x\b| ?(?:ms|s|J|GB|MB|TB/s|GB/s|W|tokens/s|nats|CPU s)\b)")
-_SKIPPED = re.compile(r"```.*?```|`[^`\n]*`|\]\([^)]*\)", re.S)  # code, inline code, link targets
+    rf"|{_NUMBER}(?:-{_NUMBER})?(?:%|x\b| ?(?:ms|s|J|GB|MB|TB/s|GB/s|W|tokens/s|nats|CPU s)\b)"
+    r"|(?<![\w.\-])\d+\.\d+(?![\w.])")
+# What is not prose: code, inline code, link targets, and a keep ratio (a setting: "keep 0.1").
+_SKIPPED = re.compile(r"```.*?```|`[^`\n]*`|\]\([^)]*\)|\bkeep(?:ing)? \d\.\d+(?: and \d\.\d+)?", re.S)
 
 
 def flat(text: str) -> str:
