@@ -57,3 +57,17 @@ def test_no_interval_is_printed_from_fewer_than_three_runs_a_side():
     assert fields["lo"] is None and fields["runs"] == "n=2"
     with pytest.raises(TypeError):
         "{lo_pct:+.0f}%".format(**fields)
+
+
+def test_a_ratio_across_two_cards_is_refused(tmp_path):
+    from kvlab.records import RecordWriter
+
+    with RecordWriter(tmp_path / "sweep" / "records.jsonl") as w:
+        for i, (label, card) in enumerate([("full", "GPU-a"), ("full", "GPU-a"), ("int4", "GPU-b"), ("int4", "GPU-a")]):
+            w.append({"run_id": f"r{i}", "kind": "perf", "status": "ok", "label": label, "gpu_uuid": card,
+                      "decode_j_per_token": 1.0 + i})
+    with pytest.raises(ValueError, match="cross cards"):
+        C.records_ratio(tmp_path, ["sweep"], "decode_j_per_token", {"label": "int4"}, {"label": "full"})
+    one_card = C.records_ratio(tmp_path, ["sweep"], "decode_j_per_token", {"label": "int4", "gpu_uuid": "GPU-a"},
+                               {"label": "full"})
+    assert one_card["ratio"] == pytest.approx(4.0 / 1.5) and one_card["runs"] == "n=1 vs 2"

@@ -60,14 +60,25 @@ def _rows(root: Path, data: Sequence[str], where: Mapping[str, Any]) -> pd.DataF
     return df
 
 
+def _cards(rows: pd.DataFrame) -> set[str]:
+    """The cards the rows ran on: GPU uuids where records carry them, else GPU names."""
+    for col in ("gpu_uuid", "gpu_name"):
+        if col in rows.columns and rows[col].notna().any():
+            return {str(v) for v in rows[col].dropna()}
+    return set()
+
+
 def records_ratio(root: Path, data: Sequence[str], metric: str, where: Mapping[str, Any],
                   base: Mapping[str, Any]) -> dict[str, Any]:
     """Mean ``metric`` of the records matching ``where`` over those matching ``where`` updated with
-    ``base`` (the baseline's columns), with :func:`interval`."""
-    x = _rows(root, data, where)[metric].astype(float)
-    b = _rows(root, data, {**where, **base})[metric].astype(float)
-    if x.empty or b.empty:
+    ``base`` (the baseline's columns), with :func:`interval`; refused when the runs cross cards."""
+    rows, base_rows = _rows(root, data, where), _rows(root, data, {**where, **base})
+    if rows.empty or base_rows.empty:
         raise ValueError(f"no runs for {dict(where)} or its baseline {dict(base)} in {list(data)}")
+    cards = _cards(pd.concat([rows, base_rows]))
+    if len(cards) > 1:
+        raise ValueError(f"{dict(where)} over {dict(base)} in {list(data)} would cross cards: {sorted(cards)}")
+    x, b = rows[metric].astype(float), base_rows[metric].astype(float)
     return ratio_fields(*interval(x.tolist(), b.tolist()), len(x), len(b))
 
 
@@ -78,16 +89,6 @@ def records_mean(root: Path, data: Sequence[str], metric: str, where: Mapping[st
     if x.empty:
         raise ValueError(f"no runs for {dict(where)} in {list(data)}")
     return {"value": float(x.mean()), "n": len(x), "min": float(x.min()), "max": float(x.max())}
-
-
-def records_mean_ratio(root: Path, data: Sequence[str], metric: str, where: Mapping[str, Any],
-                       base: Mapping[str, Any]) -> dict[str, Any]:
-    """:func:`records_ratio` plus both means (``value``, ``base_value``), for a text that prints
-    the two numbers and their ratio."""
-    out = records_ratio(root, data, metric, where, base)
-    out["value"] = records_mean(root, data, metric, where)["value"]
-    out["base_value"] = records_mean(root, data, metric, {**where, **base})["value"]
-    return out
 
 
 def verdict(root: Path, data: Sequence[str], label: str, ctx: int, batch: int = 1) -> dict[str, Any]:
@@ -119,8 +120,8 @@ def json_value(root: Path, data: Sequence[str], path: Sequence[Any], scale: floa
     return {"value": float(node) * scale}
 
 
-COMPUTE = {"records_ratio": records_ratio, "records_mean": records_mean,
-           "records_mean_ratio": records_mean_ratio, "verdict": verdict, "json_value": json_value}
+COMPUTE = {"records_ratio": records_ratio, "records_mean": records_mean, "verdict": verdict,
+           "json_value": json_value}
 
 
 def recompute(root: Path, claim: Mapping[str, Any]) -> str:
