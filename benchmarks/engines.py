@@ -185,9 +185,9 @@ def load_launch_configs(path: str, variant: str | None = None) -> None:
     """Install the per-format winners of a quant_attention.py --tune run as kvlab's tuned launch configs
     (``variant``: the winners among that kernel's configs)."""
     from kvlab.kernels import LaunchConfig, formats
+    from kvlab.records import read_json
 
-    with open(path) as f:
-        tuned = json.load(f)
+    tuned = read_json(path)  # the file or its archived .xz twin (reports/)
     by_variant = tuned.get("winners_by_variant") or {}
     winners = by_variant.get(variant) if variant else tuned.get("winners")
     if variant in ("fold_asm", "warp", "warp_asm"):  # formats they do not read run fold, with fold's winners
