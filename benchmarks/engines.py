@@ -120,10 +120,20 @@ def copy_same_bytes_ms(nbytes: float, device: str, cap_bytes: int = 2**31) -> fl
     return median_ms(lambda: dst.copy_(src), device, iters=10, graph=False) * nbytes / n
 
 
+def read_same_bytes_ms(nbytes: float, device: str, cap_bytes: int = 2**31) -> float:
+    """Milliseconds of a read-only stream (a reduction: every byte read once) over ``nbytes`` in this
+    run, scaled per byte past ``cap_bytes`` as :func:`copy_same_bytes_ms` is: the floor of a kernel
+    that only reads those bytes."""
+    n = max(4, int(min(nbytes, cap_bytes)) // 4 * 4)
+    src = torch.empty(n, dtype=torch.uint8, device=device).view(torch.int32)
+    return median_ms(lambda: src.amax(), device, iters=10, graph=False) * nbytes / (4 * src.numel())
+
+
 def attention_kernel_bandwidth(decoder, ctx: int, device: str, copy_gbps: float | None) -> dict:
     """One step's attention kernels alone, over every layer of a fast decoder's store (each layer's
     own buffers, so L2 cannot serve them), ``ctx`` slots per sequence: ms, the KV bytes they read, and
-    those bytes' GB/s as a fraction of a copy of the same bytes timed here (:func:`kvlab.budget.bandwidth_fields`).
+    those bytes' GB/s as a fraction of a read-only stream and of a copy of the same bytes timed here
+    (:func:`kvlab.budget.bandwidth_fields`).
     The new token's write is not included; the store's content is whatever the last run left."""
     from kvlab.budget import bandwidth_fields
     from kvlab.kernels import decode_attention
@@ -160,7 +170,8 @@ def attention_kernel_bandwidth(decoder, ctx: int, device: str, copy_gbps: float 
     kernel_ms = median_ms(run, device)
     out = {"attention": store.attention, "kv_format": store.kv_format, "slots": n, "kv_bytes": nbytes,
            "kernel_ms": kernel_ms, "kernel_ms_per_layer": kernel_ms / len(layout.kept)}
-    out.update(bandwidth_fields(nbytes, kernel_ms, copy_same_bytes_ms(nbytes, device), copy_gbps))
+    out.update(bandwidth_fields(nbytes, kernel_ms, copy_same_bytes_ms(nbytes, device), copy_gbps,
+                                read_same_bytes_ms(nbytes, device)))
     return out
 
 
@@ -178,9 +189,9 @@ def load_launch_configs(path: str, variant: str | None = None) -> None:
     """Install the per-format winners of a quant_attention.py --tune run as kvlab's tuned launch configs
     (``variant``: the winners among that kernel's configs)."""
     from kvlab.kernels import LaunchConfig, formats
+    from kvlab.records import read_json
 
-    with open(path) as f:
-        tuned = json.load(f)
+    tuned = read_json(path)  # the file or its archived .xz twin (reports/)
     by_variant = tuned.get("winners_by_variant") or {}
     winners = by_variant.get(variant) if variant else tuned.get("winners")
     if variant in ("fold_asm", "warp", "warp_asm"):  # formats they do not read run fold, with fold's winners

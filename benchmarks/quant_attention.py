@@ -19,8 +19,11 @@ format``, what the engines run) or at LaunchConfig's defaults (``--geometry defa
     written (the output is poisoned with NaN first), per case and worst per variant.
 (b) Performance at the Llama-3.1-8B attention shape (Hq 32, Hkv 8, D 128), 16k tokens, batch
     1/16/32: median kernel time by CUDA events (eager launches, and replays of a captured CUDA
-    graph), GB/s on the KV bytes read (codes + scales + zeros of K and V), the ratio to a 4 GiB
-    device-to-device copy measured here (read + write counted), and against a copy of the same bytes
+    graph), GB/s on the KV bytes read (codes + scales + zeros of K and V), the ratio to a read-only
+    stream (a reduction over 4 GiB, ``of_read_bw``, and over the same bytes in the same case,
+    ``of_read_same_bytes``: the kernel only reads, so this is its floor), the ratio to a 4 GiB
+    device-to-device copy measured here (read + write counted; a copy also writes, which flatters a
+    read-only kernel's fraction of it), and against a copy of the same bytes
     timed in the same case (``of_copy_same_bytes``; ``floor_ms`` = half that copy, the time to read
     the bytes at copy bandwidth; ``x_floor`` = the kernel's time over it), the error against the reference,
     and against bf16 SDPA (``F.scaled_dot_product_attention(..., enable_gqa=True)``) and
@@ -199,6 +202,36 @@ def copy_bandwidth(device, clock, gib):
     return 2 * n / (ms * 1e-3) / 1e9
 
 
+def read_bandwidth(device, clock, gib):
+    """GB/s of a read-only stream over ``gib`` GiB (a reduction: every byte read once, one number
+    written), the floor of a kernel that only reads."""
+    n = int(gib * 2**30) // 4 * 4
+    src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=device)
+    ms = clock.median_ms(lambda: read_words(src), iters=5, repeats=5)
+    return n / (ms * 1e-3) / 1e9
+
+
+def read_words(buffer):
+    """One read-only pass over a uint8 buffer whose length is a multiple of 4: the max of its int32 words."""
+    return buffer.view(torch.int32).amax()
+
+
+def read_same_bytes_ms(device, clock, nbytes, copies, iters, repeats):
+    """Milliseconds of a read-only stream over ``nbytes`` (the bytes one kernel call reads), in the same
+    run as the kernel, ``copies`` buffers rotating as the kernel's inputs do: the time a kernel that
+    only reads those bytes cannot beat."""
+    n = max(4, int(nbytes) // 4 * 4)
+    src = [torch.randint(0, 255, (n,), dtype=torch.uint8, device=device) for _ in range(copies)]
+
+    def read():
+        for t in src:
+            read_words(t)
+
+    read()
+    clock.sync()
+    return clock.median_ms(read, iters, repeats) / copies * nbytes / n
+
+
 def copy_same_bytes_ms(device, clock, nbytes, copies, iters, repeats):
     """Milliseconds of a device-to-device copy of ``nbytes`` (the bytes one kernel call reads), in the
     same run as the kernel; like the kernel's inputs, ``copies`` buffers rotate so that L2 cannot serve
@@ -266,7 +299,7 @@ def perf_data(case, device, seed, l2_bytes):
             "copies": copies, "length": length}
 
 
-def time_kernel(data, config, device, backend, clock, iters, repeats, copy_gbps, row):
+def time_kernel(data, config, device, backend, clock, iters, repeats, copy_gbps, row, read_gbps=None):
     """One launch config on ``data``: time (eager, graph), GB/s, and its error against the reference."""
     sets, q, lengths, scale, copies = data["sets"], data["q"], data["lengths"], data["scale"], data["copies"]
     out = torch.empty_like(q)
@@ -283,7 +316,8 @@ def time_kernel(data, config, device, backend, clock, iters, repeats, copy_gbps,
     best = min(row["kernel_ms"], row.get("kernel_graph_ms", math.inf))
     if "copy_ms" not in data:  # once per case: the copy of the same bytes, same run
         data["copy_ms"] = copy_same_bytes_ms(device, clock, data["kv_bytes"], copies, iters, repeats)
-    row.update(bandwidth_fields(data["kv_bytes"], best, data["copy_ms"], copy_gbps))
+        data["read_ms"] = read_same_bytes_ms(device, clock, data["kv_bytes"], copies, iters, repeats)
+    row.update(bandwidth_fields(data["kv_bytes"], best, data["copy_ms"], copy_gbps, data["read_ms"], read_gbps))
     k, v = sets[0]
     out.fill_(float("nan"))
     decode_attention(q, k, v, lengths, scale, out=out, workspace=spaces[0], backend=backend)
@@ -319,7 +353,7 @@ def time_baselines(data, device, clock, iters, repeats):
 
 
 def run_performance(case, configs, device, backend, clock, copy_gbps, seed, l2_bytes, iters, repeats,
-                    baselines=True, on_row=None):
+                    baselines=True, on_row=None, read_gbps=None):
     """One format at one batch, one row per launch config (same stores for all), plus the baselines."""
     rows = []
     try:
@@ -342,7 +376,7 @@ def run_performance(case, configs, device, backend, clock, copy_gbps, seed, l2_b
         seen.add(key)
         row = dict(case, **base)
         try:
-            time_kernel(data, config, device, backend, clock, iters, repeats, copy_gbps, row)
+            time_kernel(data, config, device, backend, clock, iters, repeats, copy_gbps, row, read_gbps)
         except Exception as err:  # noqa: BLE001
             row.update(status="failed", config=vars(config), error=f"{type(err).__name__}: {err}",
                        traceback=traceback.format_exc(limit=6))
@@ -578,21 +612,25 @@ def print_correctness(rows):
                   f"failed cases: {len(failed)}")
 
 
-def print_performance(rows, copy_gbps):
-    print(f"\n(b) decode attention, Hq/Hkv/D = 32/8/128 (copy bandwidth {copy_gbps or 0:.0f} GB/s, read + write)")
+def print_performance(rows, copy_gbps, read_gbps=None):
+    print(f"\n(b) decode attention, Hq/Hkv/D = 32/8/128 (read-only stream {read_gbps or 0:.0f} GB/s; "
+          f"copy bandwidth {copy_gbps or 0:.0f} GB/s, read + write)")
     print(f"{'format':<10} {'B':>3} {'kern':<5} {'len/cap':>11} {'MB read':>8} {'kernel':>8} {'graph':>8} {'GB/s':>6} "
-          f"{'of copy':>7} {'same B':>6} {'x floor':>7} {'rel err':>8} {'sdpa':>8} {'sdpa gr':>8} {'deq+sdpa':>8} "
-          f"{'splits':>6}")
+          f"{'of read':>7} {'read B':>6} {'of copy':>7} {'same B':>6} {'x floor':>7} {'rel err':>8} {'sdpa':>8} "
+          f"{'sdpa gr':>8} {'deq+sdpa':>8} {'splits':>6}")
     for r in rows:
         if r["status"] != "ok":
             print(f"{r['format']:<10} {r['batch']:>3} {r.get('variant', '-'):<5} FAILED {r['error'][:120]}")
             continue
         print(f"{r['label']:<10} {r['batch']:>3} {r['variant']:<5} {r['length']:>5}/{r['capacity']:<5} "
               f"{r['kv_bytes'] / 1e6:8.1f} {fmt_ms(r.get('kernel_ms'))} {fmt_ms(r.get('kernel_graph_ms'))} "
-              f"{r['kernel_GBps']:6.0f} {r.get('of_copy_bw', 0):7.2f} {r.get('of_copy_same_bytes', 0):6.2f} "
+              f"{r['kernel_GBps']:6.0f} {r.get('of_read_bw', 0):7.2f} {r.get('of_read_same_bytes', 0):6.2f} "
+              f"{r.get('of_copy_bw', 0):7.2f} {r.get('of_copy_same_bytes', 0):6.2f} "
               f"{r.get('x_floor', 0):7.2f} {r['rel_err']:8.1e} {fmt_ms(r.get('sdpa_ms'))} "
               f"{fmt_ms(r.get('sdpa_graph_ms'))} {fmt_ms(r.get('dequant_sdpa_ms'))} {r['num_splits']:>6}")
-    print("times in ms per call; GB/s from the faster of eager and graph; of copy = GB/s over the large copy's; "
+    print("times in ms per call; GB/s from the faster of eager and graph; of read = GB/s over the large read-only "
+          "stream's (a reduction); read B = over a read-only stream of the same bytes in this case; "
+          "of copy = GB/s over the large copy's; "
           "same B = over a copy of the same bytes in this case; x floor = time over half that copy; "
           "sdpa = bf16 SDPA on the bf16 row's "
           "buffers; deq+sdpa = dequantize the prefix to bf16, then SDPA")
@@ -670,30 +708,32 @@ def main() -> None:
         print_correctness(result.get("correctness", []))
         print(f"[{time.perf_counter() - t0:.0f} s]")
 
-    copy_gbps = None
+    copy_gbps = read_gbps = None
     l2 = l2_bytes(args.device)
     result["l2_bytes"] = l2
     if "performance" not in args.skip or args.tune:
         try:
             copy_gbps = copy_bandwidth(args.device, clock, 0.0625 if args.quick else args.copy_gib)
+            read_gbps = read_bandwidth(args.device, clock, 0.0625 if args.quick else args.copy_gib)
         except Exception as err:  # noqa: BLE001
             result["copy_error"] = f"{type(err).__name__}: {err}"
         result["copy_GBps"] = copy_gbps
+        result["read_GBps"] = read_gbps
 
     if "performance" not in args.skip:
         iters, repeats = (2, 2) if args.quick else (50, 5)
         for case in performance_cases(args.quick):
             run_performance(case, geometry_configs(case, args.variants, args.geometry), args.device, args.backend,
                             clock, copy_gbps, args.seed, l2, iters, repeats,
-                            on_row=lambda row: results.add("performance", row))
-        print_performance(result.get("performance", []), copy_gbps)
+                            on_row=lambda row: results.add("performance", row), read_gbps=read_gbps)
+        print_performance(result.get("performance", []), copy_gbps, read_gbps)
         print(f"[{time.perf_counter() - t0:.0f} s]")
 
     if args.tune:
         iters, repeats = (2, 1) if args.quick else (20, 3)
         for case in tune_cases(args.quick, args.tune_formats):
             run_performance(case, tune_configs(case, args.quick, args.tune_variants), args.device, args.backend,
-                            clock, copy_gbps, args.seed, l2, iters, repeats, baselines=False,
+                            clock, copy_gbps, args.seed, l2, iters, repeats, baselines=False, read_gbps=read_gbps,
                             on_row=lambda row: results.add("tune", row))
         print_tune(result.get("tune", []))
         result["winners"] = pick_winners(result.get("tune", []))

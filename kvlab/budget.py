@@ -271,16 +271,27 @@ class DecodeBytes:
 
 
 def bandwidth_fields(nbytes: float, kernel_ms: float, copy_ms: float | None = None,
-                     copy_gbps: float | None = None) -> dict[str, float]:
-    """A kernel's bandwidth against a device-to-device copy, for benchmark rows.
+                     copy_gbps: float | None = None, read_ms: float | None = None,
+                     read_gbps: float | None = None) -> dict[str, float]:
+    """A kernel's bandwidth against a read-only stream and a device-to-device copy, for benchmark rows.
 
-    ``nbytes``: what the kernel reads in ``kernel_ms``; ``copy_ms``: a copy of the same ``nbytes`` (read
-    and written) timed in the same run; ``copy_gbps``: a large copy's GB/s, read + write counted.
-    ``kernel_GBps``: bytes read per second. ``copy_same_bytes_GBps``: the copy's read + write per second.
-    ``of_copy_same_bytes``: the first over the second (1.0: the kernel reads at copy bandwidth).
-    ``floor_ms``: the bytes read at that bandwidth (half the copy); ``x_floor``: the kernel's time over
-    it. ``of_copy_bw``: ``kernel_GBps`` over ``copy_gbps``."""
+    ``nbytes``: what the kernel reads in ``kernel_ms``. ``read_ms``: a read-only stream (a reduction)
+    over the same ``nbytes`` timed in the same run, the honest floor of a kernel that only reads;
+    ``read_gbps``: a large read-only stream's GB/s. ``copy_ms``: a copy of the same ``nbytes`` (read
+    and written); ``copy_gbps``: a large copy's GB/s, read + write counted. A copy writes as much as
+    it reads, so a read-only kernel's fraction of it flatters the kernel; both are kept side by side.
+    ``kernel_GBps``: bytes read per second. ``of_read_same_bytes``: it over the stream's GB/s (1.0:
+    the kernel reads as fast as a reduction); ``x_read_floor``: the kernel's time over the stream's.
+    ``copy_same_bytes_GBps``: the copy's read + write per second; ``of_copy_same_bytes``: the kernel's
+    GB/s over it. ``floor_ms``: the bytes read at copy bandwidth (half the copy); ``x_floor``: the
+    kernel's time over it. ``of_read_bw`` / ``of_copy_bw``: ``kernel_GBps`` over the large figures."""
     out = {"kernel_GBps": nbytes / (kernel_ms * 1e-3) / 1e9}
+    if read_ms:
+        stream = nbytes / (read_ms * 1e-3) / 1e9
+        out.update(read_same_bytes_ms=read_ms, read_same_bytes_GBps=stream,
+                   of_read_same_bytes=out["kernel_GBps"] / stream, x_read_floor=kernel_ms / read_ms)
+    if read_gbps:
+        out["of_read_bw"] = out["kernel_GBps"] / read_gbps
     if copy_ms:
         same = 2 * nbytes / (copy_ms * 1e-3) / 1e9
         out.update(copy_same_bytes_ms=copy_ms, copy_same_bytes_GBps=same, of_copy_same_bytes=out["kernel_GBps"] / same,

@@ -1,8 +1,8 @@
 """Host counters around a measured run: CPU steal, the process's own CPU time, preemptions.
 
 Why: batch-1 decode is host-bound (the GPU waits on Python launching kernels), and on the lent
-H200 the step time switched between about 30 and 60 ms inside single runs, for every method
-(2026-12-02). These deltas say where a slow run's time went: to the hypervisor (steal time of
+H200 the step time switched between about 30 and 60 ms inside single runs, for every method.
+These deltas say where a slow run's time went: to the hypervisor (steal time of
 the VM's CPUs), to other processes (involuntary context switches) or to this process itself.
 Every field is None where the counter cannot be read (not Linux): never an error.
 """
@@ -84,12 +84,12 @@ def host_delta(before: HostCounters, after: HostCounters) -> dict[str, float | i
 # H200 (95 runs, nothing else running) the main thread was switched out 1-5 times per second of
 # decode and never saw steal above 1.1% of a CPU; on a shared 2-core CPU machine the same smoke
 # configuration ran at 43.5 ms/token with 0-3 switches and a CPU share of 2.0 (both threads busy),
-# and at 850 ms/token with 300-1764 switches and a share of 1.0 (issue 15).
+# and at 850 ms/token with 300-1764 switches and a share of 1.0.
 MAX_SWITCHES_PER_S = 20.0
 MIN_CPU_SHARE_OF_THREADS = 0.7  # CPU only: a compute-bound decode keeps its torch threads busy...
 # ...when they spin. Waiting passively (kvlab's default, kvlab/__init__), a batch-1 decode keeps one
-# thread busy: 0.95-1.01 CPU share with 2 threads on a quiet 2-core machine, 0.48-0.65 under load
-# (2026-12-03), so the expected share is then one thread's.
+# thread busy: 0.95-1.01 CPU share with 2 threads on a quiet 2-core machine, 0.48-0.65 under load,
+# so the expected share is then one thread's.
 MIN_SWITCHES_PER_S_WITH_LOW_SHARE = 5.0  # ...unless its code is serial: a low share counts with switches
 MAX_STEAL_SHARE = 0.1  # steal summed over the VM's CPUs, per second of decode
 

@@ -223,7 +223,7 @@ def kernel_ms(events) -> float:
 
     Counted per op from ``evt.kernels``, as :func:`kvlab.anatomy.op_times` does. Summing
     ``self_device_time_total`` over ``key_averages()`` instead counts every kernel twice, once as its
-    own row and once under the op that launched it: the H200 records of 2026-12-02 made that way say
+    own row and once under the op that launched it: H200 records made that way said
     16.4 ms for a 16k decode step whose kernels the anatomy timed at 8.2 ms.
     """
     return sum(op.us for op in op_times(events, on_device=True)) / 1000.0
@@ -298,7 +298,7 @@ def measure_generation(
     policy.prepare(model)
     # The engine may replace its decoder here, freeing the one before: the peak is reset after, or
     # it would start at the old store's size (a fast int4 run after a full one at batch 32, 16k:
-    # 85.4 GB where its own was 52.2, reports/h200-2026-12-03e). The new store counts: it is held.
+    # 85.4 GB where its own was 52.2). The new store counts: it is held.
     decoder = engine.decoder(policy, batch, ctx, new_tokens)
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)

@@ -3,12 +3,18 @@
 A sweep folder holds ``records.jsonl`` (one JSON object per run, appended with flush + fsync so a
 ``kill -9`` loses at most the run in flight), ``manifest.json`` (params and provenance) and, when
 written, ``records.parquet``. Reports read records only through :func:`load_records`.
+
+Archived folders (reports/) may store bulky files compressed: ``timelines.jsonl.xz``,
+``warmup.jsonl.gz``. Every reader here opens a file or, when it is absent, its compressed twin
+(:func:`open_text`), so code and scripts name the plain file either way.
 """
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
+import lzma
 import math
 import os
 import warnings
@@ -23,6 +29,8 @@ SCHEMA_VERSION = 1
 RECORDS_FILE = "records.jsonl"
 MANIFEST_FILE = "manifest.json"
 PARQUET_FILE = "records.parquet"
+# Compressed twins a reader accepts in place of a plain file, by suffix (stdlib codecs only).
+COMPRESSED = {".xz": lzma.open, ".gz": gzip.open}
 
 # The columns reports read (ARCHITECTURE.md, "Records"); records may carry more.
 PERF_COLUMNS = (
@@ -79,6 +87,10 @@ class RecordWriter:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        twin = stored_path(self.path)
+        if twin is not None and twin != self.path:
+            raise RecordsError(f"{twin} is an archived (compressed) file; appending would hide it from "
+                               f"readers: decompress it first (xz -dk / gunzip -k) or write elsewhere")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         torn = self.path.exists() and self.path.stat().st_size > 0 and not self._ends_with_newline()
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
@@ -108,15 +120,42 @@ class RecordWriter:
         self.close()
 
 
+def stored_path(path: str | Path) -> Path | None:
+    """``path`` if it exists, else its first existing compressed twin (``path.xz``, ``path.gz``),
+    else None."""
+    path = Path(path)
+    if path.exists():
+        return path
+    return next((twin for suffix in COMPRESSED if (twin := path.with_name(path.name + suffix)).exists()), None)
+
+
+def open_text(path: str | Path, mode: str = "rt"):
+    """``path`` (or its compressed twin) opened for reading, decompressed by suffix; ``mode`` "rt" or
+    "rb". A missing file raises ``FileNotFoundError`` naming the plain path."""
+    found = stored_path(path)
+    if found is None:
+        raise FileNotFoundError(f"{path} (nor a compressed {path}.xz / .gz)")
+    opener = COMPRESSED.get(found.suffix)
+    if opener is None:
+        return open(found, mode, **({"encoding": "utf-8"} if "t" in mode else {}))  # noqa: SIM115
+    return opener(found, mode, **({"encoding": "utf-8"} if "t" in mode else {}))
+
+
+def read_json(path: str | Path) -> Any:
+    """One JSON file (or its compressed twin)."""
+    with open_text(path) as f:
+        return json.load(f)
+
+
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     """All JSON objects of one file, in order. A torn, invalid, non-UTF-8 or non-object line (``123``,
     ``null``, ``[1, 2]``) is skipped with a warning naming the file and line: a damaged line must not
     stop a resume or a report, and must not pass for a record."""
     path = Path(path)
-    if not path.exists():
+    if stored_path(path) is None:
         return []
     out = []
-    with open(path, "rb") as f:
+    with open_text(path, "rb") as f:
         for n, raw in enumerate(f, 1):
             try:
                 line = raw.decode("utf-8").strip()
@@ -196,12 +235,15 @@ def read_manifest(folder: str | Path) -> dict[str, Any] | None:
     return manifest
 
 
-def _record_files(path: Path) -> list[Path]:
+def record_files(path: Path) -> list[Path]:
+    """Each ``records.jsonl`` under ``path`` (one stored compressed is named by its plain path)."""
     if path.is_file():
-        return [path]
+        return [path.with_suffix("") if path.suffix in COMPRESSED else path]
     if not path.exists():
         raise FileNotFoundError(f"no records at {path}: pass a sweep folder or a records.jsonl file")
-    return sorted(path.rglob(RECORDS_FILE))
+    found = {p.parent / RECORDS_FILE for pattern in [RECORDS_FILE, *(RECORDS_FILE + s for s in COMPRESSED)]
+             for p in path.rglob(pattern)}
+    return sorted(found)
 
 
 def _latest_per_run(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -225,7 +267,7 @@ def load_records(path: str | Path, kind: str | None = None, latest: bool = True)
 
     path = Path(path)
     rows: list[dict[str, Any]] = []
-    for file in _record_files(path):
+    for file in record_files(path):
         for r in read_records(file):
             r["_folder"] = str(file.parent)
             rows.append(r)

@@ -295,7 +295,7 @@ class BudgetExplorer:
 
         The outputs are set as widget state, not printed inside ``with output:``: nbclient
         (papermill) mirrors printed Output-widget messages back to the kernel on the shell channel
-        while the cell runs, which can deadlock (jupyter/nbclient#312, nteract/papermill#723).
+        while the cell runs, which can deadlock (a known nbclient/papermill problem upstream).
         """
         from IPython import get_ipython
 

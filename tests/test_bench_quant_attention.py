@@ -6,6 +6,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvlab.kernels import LaunchConfig
 
@@ -77,3 +78,18 @@ def test_tune_grids_cover_the_variants_asked_for_where_they_read(bench):
     assert variants("bf16", "warp", "fold") == {"fold"}  # the warp kernel reads int4 and fp8
     shapes = [c for c in bench.tune_configs({"format": "fp8", "group": None}, quick=False, variants=("warp",))]
     assert all(c.block_n // c.num_warps >= 16 for c in shapes)  # every warp keeps 16 slots of a block
+
+
+def test_bandwidth_fields_against_a_read_only_stream(bench):
+    # 100 MB read in 0.1 ms = 1000 GB/s; a reduction over the same 100 MB took 0.04 ms = 2500 GB/s
+    f = bench.bandwidth_fields(100e6, 0.1, copy_ms=0.05, read_ms=0.04, read_gbps=2000.0)
+    assert f["read_same_bytes_GBps"] == pytest.approx(2500.0)
+    assert f["of_read_same_bytes"] == pytest.approx(0.4) and f["x_read_floor"] == pytest.approx(2.5)
+    assert f["of_read_bw"] == pytest.approx(0.5)
+    assert f["of_copy_same_bytes"] == pytest.approx(0.25)  # the copy's figure stays beside it
+
+
+def test_read_stream_reads_every_word(bench):
+    buf = torch.zeros(4096, dtype=torch.uint8)
+    buf[4092:] = torch.tensor([1, 0, 0, 0], dtype=torch.uint8)  # the last int32 word is 1 (little-endian)
+    assert int(bench.read_words(buf)) == 1

@@ -50,7 +50,7 @@ def test_the_report_sets_every_verdict_of_issue_18(tmp_path):
     assert text.count("every one names its GPU") == 2
     assert text.count("2/2 GPUs agree within 2%") == 2  # the 1-GPU sweep's idle GPU too (idle.json)
     configs = len(METHODS) * len(CTXS) // 2  # the methods x the ctx groups each GPU ran
-    assert "the two GPUs side by side, issue #18's agreement" in text and "the control, the same GPU" in text
+    assert "the two GPUs side by side, their agreement" in text and "the control, the same GPU" in text
     assert text.count(f"{configs}/{configs} configurations agree") == 2
     assert f"worker host fake, pid 101, gpu_uuid {UUIDS[1]}" in text
 
@@ -58,7 +58,7 @@ def test_the_report_sets_every_verdict_of_issue_18(tmp_path):
 def test_a_slower_gpu_shows_in_the_side_by_side_table_not_in_the_control(tmp_path):
     device_folder(tmp_path, slower_gpu1=1.2)
     text = report(tmp_path)
-    side_by_side = text.split("issue #18's agreement")[1]
+    side_by_side = text.split("their agreement")[1]
     control = text.split("the control, the same GPU")[1].split("configurations the 2-GPU sweep ran on")[0]
     configs = len(METHODS) * len(CTXS) // 2
     assert f"0/{configs} configurations agree" in side_by_side and "1.2 [" in side_by_side

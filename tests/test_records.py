@@ -9,9 +9,12 @@ import pytest
 
 from kvlab.records import (
     PERF_COLUMNS,
+    RecordsError,
     RecordWriter,
     load_records,
     make_run_id,
+    open_text,
+    read_json,
     read_jsonl,
     read_manifest,
     recorded_run_ids,
@@ -105,6 +108,38 @@ def test_load_records_orders_columns_keeps_the_latest_and_reads_nested_folders(t
     assert load_records(a, latest=False).shape[0] == 4
     assert df.loc[df.run_id == "r2", "itl_ms"].iloc[0] == [1.0, 2.0]
     assert isinstance(df.loc[df.run_id == "r2", "policy_params"].iloc[0], dict)
+
+
+@pytest.mark.parametrize("suffix", [".xz", ".gz"])
+def test_readers_open_a_compressed_twin_in_place_of_the_plain_file(tmp_path, suffix):
+    """Archived report folders store records, warm-ups and JSON compressed; every reader names the
+    plain file and gets the same rows, and a folder of sweeps mixes both forms."""
+    import gzip
+    import lzma
+
+    opener = {".xz": lzma.open, ".gz": gzip.open}[suffix]
+    rows = [{"run_id": "a", "kind": "perf", "status": "ok", "ctx": 256},
+            {"run_id": "b", "kind": "perf", "status": "ok", "ctx": 512}]
+    packed = tmp_path / "packed"
+    packed.mkdir()
+    with opener(packed / f"records.jsonl{suffix}", "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    with opener(packed / f"bench.json{suffix}", "wt") as f:
+        json.dump({"copy_GBps": 3.2}, f)
+    with RecordWriter(tmp_path / "plain" / "records.jsonl") as w:
+        w.append({"run_id": "c", "kind": "perf", "status": "ok", "ctx": 1024})
+
+    assert read_jsonl(packed / "records.jsonl") == rows
+    assert read_json(packed / "bench.json") == {"copy_GBps": 3.2}
+    assert read_jsonl(packed / f"records.jsonl{suffix}") == rows  # named by its own name too
+    df = load_records(tmp_path)
+    assert sorted(df["run_id"]) == ["a", "b", "c"]
+    assert sorted(load_records(packed / f"records.jsonl{suffix}")["ctx"]) == [256, 512]
+    assert recorded_run_ids(packed) == {"a", "b"}
+    with pytest.raises(FileNotFoundError, match=r"absent\.json"):
+        open_text(tmp_path / "absent.json")
+    with pytest.raises(RecordsError, match="decompress it first"):  # a resume must not hide the archive
+        RecordWriter(packed / "records.jsonl")
 
 
 def test_load_records_of_an_empty_folder_has_the_documented_columns(tmp_path):

@@ -1,4 +1,4 @@
-"""Per-GPU energy attribution over a sweep (issue #18): do a GPU's windows and idle gaps add up to
+"""Per-GPU energy attribution over a sweep: do a GPU's windows and idle gaps add up to
 what its hardware counter counted?
 
 ``scripts/device/counters.py`` reads every GPU's cumulative NVML energy counter (by UUID) before
@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.energy import norm_uuid
-from kvlab.records import read_jsonl
+from kvlab.records import read_jsonl, stored_path
 
 TOLERANCE = 0.02
 COUNTER_SLACK_J = 0.001  # the counter counts whole millijoules
@@ -357,9 +357,7 @@ def sweep_records(folder: Path) -> list[dict[str, Any]]:
     """A sweep folder's measured runs and warm-ups (both measured energy in a window)."""
     out = []
     for name in ("records.jsonl", "warmup.jsonl"):
-        path = Path(folder) / name
-        if path.is_file():
-            out.extend(read_jsonl(path))
+        out.extend(read_jsonl(Path(folder) / name))  # [] when absent; an archived .xz twin is read
     return out
 
 
@@ -372,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tolerance", type=float, default=TOLERANCE)
     args = ap.parse_args(argv)
     missing = [str(p) for p in (args.start, args.end, args.idle) if p is not None and not p.is_file()]
-    if missing or not (args.folder / "records.jsonl").is_file():
+    if missing or stored_path(args.folder / "records.jsonl") is None:
         print(f"kvlab.analysis.attribution: error: missing {', '.join(missing) or args.folder / 'records.jsonl'}",
               file=sys.stderr)
         return 2

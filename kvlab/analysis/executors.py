@@ -1,4 +1,4 @@
-"""One sweep plan measured by two executors, side by side (issue #17: ``local`` vs ``ray``).
+"""One sweep plan measured by two executors, side by side (``local`` vs ``ray``).
 
 ``scripts/device/ray_compare.sh`` runs ``params/ray-compare.yaml`` through ``--executor local`` and
 then ``--executor ray`` into ``DIR/local`` and ``DIR/ray``, and appends one line per sweep to
@@ -11,7 +11,7 @@ the ``ray`` sweep joined that cluster, as a user's sweep joins a running one). T
 prints what each executor cost and whether it changed the measurements:
 
 - wall time of each sweep process and the other's overhead, in seconds and as a share of the base
-  sweep's wall time (issue #17's target: at most 5%), split into the part before the first record
+  sweep's wall time (against ``--target``, default at most 5%), split into the part before the first record
   (Ray's start, a worker process, its imports and model load) and the part from the first record
   to the last (what each run costs; ``created_at`` has one-second resolution); when the cluster was
   started beforehand, the overhead also counting that start;
@@ -34,7 +34,7 @@ from typing import Any
 
 import pandas as pd
 
-from kvlab.records import load_records, read_manifest
+from kvlab.records import load_records, read_manifest, stored_path
 from kvlab.reporting.stats import method_summary, ratio_ci
 
 METRICS = {"itl_mean_ms": "ms/step", "j_per_token": "J/token", "ttft_s": "TTFT s"}
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--other", default="ray")
     ap.add_argument("--target", type=float, default=TARGET, help="overhead target, a share of the base wall time")
     args = ap.parse_args(argv)
-    missing = [str(args.folder / ex) for ex in (args.base, args.other) if not (args.folder / ex / "records.jsonl").is_file()]
+    missing = [str(args.folder / ex) for ex in (args.base, args.other) if stored_path(args.folder / ex / "records.jsonl") is None]
     if missing:
         print(f"kvlab.analysis.executors: error: no records in {', '.join(missing)}", file=sys.stderr)
         return 2

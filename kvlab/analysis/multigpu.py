@@ -1,4 +1,4 @@
-"""Issue #18's verdicts on one folder written by ``scripts/device/ray_multigpu.sh``: one plan through
+"""The multi-GPU verdicts on one folder written by ``scripts/device/ray_multigpu.sh``: one plan through
 ``--executor ray`` on a Ray cluster of two GPUs, then on a cluster of one.
 
 Layout of ``DIR``: ``gpu2/`` and ``gpu1/`` (the two sweep folders), ``walls.jsonl`` (one line per
@@ -10,13 +10,13 @@ snapshots: ``idle.json``, then ``SWEEP-start.json`` and ``SWEEP-end.json`` aroun
 
 prints:
 
-- the wall-time ratio, two GPUs over one (issue #18's target: at most 0.55);
+- the wall-time ratio, two GPUs over one (against ``--target``, default at most 0.55);
 - whether every record names the GPU it ran on, and which groups ran where;
 - per sweep, per GPU, the energy attribution (:mod:`kvlab.analysis.attribution`);
 - per configuration (:func:`kvlab.analysis.executors.config_table`): a (model, ctx, batch) group runs
   on one GPU of the two-GPU sweep, so each configuration is compared across GPUs through the
   one-GPU sweep: for the configurations the two-GPU sweep ran on the *other* GPU, the two GPUs'
-  numbers side by side (issue #18's agreement); for those it ran on the *same* GPU, the control
+  numbers side by side (their agreement); for those it ran on the *same* GPU, the control
   (same GPU, alone vs beside another task: what concurrency on one host changes).
 
 Exit status: 0 when the report could be made, 2 when a sweep folder is missing.
@@ -33,7 +33,7 @@ from typing import Any
 from kvlab.analysis.attribution import TOLERANCE, attribute, read_counters, render, sweep_records
 from kvlab.analysis.executors import config_table, provenance_lines, read_walls, table_lines
 from kvlab.energy import norm_uuid
-from kvlab.records import load_records
+from kvlab.records import load_records, stored_path
 
 TARGET = 0.55
 MANY, ONE = "gpu2", "gpu1"
@@ -98,7 +98,7 @@ def gpu_tables(one_df, many_df, index: dict[str, int]) -> list[str]:
     for uuid in uuids:
         same = len(alone) == 1 and norm_uuid(uuid) == norm_uuid(alone[0])
         what = ("the control, the same GPU alone and beside the other task" if same
-                else "the two GPUs side by side, issue #18's agreement")
+                else "the two GPUs side by side, their agreement")
         lines.append("")
         lines.append(f"configurations the 2-GPU sweep ran on {label(uuid)}: {what}")
         table = config_table(one_df, many_df[many_df["gpu_uuid"] == uuid])
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", type=float, default=TARGET, help="wall-time ratio 2 GPUs / 1 GPU to meet")
     ap.add_argument("--tolerance", type=float, default=TOLERANCE, help="energy attribution tolerance (share)")
     args = ap.parse_args(argv)
-    missing = [str(args.folder / s) for s in (MANY, ONE) if not (args.folder / s / "records.jsonl").is_file()]
+    missing = [str(args.folder / s) for s in (MANY, ONE) if stored_path(args.folder / s / "records.jsonl") is None]
     if missing:
         print(f"kvlab.analysis.multigpu: error: no records in {', '.join(missing)}", file=sys.stderr)
         return 2

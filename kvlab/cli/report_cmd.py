@@ -8,7 +8,7 @@ from pathlib import Path
 
 from kvlab.errors import UserError
 from kvlab.preflight import check_out_dir
-from kvlab.records import RECORDS_FILE, read_manifest, read_records
+from kvlab.records import RECORDS_FILE, read_manifest, read_records, record_files
 from kvlab.reporting.render import index_folder, render_report
 
 
@@ -34,7 +34,7 @@ def check_records_dir(folder: str | Path) -> Path:
     if not path.is_dir():
         what = "is a file" if path.exists() else "does not exist"
         raise UserError(f"records folder {path} {what}: pass a folder written by `kvlab sweep` or `kvlab quality`")
-    files = sorted(path.rglob(RECORDS_FILE))
+    files = record_files(path)  # plain or archived (records.jsonl.xz)
     if not files:
         raise UserError(f"no {RECORDS_FILE} in {path} or its subfolders: pass a folder written by `kvlab sweep` "
                         f"(e.g. outputs/smoke) or `kvlab quality`")
@@ -51,7 +51,7 @@ def baseline_problem(folder: Path, baseline: str) -> str | None:
     """Why ``--baseline`` names no method (or label) of the folder's records, or None."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        records = [r for f in sorted(folder.rglob(RECORDS_FILE)) for r in read_records(f)]
+        records = [r for f in record_files(folder) for r in read_records(f)]
     names = {str(r[k]) for r in records for k in ("method", "label") if r.get(k) is not None}
     if baseline in names:
         return None

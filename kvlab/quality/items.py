@@ -52,7 +52,8 @@ def run_item(loaded, policy, item: TaskItem, enc: Encoder, engine, query_aware: 
     answer teacher-forced from the state after the question (``checkpoint``/``restore``; a decoder
     whose state cannot be kept is rebuilt by a second prefill: same result, more time). On ``fast``
     the question and the gold so attend the context in the store's format, as the reply does, not
-    the exact prefill cache (issue #28: kvq-int4's gold NLL differed between engines by that).
+    the exact prefill cache (attending the exact cache made kvq-int4's gold NLL differ between
+    engines).
     """
     model = loaded.model
     first, second = segments(item, query_aware)

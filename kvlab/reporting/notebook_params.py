@@ -37,7 +37,7 @@ def project_path(path: str | Path) -> Path:
 # one 10-minute device command (the h200-16k.yaml grid: every method at keep 0.1, quanto int4/int2,
 # fp8, 3 repeats, SDPA pinned to flash). The sweep interleaves engines and methods within each
 # repeat, so a budget stop still leaves both engines measured; a rerun resumes. hf alone ran 24
-# runs in 6 min at 16k on the H200 (2026-12-03), fast runs take seconds. On a CPU, the smoke sweep
+# runs in 6 min at 16k on an H200, fast runs take seconds. On a CPU, the smoke sweep
 # (SmolLM2, real weights) where its context limit allows.
 GPU_DEFAULTS: dict[str, Any] = {
     "name": "notebook-study", "models": ["llama-3.1-8b"], "weights": "synthetic", "dtype": "bfloat16",

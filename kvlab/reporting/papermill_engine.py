@@ -1,7 +1,7 @@
 """``papermill --engine kvlab``: papermill's own nbclient engine with the kernel on IPC, not TCP.
 
 ipykernel 7 warns "Kernel is running over TCP without encryption" at every kernel start, and
-papermill's CLI prints it (the H200's papermill runs of notebooks/sweep.ipynb did, issue 30). It is
+papermill's CLI prints it (the H200's papermill runs of notebooks/sweep.ipynb did). It is
 not kvlab's warning and not a risk here (a local kernel papermill starts and stops), so the README's
 papermill commands pick this engine to silence it: the same IPC kernel manager `kvlab report` uses
 (:func:`kvlab.reporting.render.ipc_kernel_manager`). Registered as an entry point in pyproject.toml

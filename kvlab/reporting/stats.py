@@ -19,7 +19,7 @@ def ratio_ci(values: Sequence[float], baseline: Sequence[float], n_boot: int = 2
              level: float = 0.95, seed: int = 0) -> tuple[float, float, float]:
     """Ratio of means (values / baseline) with a bootstrap CI resampling both groups independently;
     no CI (NaN bounds) when either group has one value: resampling one run says nothing of its
-    spread, and the CI would read far narrower than it is (2026-12-03c: "0.39 [0.39, 0.39]")."""
+    spread, and the CI would read far narrower than it is (such as "0.39 [0.39, 0.39]")."""
     x = np.asarray(values, dtype=float)
     b = np.asarray(baseline, dtype=float)
     x, b = x[~np.isnan(x)], b[~np.isnan(b)]

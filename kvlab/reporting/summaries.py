@@ -149,7 +149,7 @@ PAYS_METRICS = {
 }
 # The cost a verdict reads: energy on a GPU; on a CPU-only machine the process's CPU time (no energy
 # counter there, and wall time counts the neighbours: on a shared 2-core VM 15 of 18 smoke runs were
-# contended, yet their CPU ms/token stayed within +-10%, issue 30).
+# contended, yet their CPU ms/token stayed within +-10%).
 COSTS = {"j_per_token": "J/token", "cpu_ms_per_token": "CPU ms/token"}
 # Metrics that a neighbour inflates (wall clock): contended runs stay out of their ratios.
 WALL_METRICS = ("itl_median_ms", "tokens_per_s")

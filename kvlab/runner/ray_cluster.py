@@ -67,7 +67,7 @@ def task_resources(params, cluster: dict[str, float] | None = None) -> dict[str,
 
     Why a GPU task takes its CPU share: Ray gives a task ``OMP_NUM_THREADS = num_cpus``, and at
     batch 1 the ``hf`` step is bound by the host: on the H200 a task asking for 1 CPU ran with one
-    torch thread and 1.36x local's ms/step (reports/h200-2026-12-03b, section 6).
+    torch thread and 1.36x local's ms/step.
     """
     if str(params.device).startswith("cuda"):
         cluster = cluster or {}

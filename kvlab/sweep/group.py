@@ -192,7 +192,7 @@ def _warm_up(params, session: ModelSession, run: RunSpec, key, index, sink, budg
         rec = _base_record(session, run, sweep_name, "warmup", policy)
         # The kernel probe (torch.profiler) names the SDPA kernel and times GPU kernels; on a CPU it
         # has no kernel time to give and made the smoke sweep's warm-ups 4x slower than its runs
-        # (378 s for 20 warm-ups vs 271 s for 60 runs, 2026-12-03), so CPU sweeps skip it.
+        # (378 s for 20 warm-ups vs 271 s for 60 runs), so CPU sweeps skip it.
         probe = index == 0 and str(session.loaded.device).startswith("cuda")
         m = _measure(session, run, policy, probe=probe)
         rec.update(m.record)

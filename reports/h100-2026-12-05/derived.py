@@ -5,10 +5,9 @@ plus the KV it reads) over the copy bandwidth measured in the same call (engines
 
     python reports/h100-2026-12-05/derived.py
 """
-import json
 from pathlib import Path
 
-from kvlab.records import load_records
+from kvlab.records import load_records, read_json
 from kvlab.reporting.methods import methods_display, methods_table
 
 HERE = Path(__file__).parent
@@ -17,7 +16,7 @@ PAGE, BUDGET, DENSE_LAYERS, LAYERS, CTX = 16, 2048, 2, 32, 16384  # params/h200-
 
 
 def load(path):
-    return json.loads((HERE / path).read_text())
+    return read_json(HERE / path)  # the file or its .xz twin
 
 
 def kv_read(label: str, cache_bytes: float, full_bytes: float) -> float:

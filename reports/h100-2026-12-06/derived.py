@@ -7,11 +7,10 @@ batch-1 step and KVzip's prefill by phase. The byte floor of a decode step is th
 
     python reports/h100-2026-12-06/derived.py
 """
-import json
 from collections import defaultdict
 from pathlib import Path
 
-from kvlab.records import load_records
+from kvlab.records import load_records, read_json
 from kvlab.reporting.methods import methods_display, methods_table
 
 HERE = Path(__file__).parent
@@ -21,7 +20,7 @@ PAGE, BUDGET, DENSE_LAYERS, LAYERS, CTX = 16, 2048, 2, 32, 16384  # params/h200-
 
 
 def load(path):
-    return json.loads((HERE / path).read_text())
+    return read_json(HERE / path)  # the file or its .xz twin
 
 
 def kv_read(label: str, cache_bytes: float, full_bytes: float) -> float:

@@ -7,11 +7,10 @@ bandwidth measured in the same machine's kernel call (quant_attention_format.jso
 
     python reports/h100-2026-12-06b/derived.py
 """
-import json
 from collections import defaultdict
 from pathlib import Path
 
-from kvlab.records import load_records
+from kvlab.records import load_records, read_json
 from kvlab.reporting.methods import methods_display, methods_table
 
 HERE = Path(__file__).parent
@@ -20,7 +19,7 @@ PAGE, BUDGET, DENSE_LAYERS, LAYERS = 16, 2048, 2, 32  # params/h200-reads.yaml's
 
 
 def load(path):
-    return json.loads((HERE / path).read_text())
+    return read_json(HERE / path)  # the file or its .xz twin
 
 
 def kv_read(label: str, cache_bytes: float, full_bytes: float, ctx: int) -> float:

@@ -5,17 +5,17 @@ config (allocated and reserved peaks, kvlab.capacity's arithmetic).
 
     python reports/h200-2026-12-03e/derived.py
 """
-import json
 from pathlib import Path
 
 from kvlab.capacity import compression_step_cost, fit_peaks, max_batch
+from kvlab.records import read_json, read_jsonl
 
 HERE = Path(__file__).parent
 GB = 1e9
 
 
 def load(path):
-    return json.loads((HERE / path).read_text())
+    return read_json(HERE / path)  # the file or its .xz twin
 
 
 def best_ms(r):
@@ -75,8 +75,7 @@ for ctx in ("16k", "32k"):
             print(f"  {r['config']:24s} {r['phase']:8s} batch {r['batch']:3d} {r['status']:4s}{cap_text}: {seen}")
 
 print("\n== decode-time compression, 2k prompt + 8192 new tokens, hf (h200-decoding/records.jsonl)")
-for line in (HERE / "h200-decoding/records.jsonl").read_text().splitlines():
-    r = json.loads(line)
+for r in read_jsonl(HERE / "h200-decoding/records.jsonl"):
     cost = compression_step_cost(r["itl_ms"], 512)
     print(f"{r['label']}: peak {r['peak_mem_bytes'] / GB:.2f} GB, cache rows at the end "
           f"{r['cache_final_physical_tokens']} ({r['cache_final_bytes'] / GB:.3f} GB), ITL median "

@@ -4,10 +4,9 @@ calls alone, KVzip's prefill by phase and the KIVI decode kernels side by side (
 
     python reports/h200-2026-12-05/derived.py
 """
-import json
 from pathlib import Path
 
-from kvlab.records import load_records
+from kvlab.records import load_records, read_json, read_jsonl
 from kvlab.reporting.methods import methods_display, methods_table
 
 HERE = Path(__file__).parent
@@ -15,7 +14,7 @@ COLUMNS = ["method", "KV freed", "peak freed GB", "decode J/token vs full", "TTF
 
 
 def load(path):
-    return json.loads((HERE / path).read_text())
+    return read_json(HERE / path)  # the file or its .xz twin
 
 
 def means(folder):
@@ -55,7 +54,7 @@ for folder in ("methods-b1", "methods-b1-k25", "methods-hf"):
           f" in decode -> {extra / saved:.0f} tokens; against {snap}: +{m.loc[kv].prefill_j - m.loc[snap].prefill_j:.0f} J,"
           f" decode {m.loc[kv].decode_j_per_token - m.loc[snap].decode_j_per_token:+.3f} J/token")
 
-warm = [json.loads(line) for line in (HERE / "methods-b16-kvzip-warmups/warmup.jsonl").read_text().splitlines()]
+warm = read_jsonl(HERE / "methods-b16-kvzip-warmups/warmup.jsonl")
 print("\n== batch-16 warm-ups of the first methods call (compile and graph capture included; not results)")
 for r in warm:
     print(f"   {r['label']:24s} TTFT {r['ttft_s']:6.1f} s  prefill {r['prefill_s']:5.1f} s"
