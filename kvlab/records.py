@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from kvlab.errors import UserError
+from kvlab.errors import StorageError, UserError
 
 SCHEMA_VERSION = 1
 RECORDS_FILE = "records.jsonl"
@@ -75,13 +75,20 @@ class RecordWriter:
 
     A line torn by a crash mid-write is terminated on the next open, so it stays a single
     unparseable line that readers skip; no later record is glued to it.
+
+    A write that fails (a full disk, ``ulimit -f``, a read-only folder) raises one
+    :class:`~kvlab.errors.StorageError` naming the file and the fix; what it left half-written is
+    such a torn line.
     """
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        torn = self.path.exists() and self.path.stat().st_size > 0 and not self._ends_with_newline()
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            torn = self.path.exists() and self.path.stat().st_size > 0 and not self._ends_with_newline()
+            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+        except OSError as err:
+            raise StorageError.from_os(err, self.path) from None
         if torn:
             self._write("\n")
 
@@ -91,15 +98,22 @@ class RecordWriter:
             return f.read(1) == b"\n"
 
     def _write(self, text: str) -> None:
-        self._file.write(text)
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        try:
+            self._file.write(text)
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        except OSError as err:
+            raise StorageError.from_os(err, self.path) from None
 
     def append(self, record: Mapping[str, Any]) -> None:
         self._write(json.dumps(_jsonable(record), separators=(",", ":")) + "\n")
 
     def close(self) -> None:
-        self._file.close()
+        """Close; a failed write already raised, so what its buffer still holds is dropped quietly."""
+        try:
+            self._file.close()
+        except OSError:
+            pass
 
     def __enter__(self) -> RecordWriter:
         return self
@@ -173,12 +187,16 @@ def write_manifest(folder: str | Path, manifest: Mapping[str, Any]) -> Path:
     """Write ``manifest.json`` atomically (temp file + rename)."""
     path = Path(folder) / MANIFEST_FILE
     tmp = path.with_suffix(".json.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(_jsonable(manifest), f, indent=2, sort_keys=False)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(_jsonable(manifest), f, indent=2, sort_keys=False)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise StorageError.from_os(err, path) from None
     return path
 
 

@@ -26,11 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from kvlab.errors import UserError
 from kvlab.models import get_spec
 from kvlab.preflight import read_text_file
+from kvlab.schema import StrictModel
 
 BUDGET_POINTS = 1000  # quantiles a byte budget averages over for a named shape (exact enough, no seed)
 
@@ -39,7 +40,7 @@ class WorkloadError(UserError):
     """A context-length distribution that cannot be used; the message names the key or file."""
 
 
-class CtxDistribution(BaseModel):
+class CtxDistribution(StrictModel):
     """A distribution of prompt lengths; exactly one of ``dist`` (a named shape) or ``file``."""
 
     model_config = ConfigDict(extra="forbid")

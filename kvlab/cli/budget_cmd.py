@@ -14,6 +14,7 @@ from kvlab.budget import (
     get_gpu,
 )
 from kvlab.models import get_spec
+from kvlab.yamlfile import load_yaml
 
 
 def register(sub) -> None:
@@ -73,14 +74,14 @@ def run(args) -> int:
 def run_distribution(args, spec, gpu) -> int:
     """``--ctx-dist``: the budget averaged over the distribution's lengths (kvlab.workload_budget).
     Its modules load here: kvlab.workload's pydantic would add about 0.15 s of imports to ``--ctx N``."""
-    import yaml
-
     from kvlab.workload import parse_distribution
     from kvlab.workload_budget import distribution_budget, format_distribution
 
     try:
-        data = yaml.safe_load(args.ctx_dist)
-    except yaml.YAMLError:
+        data = load_yaml(args.ctx_dist, "--ctx-dist", BudgetError)
+    except BudgetError as err:
+        if "not valid YAML" not in str(err):  # a duplicate key, or past a bound: its own line
+            raise
         data = None
     if not isinstance(data, dict):
         raise BudgetError(f"--ctx-dist {args.ctx_dist!r}: write a mapping, e.g. '{{dist: lognormal, median: 4096, "

@@ -84,6 +84,39 @@ def prefill_rows_problems(params: SweepParams) -> list[str]:
     return problems
 
 
+MAX_PLAN_RUNS = 100_000  # a day of runs at a second each; a larger grid is several sweeps
+
+
+def plan_size(params: SweepParams, n_variants: int) -> int:
+    """How many measured runs the params plan, from the axes' lengths alone (no expansion)."""
+    n_ctx = params.ctx.samples if isinstance(params.ctx, CtxDistribution) else len(params.ctx)
+    return (len(params.models) * len(params.weights_quant) * n_ctx * len(params.batch) * params.repeats
+            * params.prompts * n_variants * len(params.engine))
+
+
+def plan_size_problem(params: SweepParams, n_variants: int) -> str | None:
+    """A plan past :data:`MAX_PLAN_RUNS`, refused before anything walks it."""
+    n = plan_size(params, n_variants)
+    if n <= MAX_PLAN_RUNS:
+        return None
+    return (f"the plan has {n:,} runs (models x weights_quant x ctx x batch x repeats x prompts x method variants "
+            f"x engine); a sweep plans at most {MAX_PLAN_RUNS:,}: list fewer values, or split it into sweeps "
+            f"with their own -o")
+
+
+def duplicate_variant_problems(variants: list[tuple[str, MethodVariant]]) -> list[str]:
+    """Two method entries that expand to the same variant would record one run id twice."""
+    first: dict[tuple, str] = {}
+    problems = []
+    for where, v in variants:
+        if v.key() in first and first[v.key()] != where:
+            args = ", ".join(f"{k}={val!r}" for k, val in v.kwargs.items())
+            problems.append(f"{where} repeats {first[v.key()]} ({v.method}{': ' + args if args else ''}): "
+                            f"list each method variant once")
+        first.setdefault(v.key(), where)
+    return problems
+
+
 def check_params(params: SweepParams, check_device: bool = True,
                  own_loader: bool = False) -> list[tuple[int, MethodVariant]]:
     """Validate against models, policies and (with ``check_device``) this machine's device and its
@@ -94,6 +127,9 @@ def check_params(params: SweepParams, check_device: bool = True,
     """
     from kvlab.policies import make_policy  # torch: a params file is read and parsed without it
 
+    size_problem = plan_size_problem(params, len(method_variants(params)))
+    if size_problem:  # before any check walks the plan
+        raise params_error([size_problem])
     problems: list[str] = []
     # device and dtype
     device_bad = device_problem(params.device, key="device", check_available=check_device,
@@ -181,8 +217,9 @@ def check_params(params: SweepParams, check_device: bool = True,
                     if problem:
                         problems.append(problem)
 
-    # methods: every variant must build
+    # methods: every variant must build, once
     variants = method_variants(params)
+    problems += duplicate_variant_problems(variants)
 
     failures: dict[tuple[str, str], list[str]] = {}
     for where, v in variants:
