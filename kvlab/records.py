@@ -129,6 +129,8 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     path = Path(path)
     if not path.exists():
         return []
+    if not path.is_file():
+        raise RecordsError(f"{path} is a folder, not a records file: move it away (kvlab writes that name as a file)")
     out = []
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):

@@ -98,6 +98,17 @@ class CtxDistribution(StrictModel):
         return (f"{key}.file {self.file}: {len(over)} of {len(observed)} lengths (up to {max(over)}) are above "
                 f"{window} ({why}); add max: {window} to {key} to clip them, or remove them from the file")
 
+    def clip_note(self, lengths: list[float], window: int, why: str, key: str = "ctx") -> str | None:
+        """A named shape's ``lengths`` (draws or quantiles) above the model's ``window`` run at the
+        window: a sentence saying so, unless ``max`` already says it; None when none is clipped."""
+        if self.dist is None or (self.max is not None and self.max <= window):
+            return None
+        over = [x for x in lengths if round(x) > window]
+        if not over:
+            return None
+        return (f"{key}: {len(over)} of {len(lengths)} {self.dist} lengths (up to {round(max(over)):,}) are above "
+                f"{window} ({why}) and run at {window}; add max: {window} to {key} to say so, or lower median or sigma")
+
     def raw_draws(self, seed: int, n: int) -> list[float]:
         """``n`` unclipped lengths drawn with ``seed``; a prefix of a longer draw with the same seed."""
         rng = random.Random(json.dumps([seed, "ctx", self.label]))

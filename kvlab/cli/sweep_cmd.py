@@ -15,6 +15,7 @@ from pathlib import Path
 
 from kvlab.cli import EXIT_USAGE, STATUS_EXIT
 from kvlab.preflight import check_out_dir
+from kvlab.sweep.checks import params_notes
 from kvlab.sweep.lock import SweepLocked
 from kvlab.sweep.params import load_params
 from kvlab.sweep.plan import count_by, planned_runs
@@ -38,6 +39,11 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+def print_notes(params) -> None:
+    for note in params_notes(params):
+        print(f"kvlab sweep: note: {note}", file=sys.stderr)
+
+
 def run(args) -> int:
     sets = list(args.sets)
     if args.executor:
@@ -50,6 +56,7 @@ def run(args) -> int:
     if args.dry_run:
         check_out_dir(out, flag, create=False)
         todo = planned_runs(params, out if out.is_dir() else None, check_device=False)
+        print_notes(params)
         print(f"{out}: {len(todo)} runs to do ({params.warmup_runs} warm-up(s) per method and shape; "
               f"executor {params.executor})")
         for attr in ("model", "method", "ctx", "batch") + (("weights_quant",) if len(params.weights_quant) > 1 else ()):
@@ -59,6 +66,7 @@ def run(args) -> int:
         return 0
     planned_runs(params, check_device=True)  # every check (device, memory, policies) before the folder is made
     check_out_dir(out, flag)
+    print_notes(params)
     from kvlab.sweep.admission import run_budgeted  # torch and the measured group: only once params are valid
     from kvlab.sweep.driver import run_sweep
 

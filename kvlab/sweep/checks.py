@@ -117,6 +117,24 @@ def duplicate_variant_problems(variants: list[tuple[str, MethodVariant]]) -> lis
     return problems
 
 
+def params_notes(params: SweepParams) -> list[str]:
+    """What valid params run as other than written (one sentence each, printed as notes): a
+    context distribution's draws clipped to a model's window."""
+    notes = []
+    if isinstance(params.ctx, CtxDistribution) and params.ctx.dist is not None:
+        draws = params.ctx.raw_draws(params.seed, params.ctx.samples)
+        for name in params.models:
+            try:
+                spec = get_spec(name)
+            except ModelError:
+                continue  # check_params says why
+            note = params.ctx.clip_note(draws, spec.max_context - params.new_tokens,
+                                        f"{name}'s window {spec.max_context} minus new_tokens {params.new_tokens}")
+            if note:
+                notes.append(note)
+    return notes
+
+
 def check_params(params: SweepParams, check_device: bool = True,
                  own_loader: bool = False) -> list[tuple[int, MethodVariant]]:
     """Validate against models, policies and (with ``check_device``) this machine's device and its
@@ -168,6 +186,7 @@ def check_params(params: SweepParams, check_device: bool = True,
         except ValueError:
             pass  # reported below
     specs = []
+    shortest = 0  # the plan's shortest prompt, for policy.shape_problem
     for i, name in enumerate(params.models):
         try:
             spec = get_spec(name)
@@ -195,6 +214,7 @@ def check_params(params: SweepParams, check_device: bool = True,
         except UserError as err:
             problems.append(str(err))
             contexts = []
+        shortest = min((c for c in (shortest, *contexts) if c), default=0)
         for ctx in contexts:
             problems += shape_problems(spec, params.device, params.dtype, ctx, max(params.batch),
                                        params.new_tokens, check_memory=check_device and not device_bad,
@@ -229,6 +249,9 @@ def check_params(params: SweepParams, check_device: bool = True,
                 policy.fast_storage()
             for spec in specs:  # e.g. a q_group_size that does not divide the model's head dim
                 policy.check(spec)
+            problem = policy.shape_problem(shortest) if shortest else None
+            if problem:
+                raise ValueError(problem)
         except ValueError as err:
             args = ", ".join(f"{k}={val!r}" for k, val in v.kwargs.items())
             failures.setdefault((where, str(err)), []).append(
