@@ -9,6 +9,7 @@ from pathlib import Path
 from kvlab.errors import StorageError, UserError
 from kvlab.preflight import check_out_dir
 from kvlab.records import RECORDS_FILE, read_manifest, read_records
+from kvlab.reporting.notebook_params import baseline_problem as records_baseline_problem
 from kvlab.reporting.render import index_folder, render_report
 
 
@@ -57,12 +58,7 @@ def baseline_problem(folder: Path, baseline: str) -> str | None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         records = [r for f in sorted(folder.rglob(RECORDS_FILE)) for r in read_records(f)]
-    names = {str(r[k]) for r in records for k in ("method", "label") if r.get(k) is not None}
-    if baseline in names:
-        return None
-    methods = sorted({str(r["method"]) for r in records if r.get("method") is not None})
-    return (f"--baseline {baseline!r} is no method in {folder}: its records hold {', '.join(methods) or 'none'}; "
-            f"pass one of them (or leave it out for full)")
+    return records_baseline_problem(records, baseline, str(folder))
 
 
 def check_writable(folder: Path, what: str, fix: str) -> None:
