@@ -45,8 +45,8 @@ def first_repeat(values: list) -> Any | None:
     their content), as given; None when every value is distinct."""
     seen = set()
     for v in values:
-        key = json.dumps(v, sort_keys=True, default=str) if not isinstance(v, int | float) or isinstance(v, bool) \
-            else repr(float(v))
+        numeric = isinstance(v, int | float) and not isinstance(v, bool)
+        key = repr(float(v)) if numeric else json.dumps(v, sort_keys=True, default=str)
         if key in seen:
             return v
         seen.add(key)
@@ -54,8 +54,10 @@ def first_repeat(values: list) -> Any | None:
 
 
 def as_yaml(value: Any) -> str:
-    return {True: "true", False: "false", None: "null"}.get(value, repr(value)) if not isinstance(value, int | float) \
-        or isinstance(value, bool) else repr(value)
+    """A value as a params file spells it (true, null, 0.5, 'hf')."""
+    if value is None or isinstance(value, bool):
+        return {True: "true", False: "false", None: "null"}[value]
+    return repr(value)
 
 
 BOOL_PROBLEM = "true/false is not a number here; give a number (or a list of numbers)"

@@ -33,12 +33,13 @@ class _StrictLoader(_BASE_LOADER):  # type: ignore[misc,valid-type]
                 if key_node.tag == "tag:yaml.org,2002:merge":
                     continue
                 key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
                 try:
-                    first = seen.setdefault(key, key_node.start_mark.line + 1)
+                    if key in seen:
+                        raise _DuplicateKey(key, seen[key], line)
+                    seen[key] = line
                 except TypeError:  # an unhashable key: the base constructor says so
                     continue
-                if first != key_node.start_mark.line + 1:
-                    raise _DuplicateKey(key, first, key_node.start_mark.line + 1)
         return super().construct_mapping(node, deep=deep)
 
 
@@ -90,8 +91,9 @@ def load_yaml(text: str, where: str, error: type[UserError] = YamlError) -> Any:
                         f"what they name); write the values out, or fewer of them")
         return loader.construct_document(node) if node is not None else None
     except _DuplicateKey as dup:
-        raise error(f"{where} gives the key {dup.key!r} twice (lines {dup.first} and {dup.again}); keep one "
-                    f"(YAML would silently use the last)") from None
+        lines = f"line {dup.first}" if dup.first == dup.again else f"lines {dup.first} and {dup.again}"
+        raise error(f"{where} gives the key {dup.key!r} twice ({lines}); keep one (YAML would silently use the "
+                    f"last)") from None
     except RecursionError:
         raise error(f"{where} nests too deeply to be a params value") from None
     except yaml.YAMLError as err:

@@ -248,7 +248,12 @@ def _chunk_variants(v: MethodVariant, chunks: list[int | None]) -> list[MethodVa
 def pydantic_lines(err: ValidationError, known: list[str] | None = None, prefix: str = "") -> list[str]:
     known = known or list(SweepParams.model_fields)
     lines = []
-    for e in err.errors():
+    errors = err.errors()
+    locs = [tuple(str(p) for p in e["loc"] if not str(p).startswith(("str", "MethodEntry"))) for e in errors]
+    # a union's other branch (methods[0] is no string) says nothing when a deeper error names the key
+    errors = [e for e, loc in zip(errors, locs, strict=True)
+              if not any(other[:len(loc)] == loc and len(other) > len(loc) for other in locs)]
+    for e in errors:
         loc = prefix + ".".join(str(p) for p in e["loc"] if not str(p).startswith(("str", "MethodEntry")))
         if e["type"] == "extra_forbidden":
             key = str(e["loc"][-1])
