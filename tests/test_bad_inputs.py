@@ -515,7 +515,7 @@ CASES = [
      good_params, "gives the key 'median' twice"),
     ("params-streamingllm-sinks-fill-the-cache", SWEEP,
      params_file({"methods": [{"method": "streamingllm", "keep": 0.5, "n_sink": 100}]}),
-     "n_sink=100 is not below the 16 tokens keep=0.5 keeps at ctx 32"),
+     "n_sink=100 is more than the 16 tokens keep=0.5 keeps at ctx 32"),
     ("generate-param-duplicate-key", ["generate", "--model", "smollm2-135m", "--prompt", "hi", "--method", "adakv",
                                       "--param", "scorer_params={window_size: 4, window_size: 8}"], None,
      "gives the key 'window_size' twice"),

@@ -3,7 +3,8 @@
 Exit status: 0 when every planned run is recorded ok; 3 when every run is recorded but some failed
 (their errors are in records.jsonl; fix the cause and rerun to retry them); 4 when a run or time
 budget stopped it early (rerun the same command to continue); 2 for invalid params, an unusable
-output folder or a folder locked by another sweep. The manifest's status says the same:
+output folder (also one that fills up or hits ``ulimit -f`` mid-sweep) or a folder locked by
+another sweep; 130 after Ctrl-C and 143 after SIGTERM (records kept, manifest incomplete). The manifest's status says the same:
 complete, failed_runs or incomplete.
 """
 

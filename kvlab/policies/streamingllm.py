@@ -29,10 +29,10 @@ class StreamingLLMPolicy(EvictionPolicy):
 
     def shape_problem(self, ctx: int) -> str | None:
         kept = min(ctx, self.budget(ctx, 0, 1))
-        if self.n_sink < kept:
+        if self.n_sink <= kept:
             return None
-        return (f"n_sink={self.n_sink} is not below the {kept} tokens keep={self.keep:g} keeps at ctx {ctx}: every "
-                f"kept token would be a sink and no recent one kept; lower n_sink below {kept} or raise keep")
+        return (f"n_sink={self.n_sink} is more than the {kept} tokens keep={self.keep:g} keeps at ctx {ctx}: only "
+                f"{kept} sinks and no recent token would be kept; lower n_sink below {kept} or raise keep")
 
     def select(self, keys, values, attn, n_kept, layer_idx, num_layers):
         bsz, heads, n, _ = keys.shape
