@@ -282,3 +282,21 @@ def test_papermill_bad_parameters_print_kvlabs_line_before_the_traceback(tmp_pat
     run = papermill(tmp_path, "report", "records_dir", str(out), "baseline", "nope")
     assert run.returncode != 0
     assert run.stderr.index("kvlab: error: baseline 'nope' is no method in") < run.stderr.index("Traceback")
+
+
+@pytest.mark.parametrize("notebook", ["sweep", "report"])
+def test_the_names_a_notebook_assigns_are_known_as_its_own(notebook):
+    """A rerun in JupyterLab finds them in globals(): they must not read as unknown parameters."""
+    import ast
+
+    from kvlab.reporting.notebook_params import NOTEBOOK_OWN_NAMES
+
+    cells = json.loads((ROOT / "notebooks" / f"{notebook}.ipynb").read_text())["cells"]
+    assigned = set()
+    for cell in cells:
+        if cell["cell_type"] != "code" or "parameters" in cell["metadata"].get("tags", []):
+            continue
+        for node in ast.walk(ast.parse("".join(cell["source"]))):
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                assigned.add(node.id)
+    assert assigned == NOTEBOOK_OWN_NAMES[notebook]
