@@ -45,7 +45,8 @@ def exit_cause(exitcode: int | None) -> str:
 
 
 def die_with_parent(parent_pid: int) -> None:
-    """Tie this child to the driver: SIGKILL when the driver dies however it dies (Linux), and
+    """Tie this child to the driver: SIGKILL when the driver dies however it dies (Linux; strictly, when
+    the driver's thread that started it ends: the transport's, which waits for the child), and
     Ctrl-C and SIGTERM sent to the whole process group left to the driver (it records what it
     has, then stops its children), so no worker outlives the sweep or dies before the driver knows."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
