@@ -23,7 +23,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from kvlab.errors import UserError
+from kvlab.errors import StorageError, UserError
 
 SCHEMA_VERSION = 1
 RECORDS_FILE = "records.jsonl"
@@ -83,6 +83,10 @@ class RecordWriter:
 
     A line torn by a crash mid-write is terminated on the next open, so it stays a single
     unparseable line that readers skip; no later record is glued to it.
+
+    A write that fails (a full disk, ``ulimit -f``, a read-only folder) raises one
+    :class:`~kvlab.errors.StorageError` naming the file and the fix; what it left half-written is
+    such a torn line.
     """
 
     def __init__(self, path: str | Path):
@@ -91,9 +95,12 @@ class RecordWriter:
         if twin is not None and twin != self.path:
             raise RecordsError(f"{twin} is an archived (compressed) file; appending would hide it from "
                                f"readers: decompress it first (xz -dk / gunzip -k) or write elsewhere")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        torn = self.path.exists() and self.path.stat().st_size > 0 and not self._ends_with_newline()
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            torn = self.path.exists() and self.path.stat().st_size > 0 and not self._ends_with_newline()
+            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+        except OSError as err:
+            raise StorageError.from_os(err, self.path) from None
         if torn:
             self._write("\n")
 
@@ -103,15 +110,22 @@ class RecordWriter:
             return f.read(1) == b"\n"
 
     def _write(self, text: str) -> None:
-        self._file.write(text)
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        try:
+            self._file.write(text)
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        except OSError as err:
+            raise StorageError.from_os(err, self.path) from None
 
     def append(self, record: Mapping[str, Any]) -> None:
         self._write(json.dumps(_jsonable(record), separators=(",", ":")) + "\n")
 
     def close(self) -> None:
-        self._file.close()
+        """Close; a failed write already raised, so what its buffer still holds is dropped quietly."""
+        try:
+            self._file.close()
+        except OSError:
+            pass
 
     def __enter__(self) -> RecordWriter:
         return self
@@ -154,6 +168,8 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     path = Path(path)
     if stored_path(path) is None:
         return []
+    if path.is_dir():
+        raise RecordsError(f"{path} is a folder, not a records file: move it away (kvlab writes that name as a file)")
     out = []
     with open_text(path, "rb") as f:
         for n, raw in enumerate(f, 1):
@@ -212,12 +228,16 @@ def write_manifest(folder: str | Path, manifest: Mapping[str, Any]) -> Path:
     """Write ``manifest.json`` atomically (temp file + rename)."""
     path = Path(folder) / MANIFEST_FILE
     tmp = path.with_suffix(".json.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(_jsonable(manifest), f, indent=2, sort_keys=False)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(_jsonable(manifest), f, indent=2, sort_keys=False)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise StorageError.from_os(err, path) from None
     return path
 
 

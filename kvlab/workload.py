@@ -26,11 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from kvlab.errors import UserError
 from kvlab.models import get_spec
 from kvlab.preflight import read_text_file
+from kvlab.schema import StrictModel
 
 BUDGET_POINTS = 1000  # quantiles a byte budget averages over for a named shape (exact enough, no seed)
 
@@ -39,7 +40,7 @@ class WorkloadError(UserError):
     """A context-length distribution that cannot be used; the message names the key or file."""
 
 
-class CtxDistribution(BaseModel):
+class CtxDistribution(StrictModel):
     """A distribution of prompt lengths; exactly one of ``dist`` (a named shape) or ``file``."""
 
     model_config = ConfigDict(extra="forbid")
@@ -96,6 +97,17 @@ class CtxDistribution(BaseModel):
             return None
         return (f"{key}.file {self.file}: {len(over)} of {len(observed)} lengths (up to {max(over)}) are above "
                 f"{window} ({why}); add max: {window} to {key} to clip them, or remove them from the file")
+
+    def clip_note(self, lengths: list[float], window: int, why: str, key: str = "ctx") -> str | None:
+        """A named shape's ``lengths`` (draws or quantiles) above the model's ``window`` run at the
+        window: a sentence saying so, unless ``max`` already says it; None when none is clipped."""
+        if self.dist is None or (self.max is not None and self.max <= window):
+            return None
+        over = [x for x in lengths if round(x) > window]
+        if not over:
+            return None
+        return (f"{key}: {len(over)} of {len(lengths)} {self.dist} lengths (up to {round(max(over)):,}) are above "
+                f"{window} ({why}) and run at {window}; add max: {window} to {key} to say so, or lower median or sigma")
 
     def raw_draws(self, seed: int, n: int) -> list[float]:
         """``n`` unclipped lengths drawn with ``seed``; a prefix of a longer draw with the same seed."""

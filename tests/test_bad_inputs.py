@@ -50,6 +50,9 @@ def good_params(tmp):
 
 
 SWEEP = "sweep {tmp}/p.yaml -o {tmp}/out --no-progress"
+# a billion laughs: nine levels of ten aliases, 10^9 values once expanded
+BOMB = "".join(f"{c}: &{c} [" + ", ".join([f"*{p}"] * 10 if p else ["1"] * 10) + "]\n"
+               for p, c in zip(["", *"abcdefgh"], "abcdefghi", strict=True)) + "models: tiny-llama\nmethods: [full]\nctx: *i\n"
 SMOL = ["--model", "smollm2-135m"]
 
 # (id, argv, setup, what the error line must contain)
@@ -460,6 +463,77 @@ CASES = [
     ("quality-seed-text", "quality -o {tmp}/q --seed x", None, "argument --seed"),
     ("quality-threshold", "quality -o {tmp}/q --threshold 2", None, "--threshold"),
     ("quality-weights-synthetic", "quality -o {tmp}/q --weights synthetic", None, "--weights synthetic comes without a tokenizer"),
+    # --- nothing silently reinterpreted, nothing that hangs -------------------------------------------
+    ("params-duplicate-key", SWEEP, params_file("models: tiny-llama\nweights: synthetic\nmethods: [full]\nctx: [32]\n"
+                                                "new_tokens: 3\nctx: [64]\n"),
+     "p.yaml gives the key 'ctx' twice (lines 4 and 6); keep one"),
+    ("params-duplicate-key-in-a-method", SWEEP,
+     params_file("models: tiny-llama\nweights: synthetic\nctx: [32]\nmethods:\n  - {method: snapkv, keep: 0.5, keep: 0.1}\n"),
+     "gives the key 'keep' twice"),
+    ("params-alias-bomb", SWEEP, params_file(BOMB), "p.yaml expands to more than 100,000 values"),
+    ("params-10-mb-list", SWEEP, params_file("ctx: [" + "4096, " * 1_666_000 + "4096]\n"),
+     "p.yaml is 10.0 MB; kvlab reads at most 1 MB of YAML"),
+    ("set-plan-too-large", SWEEP + " --set repeats=1000000", good_params,
+     "the plan has 2,000,000 runs (models x weights_quant x ctx x batch x repeats x prompts x method variants x engine); "
+     "a sweep plans at most 100,000"),
+    ("set-ctx-dist-samples-too-many", SWEEP.split() + ["--set", "ctx={dist: lognormal, median: 100, sigma: 1, "
+                                                                "samples: 2500000}"], good_params, "a sweep plans at most"),
+    ("set-engine-twice", SWEEP + " --set engine=[hf,hf]", good_params, "engine: 'hf' is listed twice; list each value once"),
+    ("set-methods-twice", SWEEP + " --set methods=[full,streamingllm,full]", good_params, "methods: 'full' is listed twice"),
+    ("params-identical-method-entries", SWEEP,
+     params_file({"methods": [{"method": "snapkv", "keep": 0.5}, {"method": "snapkv", "keep": 0.5}]}),
+     "methods: {'keep': 0.5, 'method': 'snapkv'} is listed twice"),
+    ("params-method-variant-twice", SWEEP, params_file({"methods": ["snapkv", {"method": "snapkv", "keep": [0.5]}]}),
+     "methods[1] repeats keep (snapkv: keep=0.5): list each method variant once"),
+    ("set-models-twice", SWEEP + " --set models=[tiny-llama,tiny-llama]", good_params, "models: 'tiny-llama' is listed twice"),
+    ("set-ctx-twice", SWEEP + " --set ctx=[32,32]", good_params, "ctx: 32 is listed twice"),
+    ("set-batch-twice", SWEEP + " --set batch=[1,1.0]", good_params, "batch: 1.0 is listed twice"),
+    ("set-engine-empty", SWEEP + " --set engine=[]", good_params, "engine: empty; list at least one value"),
+    ("set-models-empty", SWEEP + " --set models=[]", good_params, "models: empty"),
+    ("set-ctx-empty", SWEEP + " --set ctx=[]", good_params, "ctx: empty"),
+    ("set-batch-empty", SWEEP + " --set batch=[]", good_params, "batch: empty"),
+    ("set-keep-empty", SWEEP + " --set keep=[]", good_params, "keep: empty"),
+    ("set-bits-empty", SWEEP + " --set bits=[]", good_params, "bits: empty"),
+    ("set-prefill-chunk-empty", SWEEP + " --set prefill_chunk=[]", good_params, "prefill_chunk: empty"),
+    ("set-weights-quant-empty", SWEEP + " --set weights_quant=[]", good_params, "weights_quant: empty"),
+    ("params-method-keep-empty", SWEEP, params_file({"methods": [{"method": "snapkv", "keep": []}]}), "keep: empty"),
+    ("params-quality-lengths-empty", SWEEP, quality_params({"lengths": []}), "quality.lengths: empty"),
+    ("set-batch-true", SWEEP + " --set batch=[true]", good_params, "batch: true/false is not a number here"),
+    ("set-ctx-true", SWEEP + " --set ctx=true", good_params, "ctx: true/false is not a number here"),
+    ("set-keep-true", SWEEP + " --set keep=[true]", good_params, "keep: true/false is not a number here"),
+    ("set-new-tokens-true", SWEEP + " --set new_tokens=true", good_params, "new_tokens: true/false is not a number here"),
+    ("set-repeats-false", SWEEP + " --set repeats=false", good_params, "repeats: true/false is not a number here"),
+    ("set-budget-true", SWEEP + " --set budget_gb=true --set batch=[1,2]", good_params, "budget_gb: true/false"),
+    ("params-method-keep-true", SWEEP, params_file({"methods": [{"method": "snapkv", "keep": [True]}]}),
+     "keep: true/false is not a number here"),
+    ("params-method-knob-true", SWEEP, params_file({"methods": [{"method": "snapkv", "keep": 0.5, "window_size": True}]}),
+     "window_size"),
+    ("set-ctx-dist-median-true", SWEEP.split() + ["--set", "ctx={dist: lognormal, median: true, sigma: 1}"], good_params,
+     "median: true/false is not a number here"),
+    ("params-quality-samples-true", SWEEP, quality_params({"samples": True}), "quality.samples: true/false"),
+    ("set-duplicate-key-in-a-value", SWEEP.split() + ["--set", "ctx={dist: lognormal, median: 100, median: 200, sigma: 1}"],
+     good_params, "gives the key 'median' twice"),
+    ("params-streamingllm-sinks-fill-the-cache", SWEEP,
+     params_file({"methods": [{"method": "streamingllm", "keep": 0.5, "n_sink": 100}]}),
+     "n_sink=100 is more than the 16 tokens keep=0.5 keeps at ctx 32"),
+    ("generate-param-duplicate-key", ["generate", "--model", "smollm2-135m", "--prompt", "hi", "--method", "adakv",
+                                      "--param", "scorer_params={window_size: 4, window_size: 8}"], None,
+     "gives the key 'window_size' twice"),
+    ("budget-residual-without-bits", "budget --model llama-3.1-8b --ctx 1024 --residual 64", None,
+     "--residual 64: only a quantized cache keeps a 16-bit residual; add --bits 4"),
+    ("budget-gpu-empty", ["budget", "--model", "llama-3.1-8b", "--ctx", "1024", "--gpu", ""], None, "--gpu '' names no GPU"),
+    ("budget-gpu-and-bandwidth", "budget --model llama-3.1-8b --ctx 1024 --gpu h200 --bandwidth 1000", None,
+     "--gpu h200 and --bandwidth: the preset sets bandwidth and memory"),
+    ("budget-bandwidth-inf", "budget --model llama-3.1-8b --ctx 1024 --bandwidth inf", None,
+     "--bandwidth must be a finite positive number of GB/s, got inf"),
+    ("budget-memory-inf", "budget --model llama-3.1-8b --ctx 1024 --memory inf", None, "--memory must be a finite"),
+    ("budget-reserve-nan", "budget --model llama-3.1-8b --ctx 1024 --gpu h200 --reserve nan", None, "--reserve must be"),
+    ("budget-ctx-dist-duplicate-key", ["budget", "--model", "tiny-llama", "--ctx-dist",
+                                       "{dist: lognormal, median: 5, median: 6, sigma: 1}"], None, "gives the key 'median' twice"),
+    ("report-records-file-is-a-folder", "report {tmp}/s", lambda t: (t / "s" / "records.jsonl").mkdir(parents=True),
+     "s/records.jsonl is a folder, not the records file"),
+    ("out-records-file-is-a-folder", SWEEP, lambda t: (good_params(t), (t / "out" / "records.jsonl").mkdir(parents=True)),
+     "records.jsonl is a folder, not a records file"),
 ]
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import signal
 import sys
 
 from kvlab.errors import UserError
@@ -14,6 +16,7 @@ EXIT_USAGE = 2  # argparse's own status for bad arguments
 EXIT_FAILED_RUNS = 3  # every planned run recorded, some failed: fix the cause and rerun to retry them
 EXIT_INCOMPLETE = 4  # stopped early (run or time budget): rerun the same command to continue
 EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT
+EXIT_TERMINATED = 143  # SIGTERM (kill, systemd, Slurm, Kubernetes), as shells report it
 STATUS_EXIT = {"complete": EXIT_OK, "failed_runs": EXIT_FAILED_RUNS, "incomplete": EXIT_INCOMPLETE}
 
 # name -> module exposing `register(subparsers)`; each module adds its own parser and sets
@@ -50,6 +53,36 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the main thread is, so a sweep unwinds as from Ctrl-C: records kept,
+    manifest written ``incomplete``, workers stopped."""
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """While a command runs, SIGTERM raises :class:`Terminated` once (a second one during the
+    clean-up is ignored, so the clean-up finishes); the previous handler comes back after."""
+    if sys.platform == "win32" or not _main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand; see the EXIT_* statuses. A user mistake is one ``kvlab CMD: error: ...``
     line with status 2 and nothing loaded; a traceback (status 1) is a bug in kvlab."""
@@ -57,17 +90,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser(argv[0] if argv else None)
     args = parser.parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        with sigterm_as_interrupt():
+            return int(args.func(args) or 0)
     except UserError as err:  # user mistakes carry the fix in their message
         print(f"kvlab {args.command}: error: {err}", file=sys.stderr)
         return EXIT_USAGE
     except BrokenPipeError:  # the reader left (kvlab policies | head): nothing more to say, and no traceback
         sys.stderr.close()  # Python's own flush at exit would raise again
         return EXIT_OK
-    except KeyboardInterrupt:
-        print(f"kvlab {args.command}: interrupted; every record written so far is kept (rerun to continue)",
+    except KeyboardInterrupt as err:
+        what = "terminated (SIGTERM)" if isinstance(err, Terminated) else "interrupted"
+        print(f"kvlab {args.command}: {what}; every record written so far is kept (rerun to continue)",
               file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return EXIT_TERMINATED if isinstance(err, Terminated) else EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import sys
 
 from kvlab.budget import (
     DEFAULT_RESERVE_BYTES,
@@ -14,6 +16,7 @@ from kvlab.budget import (
     get_gpu,
 )
 from kvlab.models import get_spec
+from kvlab.yamlfile import load_yaml
 
 
 def register(sub) -> None:
@@ -26,7 +29,8 @@ def register(sub) -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--bits", type=int, default=16, choices=[16, 8, 4, 3, 2, 1], help="stored bits per K/V element")
     p.add_argument("--group-size", type=int, default=64, help="quantization group size (scale + zero per group)")
-    p.add_argument("--residual", type=int, default=128, help="recent tokens a quantized cache keeps in 16-bit")
+    p.add_argument("--residual", type=int, default=None,
+                   help=f"recent tokens a quantized cache keeps in 16-bit (default {DEFAULT_RESIDUAL}; needs --bits below 16)")
     p.add_argument("--keep", type=float, default=1.0, help="eviction keep ratio of the prompt cache, in (0, 1]")
     p.add_argument("--new-tokens", type=int, default=0, help="generated tokens appended uncompressed")
     p.add_argument("--gpu", help="GPU preset: rtx-a6000, rtx-4090, a100-80gb, h100-sxm, h200")
@@ -37,12 +41,39 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
+DEFAULT_RESIDUAL = 128
+
+
+def check_flags(args) -> None:
+    """What the flags cannot mean together, or a value no finite positive reading takes: one line."""
     if (args.ctx is None) == (args.ctx_dist is None):
         raise BudgetError("give --ctx N (one length) or --ctx-dist '{dist: lognormal, median: 4096, sigma: 0.6}'")
     check_positive("--batch", args.batch)
-    if args.residual < 0:
-        raise BudgetError(f"--residual must be >= 0 tokens (kept at full precision), got {args.residual}")
+    if args.residual is not None:
+        if args.residual < 0:
+            raise BudgetError(f"--residual must be >= 0 tokens (kept at full precision), got {args.residual}")
+        if args.bits >= 16:
+            raise BudgetError(f"--residual {args.residual}: only a quantized cache keeps a 16-bit residual; add --bits "
+                              f"4 (or 8, 3, 2, 1), or drop --residual")
+    if args.gpu is not None:
+        if not args.gpu.strip():
+            raise BudgetError("--gpu '' names no GPU; give a preset (rtx-a6000, rtx-4090, a100-80gb, h100-sxm, h200) "
+                              "or drop --gpu")
+        both = [flag for flag, value in (("--bandwidth", args.bandwidth), ("--memory", args.memory)) if value is not None]
+        if both:
+            raise BudgetError(f"--gpu {args.gpu} and {' and '.join(both)}: the preset sets bandwidth and memory; "
+                              f"give --gpu, or --bandwidth and --memory, not both")
+    for flag, value, what in (("--bandwidth", args.bandwidth, "a finite positive number of GB/s"),
+                              ("--memory", args.memory, "a finite positive number of GB"),
+                              ("--reserve", args.reserve, "a finite number of GiB >= 0")):
+        if value is not None and not (math.isfinite(value) and (value > 0 or (flag == "--reserve" and value == 0))):
+            raise BudgetError(f"{flag} must be {what}, got {value:g}")
+
+
+def run(args) -> int:
+    check_flags(args)
+    if args.residual is None:
+        args.residual = DEFAULT_RESIDUAL
     spec = get_spec(args.model)
     gpu = get_gpu(args.gpu) if args.gpu else None
     if args.ctx_dist is not None:
@@ -51,11 +82,6 @@ def run(args) -> int:
     problem = context_problem(spec, args.ctx, max(args.new_tokens, 0), key="--ctx", new_key="--new-tokens")
     if problem:
         raise BudgetError(problem)
-    for flag, value in (("--bandwidth", args.bandwidth), ("--memory", args.memory)):
-        if value is not None and not value > 0:
-            raise BudgetError(f"{flag} must be positive, got {value:g}")
-    if args.reserve is not None and not args.reserve >= 0:
-        raise BudgetError(f"--reserve must be >= 0 GiB, got {args.reserve:g}")
     report = budget_report(
         spec, args.ctx, batch=args.batch, bits=args.bits, group_size=args.group_size,
         residual=args.residual, keep=args.keep, new_tokens=args.new_tokens, gpu=gpu,
@@ -73,30 +99,30 @@ def run(args) -> int:
 def run_distribution(args, spec, gpu) -> int:
     """``--ctx-dist``: the budget averaged over the distribution's lengths (kvlab.workload_budget).
     Its modules load here: kvlab.workload's pydantic would add about 0.15 s of imports to ``--ctx N``."""
-    import yaml
-
     from kvlab.workload import parse_distribution
     from kvlab.workload_budget import distribution_budget, format_distribution
 
     try:
-        data = yaml.safe_load(args.ctx_dist)
-    except yaml.YAMLError:
+        data = load_yaml(args.ctx_dist, "--ctx-dist", BudgetError)
+    except BudgetError as err:
+        if "not valid YAML" not in str(err):  # a duplicate key, or past a bound: its own line
+            raise
         data = None
     if not isinstance(data, dict):
         raise BudgetError(f"--ctx-dist {args.ctx_dist!r}: write a mapping, e.g. '{{dist: lognormal, median: 4096, "
                           f"sigma: 0.6}}' or '{{file: lengths.txt}}'")
     dist = parse_distribution(data, key="--ctx-dist")
     check_bits(args.bits, key="--bits")
-    if args.memory is not None and not args.memory > 0:
-        raise BudgetError(f"--memory must be positive, got {args.memory:g}")
-    if args.reserve is not None and not args.reserve >= 0:
-        raise BudgetError(f"--reserve must be >= 0 GiB, got {args.reserve:g}")
     memory = args.memory * 1e9 if args.memory is not None else (gpu.memory_bytes if gpu else None)
     window = spec.max_context - max(args.new_tokens, 0)
     problem = dist.window_problem(window, f"{spec.name}'s window {spec.max_context} minus --new-tokens {args.new_tokens}", key="--ctx-dist")
     if problem:
         raise BudgetError(problem)
     lengths = dist.population(window)
+    note = dist.clip_note(dist.population(), window, f"{spec.name}'s window {spec.max_context} minus --new-tokens "
+                                                     f"{args.new_tokens}", key="--ctx-dist")
+    if note:
+        print(f"kvlab budget: note: {note}", file=sys.stderr)
     report = distribution_budget(
         spec, lengths, dist.label, batch=args.batch, bits=args.bits, group_size=args.group_size,
         residual=args.residual, keep=args.keep, new_tokens=args.new_tokens, memory_bytes=memory,

@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import torch
-import yaml
 
 from kvlab import models
 from kvlab.budget import context_problem
@@ -26,6 +25,7 @@ from kvlab.preflight import (
     weights_problem,
 )
 from kvlab.sweep.params import DTYPES
+from kvlab.yamlfile import load_yaml
 
 EVICTION_FLAGS = {"keep": "keep", "window_size": "window_size", "kernel_size": "kernel_size",
                   "n_sink": "n_sink", "beta": "beta", "policy_seed": "seed"}
@@ -85,10 +85,7 @@ def param_overrides(items: list[str]) -> dict:
         key = key.strip().replace("-", "_")
         if not sep or not key:
             raise UserError(f"--param {item!r}: write KEY=VALUE, e.g. --param alpha_safeguard=0.1")
-        try:
-            out[key] = yaml.safe_load(raw) if raw.strip() else None
-        except yaml.YAMLError as err:
-            raise UserError(f"--param {item!r}: the value is not valid YAML ({str(err).splitlines()[0]})") from None
+        out[key] = load_yaml(raw, f"--param {item!r}: the value", UserError) if raw.strip() else None
     return out
 
 

@@ -6,9 +6,10 @@ import os
 import warnings
 from pathlib import Path
 
-from kvlab.errors import UserError
+from kvlab.errors import StorageError, UserError
 from kvlab.preflight import check_out_dir
 from kvlab.records import RECORDS_FILE, read_manifest, read_records, record_files
+from kvlab.reporting.notebook_params import baseline_problem as records_baseline_problem
 from kvlab.reporting.render import index_folder, render_report
 
 
@@ -34,6 +35,10 @@ def check_records_dir(folder: str | Path) -> Path:
     if not path.is_dir():
         what = "is a file" if path.exists() else "does not exist"
         raise UserError(f"records folder {path} {what}: pass a folder written by `kvlab sweep` or `kvlab quality`")
+    for f in path.rglob(RECORDS_FILE):
+        if not f.is_file():
+            raise UserError(f"{f} is a folder, not the records file kvlab sweep writes: move it away, or pass the "
+                            f"sweep folder that holds the real one")
     files = record_files(path)  # plain or archived (records.jsonl.xz)
     if not files:
         raise UserError(f"no {RECORDS_FILE} in {path} or its subfolders: pass a folder written by `kvlab sweep` "
@@ -52,12 +57,15 @@ def baseline_problem(folder: Path, baseline: str) -> str | None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         records = [r for f in record_files(folder) for r in read_records(f)]
-    names = {str(r[k]) for r in records for k in ("method", "label") if r.get(k) is not None}
-    if baseline in names:
-        return None
-    methods = sorted({str(r["method"]) for r in records if r.get("method") is not None})
-    return (f"--baseline {baseline!r} is no method in {folder}: its records hold {', '.join(methods) or 'none'}; "
-            f"pass one of them (or leave it out for full)")
+    return records_baseline_problem(records, baseline, str(folder))
+
+
+def check_writable(folder: Path, what: str, fix: str) -> None:
+    """A folder the report writes into takes a new file, or one line saying what and the fix."""
+    try:
+        check_out_dir(folder, flag=what)
+    except UserError as err:
+        raise UserError(f"{err}".replace("; pass a writable folder", f"; {fix}")) from None
 
 
 def check_args(args) -> None:
@@ -67,6 +75,11 @@ def check_args(args) -> None:
         if out.suffix != ".html":
             raise UserError(f"-o {out} must end in .html")
         check_out_dir(out.parent, flag=f"-o {out}: its folder")
+    else:
+        out = Path(args.dir) / "report.html"
+        check_writable(out.parent, "the report's folder", "pass -o a writable path, e.g. -o /tmp/report.html")
+    if not args.no_index and index_folder(out) != out.parent:
+        check_writable(index_folder(out), "the index's folder", "pass --no-index (or -o a writable path)")
     if args.notebook is not None and not Path(args.notebook).is_file():
         raise UserError(f"--notebook {args.notebook} does not exist: pass a .ipynb file (or leave it out)")
     if args.parity is not None and not Path(args.parity).is_file():
@@ -87,8 +100,11 @@ def run(args) -> int:
     params = {k: v for k, v in (("ctx", args.ctx), ("baseline", args.baseline)) if v is not None}
     if args.parity is not None:  # the notebook runs in DIR: a relative path keeps the machine's paths out of it
         params["parity"] = os.path.relpath(Path(args.parity).resolve(), Path(args.dir).resolve())
-    html = render_report(args.dir, out=args.out, notebook=args.notebook, index=not args.no_index,
-                         parameters=params, timeout=args.timeout)
+    try:
+        html = render_report(args.dir, out=args.out, notebook=args.notebook, index=not args.no_index,
+                             parameters=params, timeout=args.timeout)
+    except OSError as err:  # the folder filled up (or turned read-only) while the notebook ran
+        raise StorageError.from_os(err, err.filename or args.out or args.dir, after="rerun kvlab report") from None
     print(f"report: {html} ({html.stat().st_size / 1e6:.1f} MB, draws offline)")
     if not args.no_index:
         print(f"index:  {index_folder(html) / 'index.html'}")

@@ -3,7 +3,8 @@
 Exit status: 0 when every planned run is recorded ok; 3 when every run is recorded but some failed
 (their errors are in records.jsonl; fix the cause and rerun to retry them); 4 when a run or time
 budget stopped it early (rerun the same command to continue); 2 for invalid params, an unusable
-output folder or a folder locked by another sweep. The manifest's status says the same:
+output folder (also one that fills up or hits ``ulimit -f`` mid-sweep) or a folder locked by
+another sweep; 130 after Ctrl-C and 143 after SIGTERM (records kept, manifest incomplete). The manifest's status says the same:
 complete, failed_runs or incomplete.
 """
 
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from kvlab.cli import EXIT_USAGE, STATUS_EXIT
 from kvlab.preflight import check_out_dir
+from kvlab.sweep.checks import params_notes
 from kvlab.sweep.lock import SweepLocked
 from kvlab.sweep.params import EXECUTORS, load_params
 from kvlab.sweep.plan import count_by, planned_runs
@@ -38,6 +40,11 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+def print_notes(params) -> None:
+    for note in params_notes(params):
+        print(f"kvlab sweep: note: {note}", file=sys.stderr)
+
+
 def run(args) -> int:
     sets = list(args.sets)
     if args.executor:
@@ -50,6 +57,7 @@ def run(args) -> int:
     if args.dry_run:
         check_out_dir(out, flag, create=False)
         todo = planned_runs(params, out if out.is_dir() else None, check_device=False)
+        print_notes(params)
         print(f"{out}: {len(todo)} runs to do ({params.warmup_runs} warm-up(s) per method and shape; "
               f"executor {params.executor})")
         for attr in ("model", "method", "ctx", "batch") + (("weights_quant",) if len(params.weights_quant) > 1 else ()):
@@ -59,6 +67,7 @@ def run(args) -> int:
         return 0
     planned_runs(params, check_device=True)  # every check (device, memory, policies) before the folder is made
     check_out_dir(out, flag)
+    print_notes(params)
     from kvlab.sweep.admission import run_budgeted  # torch and the measured group: only once params are valid
     from kvlab.sweep.driver import run_sweep
 

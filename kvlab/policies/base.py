@@ -140,6 +140,11 @@ class Policy:
     def check(self, model) -> None:
         """Raise :class:`PolicyError` if this policy cannot run on ``model`` (cheap, no tensors)."""
 
+    def shape_problem(self, ctx: int) -> str | None:
+        """Why this policy would fail, or silently become another method, on a ``ctx``-token prompt
+        (a plan's shortest is asked before any load); None when it runs as written."""
+        return None
+
     def prepare(self, model) -> None:
         """Install what the policy needs on the model (idempotent)."""
 

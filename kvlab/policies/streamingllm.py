@@ -27,6 +27,13 @@ class StreamingLLMPolicy(EvictionPolicy):
 
     n_sink: int = int_param(4, "first prompt positions always kept", minimum=0)
 
+    def shape_problem(self, ctx: int) -> str | None:
+        kept = min(ctx, self.budget(ctx, 0, 1))
+        if self.n_sink <= kept:
+            return None
+        return (f"n_sink={self.n_sink} is more than the {kept} tokens keep={self.keep:g} keeps at ctx {ctx}: only "
+                f"{kept} sinks and no recent token would be kept; lower n_sink below {kept} or raise keep")
+
     def select(self, keys, values, attn, n_kept, layer_idx, num_layers):
         bsz, heads, n, _ = keys.shape
         return sink_and_recent(n, n_kept, self.n_sink).to(keys.device).expand(bsz, heads, -1)

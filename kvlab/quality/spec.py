@@ -24,8 +24,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from kvlab.schema import StrictModel
 from kvlab.tasks import TASKS, Encoder, TaskItem, make_items, task_name
 from kvlab.tasks.longbench import longbench_items
 from kvlab.tasks.prompt import TaskError
@@ -35,7 +36,7 @@ QUALITY_COLUMNS = ("task", "length", "depth", "sample", "query_aware", "score", 
                    "first_token_acc", "kl", "top1_agree", "no_signal")
 
 
-class TaskSpec(BaseModel):
+class TaskSpec(StrictModel):
     """What the quality pass runs; validated before any model work.
 
     ``tasks`` are generated task names and/or ``"continuation"``; ``longbench`` is a path to a
@@ -46,7 +47,7 @@ class TaskSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    tasks: list[str] = Field(default_factory=lambda: ["niah_single"])
+    tasks: list[str] = Field(default_factory=lambda: ["niah_single"], json_schema_extra={"empty_ok": True})  # longbench alone
     lengths: list[int] = Field(default_factory=lambda: [1024, 2048])
     depths: list[float] = Field(default_factory=lambda: [0.1, 0.5, 0.9])
     samples: int = 2
@@ -57,7 +58,7 @@ class TaskSpec(BaseModel):
     task_params: dict[str, dict[str, Any]] = Field(default_factory=dict)
     longbench: str | None = None
     longbench_datasets: list[str] | None = None
-    text_files: list[str] = Field(default_factory=list)
+    text_files: list[str] = Field(default_factory=list, json_schema_extra={"empty_ok": True})
     continuation_tokens: int = 256
     min_context_gain: float = 0.02  # nats/token the full context must save for continuation signal
 

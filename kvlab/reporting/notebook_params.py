@@ -1,14 +1,107 @@
 """Notebook glue: paths that work from JupyterLab, papermill and ``kvlab report`` alike, and the
-sweep notebook's parameters."""
+notebooks' parameters: the sweep notebook's turned into sweep params, the report notebook's
+checked. A parameter name the notebook does not have, a list given to ``papermill -p`` (which
+passes it as text) and a baseline no record has are handled here, before any work; the message is
+written to the terminal first (the kernel's own stderr), then raised for papermill's cell error."""
 
 from __future__ import annotations
 
+import difflib
+import functools
+import inspect
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvlab.errors import UserError
 from kvlab.reporting import ReportError
 from kvlab.sweep.params import SweepParams, parse_params
+from kvlab.yamlfile import load_yaml
+
+# The report notebook's parameters cell, and the names each notebook's own cells assign (a rerun in
+# JupyterLab finds them in globals(); they are no parameter a user gave).
+REPORT_PARAMETERS = ("records_dir", "ctx", "baseline", "pattern", "n_boot", "parity")
+SWEEP_NOTEBOOK_PARAMETERS = ("params_file", "out_dir", *SweepParams.model_fields)
+NOTEBOOK_OWN_NAMES = {
+    "sweep": {"params", "folder", "engines"},
+    "report": {"study", "summary", "at", "caption", "parity_file", "methods", "per_ctx", "ctx_caption", "dist",
+               "pays", "no_energy", "engines", "rel", "batch", "batch_ctx", "batch_caption", "at_budget", "stack",
+               "metric", "metric_title", "gap", "gap_sentence"},
+}
+IPYTHON_NAMES = {"In", "Out", "exit", "quit", "get_ipython", "open"}
+
+
+def said_first(fn):
+    """A notebook helper whose :class:`UserError` is also written to the kernel's own stderr (the
+    terminal papermill runs in) before it is raised, so kvlab's line is read before papermill's
+    traceback of the cell."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except UserError as err:
+            stream = sys.__stderr__
+            if stream is not None:
+                print(f"\nkvlab: error: {err}", file=stream, flush=True)  # below any progress bar
+            raise
+    return wrapper
+
+
+def unknown_parameters(namespace: dict, known, notebook: str) -> list[str]:
+    """Names in a notebook's globals that are data (not modules, functions or classes), not one of its
+    parameters and not assigned by its own cells: what ``papermill -p NAME`` injected by mistake."""
+    own = NOTEBOOK_OWN_NAMES[notebook] | IPYTHON_NAMES
+    return sorted(k for k, v in namespace.items() if not k.startswith("_") and k not in known and k not in own
+                  and not (callable(v) or inspect.ismodule(v)))
+
+
+def refuse_unknown(namespace: dict | None, known, notebook: str) -> None:
+    unknown = unknown_parameters(namespace or {}, known, notebook)
+    if unknown:
+        hints = [f"{name!r}" + (f" (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(
+            name, list(known), n=1)) else "") for name in unknown]
+        raise ReportError(f"notebooks/{notebook}.ipynb has no parameter {', '.join(hints)}; its parameters: "
+                          f"{', '.join(known)}")
+
+
+def parsed_text_values(given: dict[str, Any]) -> dict[str, Any]:
+    """``papermill -p methods '["snapkv"]'`` passes the text, not the list: a text value that opens
+    with ``[`` or ``{`` for a key that is not plain text is read as YAML (JSON is YAML), as meant."""
+    out = dict(given)
+    for key, value in given.items():
+        field = SweepParams.model_fields.get(key)
+        if isinstance(value, str) and value.strip()[:1] in ("[", "{") and field is not None \
+                and field.annotation is not str:
+            out[key] = load_yaml(value, f"-p {key} {value!r}", ReportError)
+    return out
+
+
+def baseline_problem(records, baseline: str, where: str, flag: str = "--baseline") -> str | None:
+    """Why ``baseline`` names no method (or label) of ``records`` (dicts), or None."""
+    records = list(records)
+    names = {str(r[k]) for r in records for k in ("method", "label") if r.get(k) is not None}
+    if baseline in names:
+        return None
+    methods = sorted({str(r["method"]) for r in records if r.get("method") is not None})
+    return (f"{flag} {baseline!r} is no method in {where}: its records hold {', '.join(methods) or 'none'}; "
+            f"pass one of them (or leave it out for full)")
+
+
+@said_first
+def notebook_study(namespace: dict):
+    """The report notebook's first step: its parameters checked (names, baseline), the study loaded."""
+    from kvlab.reporting.study import load_study
+
+    refuse_unknown(namespace, REPORT_PARAMETERS, "report")
+    study = load_study(project_path(namespace.get("records_dir") or "outputs/smoke"))
+    baseline = namespace.get("baseline") or "full"
+    columns = [c for c in ("method", "label") if c in study.records.columns]
+    problem = baseline_problem(study.records[columns].to_dict("records"), baseline, str(study.folder),
+                               flag="baseline") if columns else None
+    if problem:
+        raise ReportError(problem + " (-p baseline NAME)")
+    return study
 
 
 def project_root(start: str | Path | None = None) -> Path:
@@ -110,6 +203,7 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
+@said_first
 def notebook_sweep_params(params_file: str | Path | None = None, namespace: dict | None = None, **values):
     """Sweep params for the sweep notebook: the YAML file as the base, then every sweep key that is
     not None in ``namespace`` (the notebook's ``globals()``: its parameters, including what
@@ -118,11 +212,10 @@ def notebook_sweep_params(params_file: str | Path | None = None, namespace: dict
     With no ``params_file``, the base comes from the machine (:func:`sweep_defaults`) and its
     sentence is printed. Validated by kvlab.sweep.params (a scalar ``ctx`` becomes a one-element list).
     """
-    import yaml
-
+    refuse_unknown(namespace, SWEEP_NOTEBOOK_PARAMETERS, "sweep")
     merged = {k: v for k, v in (namespace or {}).items() if k in SweepParams.model_fields}
     merged.update(values)
-    given = {k: v for k, v in merged.items() if v is not None}
+    given = parsed_text_values({k: v for k, v in merged.items() if v is not None})
     data: dict[str, Any] = {}
     if not params_file:
         defaults = sweep_defaults(given, _cuda_available())
@@ -132,7 +225,7 @@ def notebook_sweep_params(params_file: str | Path | None = None, namespace: dict
         path = project_path(params_file)
         if not path.is_file():
             raise ReportError(f"params file {path} not found: pass params_file='params/smoke.yaml' or None")
-        data = {**(yaml.safe_load(path.read_text(encoding="utf-8")) or {}), **data}
+        data = {**(load_yaml(path.read_text(encoding="utf-8"), f"params file {path}", ReportError) or {}), **data}
         data.setdefault("name", path.stem)
     data.update(given)
     return parse_params(data)

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvlab.errors import StorageError
+
 SINK_METHODS = ("begin", "record", "warmup", "skip_warmups", "timeline", "error_log", "idle", "worker", "log")
 
 
@@ -58,8 +60,11 @@ class DriverSink:
         self.timelines.append(timeline)
 
     def error_log(self, text: str) -> None:
-        with open(self.errors_path, "a", encoding="utf-8") as f:
-            f.write(text if text.endswith("\n") else text + "\n")
+        try:
+            with open(self.errors_path, "a", encoding="utf-8") as f:
+                f.write(text if text.endswith("\n") else text + "\n")
+        except OSError as err:
+            raise StorageError.from_os(err, self.errors_path) from None
 
     def idle(self, model: str, watts: float | None) -> None:
         self.invocation.setdefault("idle_w", {})[model] = watts

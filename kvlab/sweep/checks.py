@@ -84,6 +84,57 @@ def prefill_rows_problems(params: SweepParams) -> list[str]:
     return problems
 
 
+MAX_PLAN_RUNS = 100_000  # a day of runs at a second each; a larger grid is several sweeps
+
+
+def plan_size(params: SweepParams, n_variants: int) -> int:
+    """How many measured runs the params plan, from the axes' lengths alone (no expansion)."""
+    n_ctx = params.ctx.samples if isinstance(params.ctx, CtxDistribution) else len(params.ctx)
+    return (len(params.models) * len(params.weights_quant) * n_ctx * len(params.batch) * params.repeats
+            * params.prompts * n_variants * len(params.engine))
+
+
+def plan_size_problem(params: SweepParams, n_variants: int) -> str | None:
+    """A plan past :data:`MAX_PLAN_RUNS`, refused before anything walks it."""
+    n = plan_size(params, n_variants)
+    if n <= MAX_PLAN_RUNS:
+        return None
+    return (f"the plan has {n:,} runs (models x weights_quant x ctx x batch x repeats x prompts x method variants "
+            f"x engine); a sweep plans at most {MAX_PLAN_RUNS:,}: list fewer values, or split it into sweeps "
+            f"with their own -o")
+
+
+def duplicate_variant_problems(variants: list[tuple[str, MethodVariant]]) -> list[str]:
+    """Two method entries that expand to the same variant would record one run id twice."""
+    first: dict[tuple, str] = {}
+    problems = []
+    for where, v in variants:
+        if v.key() in first and first[v.key()] != where:
+            args = ", ".join(f"{k}={val!r}" for k, val in v.kwargs.items())
+            problems.append(f"{where} repeats {first[v.key()]} ({v.method}{': ' + args if args else ''}): "
+                            f"list each method variant once")
+        first.setdefault(v.key(), where)
+    return problems
+
+
+def params_notes(params: SweepParams) -> list[str]:
+    """What valid params run as other than written (one sentence each, printed as notes): a
+    context distribution's draws clipped to a model's window."""
+    notes = []
+    if isinstance(params.ctx, CtxDistribution) and params.ctx.dist is not None:
+        draws = params.ctx.raw_draws(params.seed, params.ctx.samples)
+        for name in params.models:
+            try:
+                spec = get_spec(name)
+            except ModelError:
+                continue  # check_params says why
+            note = params.ctx.clip_note(draws, spec.max_context - params.new_tokens,
+                                        f"{name}'s window {spec.max_context} minus new_tokens {params.new_tokens}")
+            if note:
+                notes.append(note)
+    return notes
+
+
 def check_params(params: SweepParams, check_device: bool = True,
                  own_loader: bool = False) -> list[tuple[int, MethodVariant]]:
     """Validate against models, policies and (with ``check_device``) this machine's device and its
@@ -94,6 +145,9 @@ def check_params(params: SweepParams, check_device: bool = True,
     """
     from kvlab.policies import make_policy  # torch: a params file is read and parsed without it
 
+    size_problem = plan_size_problem(params, len(method_variants(params)))
+    if size_problem:  # before any check walks the plan
+        raise params_error([size_problem])
     problems: list[str] = []
     # device and dtype
     device_bad = device_problem(params.device, key="device", check_available=check_device,
@@ -132,6 +186,7 @@ def check_params(params: SweepParams, check_device: bool = True,
         except ValueError:
             pass  # reported below
     specs = []
+    shortest = 0  # the plan's shortest prompt, for policy.shape_problem
     for i, name in enumerate(params.models):
         try:
             spec = get_spec(name)
@@ -159,6 +214,7 @@ def check_params(params: SweepParams, check_device: bool = True,
         except UserError as err:
             problems.append(str(err))
             contexts = []
+        shortest = min((c for c in (shortest, *contexts) if c), default=0)
         for ctx in contexts:
             problems += shape_problems(spec, params.device, params.dtype, ctx, max(params.batch),
                                        params.new_tokens, check_memory=check_device and not device_bad,
@@ -181,8 +237,9 @@ def check_params(params: SweepParams, check_device: bool = True,
                     if problem:
                         problems.append(problem)
 
-    # methods: every variant must build
+    # methods: every variant must build, once
     variants = method_variants(params)
+    problems += duplicate_variant_problems(variants)
 
     failures: dict[tuple[str, str], list[str]] = {}
     for where, v in variants:
@@ -192,6 +249,9 @@ def check_params(params: SweepParams, check_device: bool = True,
                 policy.storage()
             for spec in specs:  # e.g. a q_group_size that does not divide the model's head dim
                 policy.check(spec)
+            problem = policy.shape_problem(shortest) if shortest else None
+            if problem:
+                raise ValueError(problem)
         except ValueError as err:
             args = ", ".join(f"{k}={val!r}" for k, val in v.kwargs.items())
             failures.setdefault((where, str(err)), []).append(

@@ -18,8 +18,10 @@ writer here (:class:`kvlab.runner.sink.DriverSink`).
 from __future__ import annotations
 
 import os
+import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +33,7 @@ from tqdm.auto import tqdm
 from kvlab import env, models
 from kvlab.energy import make_sampler
 from kvlab.engine.engines import release_memory
+from kvlab.errors import StorageError
 from kvlab.hostload import cpu_threads
 from kvlab.policies import make_policy
 from kvlab.quality import TaskSpec, quality_notes, run_quality
@@ -168,7 +171,7 @@ def run_sweep(
             if set(manifest.get("run_ids") or plan_ids) != set(plan_ids):  # new methods: their quality items are
                 manifest.pop("quality_done", None)  # pending too (items already recorded ok are skipped per item)
             manifest.update(params=plan_params(params), n_runs=len(runs), run_ids=plan_ids)
-        manifest.update(sweep=sweep_name, schema=1)
+        manifest.update(sweep=sweep_name, schema=1, status="incomplete")  # until this invocation ends
         invocation: dict[str, Any] = {"started_at": utc_now(), "pid": os.getpid(), "executor": params.executor,
                                       "pending_at_start": len(pending), "env_start": env.snapshot(params.device)}
         if part:
@@ -195,8 +198,12 @@ def run_sweep(
             bar.close()
             for w in writers.values():
                 w.close()
+            no_room = isinstance(sys.exc_info()[1], StorageError)  # its one line says it all
             summary.stopped = budget.reason
-            statuses = latest_status(read_records(out / RECORDS_FILE))
+            with warnings.catch_warnings():
+                if no_room:  # the line the failed write tore; a resume skips it with this warning
+                    warnings.simplefilter("ignore")
+                statuses = latest_status(read_records(out / RECORDS_FILE))
             own = [r.run_id for r in runs]
             summary.pending = sum(1 for i in own if i not in statuses)
             summary.failed_recorded = sum(1 for i in own if statuses.get(i) not in (None, "ok"))
@@ -206,8 +213,13 @@ def run_sweep(
                               pending_at_end=summary.pending, failed_at_end=summary.failed_recorded,
                               status=summary.status, stopped=budget.reason, env_end=env.snapshot(params.device))
             manifest["status"] = sweep_status(manifest["run_ids"], statuses, q_pending, summary.quality_failed)
-            write_manifest(out, manifest)
-            _write_parquet(out, log)
+            try:
+                write_manifest(out, manifest)
+            except StorageError:
+                if not no_room:
+                    raise  # else the first failed write's line stands; the manifest on disk says incomplete
+            if not no_room:
+                _write_parquet(out, log)
     return summary
 
 

@@ -1,5 +1,5 @@
 """One sweep per folder: an exclusive ``flock`` on ``<folder>/sweep.lock``; a lock left by a dead
-process is detected and replaced."""
+process is detected and replaced, and the file is removed when the sweep ends."""
 
 from __future__ import annotations
 
@@ -33,8 +33,9 @@ class SweepLock:
     """An exclusive ``flock`` on ``<folder>/sweep.lock`` holding the owner's pid and host.
 
     The kernel drops a flock when its process dies, so a lock left by ``kill -9`` is free to take;
-    ``stale`` then says whose it was. The file is emptied, not deleted, on release, so no second
-    process can lock a deleted inode.
+    ``stale`` then says whose it was. On release the file is deleted while still locked; a process
+    that was waiting on the deleted file's lock sees that its inode is no longer the path's and
+    opens the path again, so two sweeps never hold two different files.
     """
 
     def __init__(self, folder: str | Path):
@@ -50,19 +51,32 @@ class SweepLock:
         except json.JSONDecodeError:
             return {"raw": raw}
 
+    def _open_locked(self) -> int:
+        """A descriptor of the path's current file, exclusively locked (or :class:`SweepLocked`)."""
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return self._refuse(fd)
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                return fd
+            os.close(fd)  # the holder deleted it as we locked it: lock the path's new file
+
+    def _refuse(self, fd: int) -> int:
+        holder = self._read(fd) or {}
+        os.close(fd)
+        who = f"pid {holder.get('pid')} on {holder.get('host')} since {holder.get('started_at')}"
+        raise SweepLocked(f"{self.path.parent} is being written by another sweep ({who}); wait for it to finish, "
+                          f"or write to another folder with -o")
+
     def acquire(self) -> SweepLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = self._read(fd) or {}
-            os.close(fd)
-            who = f"pid {holder.get('pid')} on {holder.get('host')} since {holder.get('started_at')}"
-            raise SweepLocked(
-                f"{self.path.parent} is being written by another sweep ({who}); wait for it to finish, "
-                f"or write to another folder with -o"
-            ) from None
+        fd = self._open_locked()
         previous = self._read(fd)
         if previous and previous.get("pid"):
             same_host = previous.get("host") == socket.gethostname()
@@ -79,7 +93,10 @@ class SweepLock:
     def release(self) -> None:
         if self._fd is None:
             return
-        os.ftruncate(self._fd, 0)
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
         fcntl.flock(self._fd, fcntl.LOCK_UN)
         os.close(self._fd)
         self._fd = None

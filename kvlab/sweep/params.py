@@ -15,13 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
 from kvlab.errors import UserError
 from kvlab.preflight import read_text_file
 from kvlab.records import canonical_json
+from kvlab.schema import BOOL_PROBLEM, StrictModel, has_bool
 from kvlab.workload import CtxDistribution, WorkloadError, parse_distribution
+from kvlab.yamlfile import load_yaml
 
 SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
 DTYPES = ("bfloat16", "float16", "float32")
@@ -45,7 +46,7 @@ def _as_list(value):
     return [value]
 
 
-class MethodEntry(BaseModel):
+class MethodEntry(StrictModel):
     """One method with its own axis values and knobs, e.g. ``{method: snapkv, keep: [0.5, 0.1],
     window_size: 32}``. Keys other than ``method``/``keep``/``bits`` go to ``make_policy``."""
 
@@ -61,7 +62,7 @@ class MethodEntry(BaseModel):
         return dict(self.model_extra or {})
 
 
-class SweepParams(BaseModel):
+class SweepParams(StrictModel):
     """Everything one sweep varies and fixes. The YAML keys are these field names."""
 
     model_config = ConfigDict(extra="forbid")
@@ -128,6 +129,8 @@ class SweepParams(BaseModel):
     @classmethod
     def _ctx(cls, value):
         """A mapping is a distribution (its own one-line errors); anything else a list of lengths."""
+        if has_bool(value):  # this validator runs before StrictModel's: refuse here what it would
+            raise ValueError(BOOL_PROBLEM)
         if isinstance(value, dict):
             try:
                 return parse_distribution(value, key=None)
@@ -150,7 +153,7 @@ class SweepParams(BaseModel):
         for v in values:
             if v is not None and v < 1:
                 raise ValueError(f"{v}: a chunk is at least 1 token (null: one-shot prefill)")
-        return values or [None]
+        return values
 
     @field_validator("prefill_rows", mode="before")
     @classmethod
@@ -251,7 +254,12 @@ def _chunk_variants(v: MethodVariant, chunks: list[int | None]) -> list[MethodVa
 def pydantic_lines(err: ValidationError, known: list[str] | None = None, prefix: str = "") -> list[str]:
     known = known or list(SweepParams.model_fields)
     lines = []
-    for e in err.errors():
+    errors = err.errors()
+    locs = [tuple(str(p) for p in e["loc"] if not str(p).startswith(("str", "MethodEntry"))) for e in errors]
+    # a union's other branch (methods[0] is no string) says nothing when a deeper error names the key
+    errors = [e for e, loc in zip(errors, locs, strict=True)
+              if not any(other[:len(loc)] == loc and len(other) > len(loc) for other in locs)]
+    for e in errors:
         loc = prefix + ".".join(str(p) for p in e["loc"] if not str(p).startswith(("str", "MethodEntry")))
         if e["type"] == "extra_forbidden":
             key = str(e["loc"][-1])
@@ -284,13 +292,7 @@ def parse_params(data: dict[str, Any]) -> SweepParams:
 
 
 def _yaml_value(text: str, where: str):
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        raise ParamsError(f"{where} is not valid YAML{at}: {problem}") from None
+    return load_yaml(text, where, ParamsError)
 
 
 def apply_overrides(data: dict[str, Any], sets: Iterable[str]) -> dict[str, Any]:
