@@ -23,7 +23,7 @@ def policy_columns(policy):
             "keep": policy.params().get("keep")}
 
 
-def perf_rows(ctx=16384, batch=16, scale=1.0, repeats=2, extra=None):
+def perf_rows(ctx=16384, batch=16, scale=1.0, repeats=3, extra=None):
     """Full-cache runs and one run set per PERF_FRACTIONS method in one (ctx, batch) cell; the repeats
     spread +-1% around each mean so the means stay exact."""
     rows = []
