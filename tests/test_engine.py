@@ -298,7 +298,7 @@ def test_a_sweep_warms_a_quantized_policy_only_for_the_engine_that_needs_it(tiny
 
     warmed = []
     monkeypatch.setattr(QuantizedPolicy, "warmup", lambda self, model: warmed.append(self.name))
-    session = ModelSession(tiny, sampler=None, idle_w=None, gpu_name=None)
+    session = ModelSession(tiny, sampler=None, idle_w=None)
     variant = MethodVariant("quanto", {"nbits": 4, "q_group_size": 16})
     with session.attached:
         policy = session.policy(variant, "fast")
