@@ -34,6 +34,7 @@ import traceback
 
 import torch
 
+from kvlab.card import device_card
 from kvlab.intervals import mean_interval, ratio_interval
 
 # fast-engine variants: FastEngine keyword arguments
@@ -258,6 +259,7 @@ def main() -> int:
                     "tuned_configs": {k: vars(c) for k, c in formats.TUNED_CONFIGS.items()}}
     cuda = args.device.startswith("cuda")
     result["gpu"] = torch.cuda.get_device_name() if cuda else None
+    result["card"] = device_card(args.device)
     bw = copy_bandwidth(args.device)
     result["copy_bandwidth_Bps"] = bw
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s (read + write)", flush=True)

@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kvlab.card import device_card  # noqa: E402
 from kvlab.kernels import (  # noqa: E402
     decode_attention,
     decode_attention_reference,
@@ -205,6 +206,7 @@ def main(argv=None):
     if args.quick:
         args.lengths, args.batches, args.budgets = [300], [1], [64]
     rows = []
+    card = device_card(args.device)
     for length in args.lengths:
         for batch in args.batches:
             try:
@@ -214,8 +216,8 @@ def main(argv=None):
                 rows.append({"batch": batch, "length": length, "error": repr(err)})
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            if args.out:
-                args.out.write_text(json.dumps(rows, indent=1))
+            if args.out:  # each row names its card
+                args.out.write_text(json.dumps([{**r, "card": card} for r in rows], indent=1))
 
 
 if __name__ == "__main__":

@@ -500,6 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="minimal_step.json")
     args = ap.parse_args(argv)
 
+    from kvlab.card import device_card
     from kvlab.energy import make_sampler
     from kvlab.models import load_model
 
@@ -507,7 +508,8 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_model(args.model, weights=args.weights, device=args.device)
     sampler = make_sampler(args.device)
     result = {"args": vars(args), "torch": torch.__version__,
-              "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None, "batches": []}
+              "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
+              "card": device_card(args.device), "batches": []}
     print(f"{args.model} on {result['gpu'] or 'cpu'}, torch {torch.__version__} [{time.time() - t0:.0f}s]", flush=True)
     for batch in args.batch:
         with torch.no_grad():

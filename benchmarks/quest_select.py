@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kivi_quest import L2_BYTES, timed  # noqa: E402
 
+from kvlab.card import device_card  # noqa: E402
 from kvlab.kernels import quest  # noqa: E402
 from kvlab.kernels.quest_select import launch_select_top  # noqa: E402
 
@@ -110,6 +111,7 @@ def main(argv=None):
     if args.quick:
         args.lengths, args.batches, args.budgets = [300], [2], [64]
     rows = []
+    card = device_card(args.device)
     for length in args.lengths:
         for batch in args.batches:
             for budget in args.budgets:
@@ -120,8 +122,8 @@ def main(argv=None):
                     rows.append({"batch": batch, "length": length, "budget": budget, "error": repr(err)})
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-                if args.out:
-                    args.out.write_text(json.dumps(rows, indent=1))
+                if args.out:  # each row names its card
+                    args.out.write_text(json.dumps([{**r, "card": card} for r in rows], indent=1))
     return 1 if any("error" in r or not r["same_pages"] for r in rows) else 0
 
 

@@ -31,6 +31,11 @@ def test_rows_carry_the_floor_and_the_kernel_fraction_of_copy(bench, monkeypatch
                                       "--engines", "hf", "fast", "--compare-steps", "0", "--out", str(out)])
     assert bench.main() == 0
     result = json.loads(out.read_text())
+    assert result["card"] == {"card": "cpu", "gpu_name": None, "gpu_uuid": None, "driver": None,
+                              "power_limit_w": None, "sm_clock_max_mhz": None, "mem_clock_max_mhz": None}
+    # one repeat a side: values, never an interval, and the output says so
+    assert all(s["interval"] is None or s["interval"]["method"] == "none" for s in result["summary"])
+    assert all(r["ratio"]["method"] == "none" and r["ratio"]["lo"] is None for r in result["ratios"])
     rows = [r for r in result["rows"] if r["status"] == "ok"]
     assert {(r["method"], r["engine"]) for r in rows} == {("full", "hf"), ("full", "fast"), ("fp8", "hf"),
                                                           ("fp8", "fast")}

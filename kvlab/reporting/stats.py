@@ -3,11 +3,9 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import pandas as pd
 
 from kvlab.intervals import mean_interval, ratio_interval
