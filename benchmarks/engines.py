@@ -51,9 +51,23 @@ METHODS = {
     "full": ("full", {}),
     "snapkv10": ("snapkv", {"keep": 0.1}),
     "pyramidkv10": ("pyramidkv", {"keep": 0.1}),
-    "quanto4": ("quanto", {"nbits": 4}),
-    "fp8": ("fp8", {}),
+    "quanto4": ("quanto", {"nbits": 4}),  # on fast: kvlab's int4-g64 store (rows say kv_format and label)
+    "fp8": ("fp8", {}),  # on fast: kvlab's fp8 store, a scale per token and KV head
+    "kvq-int4": ("kvq-int4", {}),
+    "kvq-fp8": ("kvq-fp8", {}),
 }
+
+
+def fast_store(policy):
+    """The fast engine's store format for ``policy``, or None where it refuses the policy (hqq,
+    decoding), said once here."""
+    from kvlab.policies.base import PolicyError
+
+    try:
+        return policy.fast_storage()[1]
+    except PolicyError as err:
+        print(f"{policy.name}: not on the fast engines ({err})", flush=True)
+        return None
 
 
 def copy_bandwidth(device: str, gib: float = 4) -> float:
@@ -286,14 +300,16 @@ def main() -> int:
             except Exception as err:
                 result["rows"].append({"method": name, "batch": batch, "status": "failed", "error": repr(err)})
                 print(f"{name}: setup failed: {err!r}", flush=True)
+        stores = {m: fast_store(p) for m, p in policies.items()} if set(args.engines) - {"hf"} else {}
         pairs = [(m, e) for m in policies for e in args.engines
-                 if not (e == "fast-deq" and policies[m].fast_storage()[1] == "model")]
+                 if e == "hf" or (stores[m] is not None and not (e == "fast-deq" and stores[m] == "model"))]
         ids = make_prompt(loaded, args.ctx, batch, 0, 0)
         for rep in range(-1, args.repeats):  # -1: the warm-up pass, never recorded
             order = list(pairs)
             random.Random(f"{batch}-{rep}").shuffle(order)
             for name, engine in order:
-                row = {"method": name, "engine": engine, "batch": batch, "ctx": args.ctx, "repeat": rep}
+                row = {"method": name, "engine": engine, "batch": batch, "ctx": args.ctx, "repeat": rep,
+                       "label": policies[name].engine_label("hf" if engine == "hf" else "fast")}
                 try:
                     if rep < 0 and engine != "hf":  # capture (or compile) time, outside any window
                         t0 = time.perf_counter()

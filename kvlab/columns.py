@@ -21,9 +21,11 @@ def model_columns(loaded, gpu: Mapping[str, Any] | None = None) -> dict[str, Any
             "attn_implementation": getattr(loaded.model.config, "_attn_implementation", None)}
 
 
-def policy_columns(policy) -> dict[str, Any]:
-    """Method, label and parameters of a cache policy (``prefill_chunk``: None for a one-shot prefill)."""
-    return {"method": policy.name, "label": policy.label, "policy_params": dict(policy.params()),
+def policy_columns(policy, engine: str = "hf") -> dict[str, Any]:
+    """Method, label and parameters of a cache policy (``prefill_chunk``: None for a one-shot prefill).
+    The label names what ran on ``engine`` (:meth:`kvlab.policies.base.Policy.engine_label`: on fast,
+    quanto int4 is 'kvq int4-g64 (asked: quanto int4)'); ``method`` and the parameters are as asked."""
+    return {"method": policy.name, "label": policy.engine_label(engine), "policy_params": dict(policy.params()),
             "keep": policy.keep, "bits": policy.bits, "prefill_chunk": getattr(policy, "prefill_chunk", None)}
 
 

@@ -796,3 +796,21 @@ def test_kvlab_report_on_cpu_records_prints_no_warning(tmp_path):
     assert "no energy measure" in html  # the J/token sections say why they are empty
     assert "On a CPU the cost is the process's CPU time" in html
     assert re.search(r"quanto int4 used \+\d+% CPU ms/token vs full at 16k, batch 1 \(95% Welch-log CI", html)
+
+
+def test_old_fast_rows_recorded_as_quanto_or_fp8_are_labelled_by_the_store_that_ran():
+    rows = pd.DataFrame([
+        {"kind": "perf", "status": "ok", "method": "quanto", "label": "quanto int4", "engine": "fast",
+         "kv_format": "int4-g64", "policy_params": {"method": "quanto"}},
+        {"kind": "perf", "status": "ok", "method": "quanto", "label": "quanto int4", "engine": "hf",
+         "kv_format": None, "policy_params": {"method": "quanto"}},
+        {"kind": "perf", "status": "ok", "method": "fp8", "label": "fp8", "engine": "fast", "kv_format": "fp8",
+         "policy_params": {"method": "fp8"}},
+        {"kind": "perf", "status": "ok", "method": "snapkv", "label": "snapkv 10% + quanto int4", "engine": "fast",
+         "kv_format": "int4-g64", "policy_params": {"quant": {"backend": "quanto"}}},
+        {"kind": "perf", "status": "ok", "method": "quanto", "label": "kvq int4-g64 (asked: quanto int4)",
+         "engine": "fast", "kv_format": "int4-g64", "policy_params": {"method": "quanto"}},
+    ])
+    assert report.fill_labels(rows).tolist() == [
+        "kvq int4-g64 (asked: quanto int4)", "quanto int4", "kvq fp8 (asked: fp8)",
+        "snapkv 10% + kvq int4-g64 (asked: snapkv 10% + quanto int4)", "kvq int4-g64 (asked: quanto int4)"]

@@ -149,7 +149,7 @@ def _base_record(session: ModelSession, run: RunSpec, sweep_name: str, kind: str
     rec = identity_record(run, sweep_name, kind)
     model = model_columns(session.loaded, gpu=session.gpu)
     rec.update({k: model.get(k) for k in ("weights", "dtype", *CARD_FIELDS)}, host=session.host)
-    cols = policy_columns(policy)
+    cols = policy_columns(policy, run.engine)
     rec.update(cols, label=weights_label(cols["label"], run.weights_quant))
     return rec
 

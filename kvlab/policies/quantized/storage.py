@@ -345,6 +345,13 @@ class QuantSpec:
         """This storage in the fast engine's terms (a :mod:`kvlab.kernels` format name)."""
         return self.impl.fast_format(self)
 
+    @property
+    def fast_label(self) -> str:
+        """The label of the store the fast engine runs for this storage: kvlab's own format
+        (``kvq int4-g64``, ``kvq fp8``), whatever the backend's name (quanto's and transformers' fp8
+        layers do not run there)."""
+        return f"kvq {self.fast_format()}"
+
     def evicting_layer_class(self) -> type:
         """The layer class that evicts at prefill, then stores the kept K/V this way."""
         return self.impl.evicting_layer_class(self)
