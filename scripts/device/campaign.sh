@@ -36,12 +36,22 @@
 #   quality-reads     KIVI-style and Quest-style reads on SmolLM2's needle and fidelity, on cuda (#29;
 #                     params/quality-reads.yaml; carry .model1/.model2 like quality)
 #   anatomy-reads     the fast step's anatomy at 16k for full, kivi (K2V2) and quest (budget 2048) (#29)
+#   cudnn-step        kvlab's step with attention=cudnn built beside the default step and alternated
+#                     with it, 5 rounds of 5 s windows, batch 1 and 16 at 16k (minimal_step.py)
+#   capacity-snapkv-16k  SnapKV 10%'s capacity at 16k on the fast engine, confirmed at its predicted
+#                     batch (no cap; the script skips a confirm run its time budget cannot hold, and says so)
+#
+# KVLAB_DRY_RUN=1 prints each step's commands (sweeps: --dry-run, their plan) instead of running them.
 set -uo pipefail
 out=outputs/h200
 mkdir -p "$out" "${OUT:-/tmp/out}"
 start=$SECONDS
 deadline=${KVLAB_DEADLINE_S:-540}
 left() { echo $(( deadline - (SECONDS - start) )); }
+if [ -n "${KVLAB_DRY_RUN:-}" ]; then  # print the commands; sweeps validate their params and print the plan
+  timeout() { shift; case "$1 $2 $3" in "python3 -m kvlab") shift; command python3 "$@" --dry-run ;; *) echo "would run: $*" ;; esac; }
+  python3() { echo "would run: python3 $*"; }
+fi
 say() { echo "== [$(( SECONDS - start ))s] $*"; }
 smollm2=/tmp/smollm2-135m  # the joined GGUF; the folder's name is the model name in records
 
@@ -219,6 +229,18 @@ step_anatomy_reads() {  # graph replays name kernels only: topk's are "page sele
     --sdpa-backend flash --json > "$out/anatomy/anatomy_reads_16k.json"
 }
 
+step_cudnn_step() {
+  mkdir -p "$out/step"
+  timeout "$(left)" python3 benchmarks/minimal_step.py --batch 1 16 --ctx 16384 --seconds 5 --repeats 5 \
+    --kv-fill random --variants attention=cudnn --out "$out/step/minimal_step_cudnn.json"
+}
+step_capacity_snapkv_16k() {
+  mkdir -p "$out/capacity"
+  local t=$(( $(left) - 10 ))
+  timeout "$t" python3 benchmarks/capacity.py --engine fast --prefill-rows 4 --ctx 16384 --methods full snapkv10 \
+    --chunks 2048 --confirm snapkv10@2048 --time-budget-s $(( t - 20 )) --out "$out/capacity/capacity-snapkv-16k.json"
+}
+
 for s in "$@"; do
   if [ "$(left)" -le 20 ]; then say "$s: skipped, deadline reached"; continue; fi
   say "$s (deadline in $(left)s)"
@@ -228,5 +250,6 @@ for s in "$@"; do
   esac
   say "$s: exit $?"
 done
+[ -n "${KVLAB_DRY_RUN:-}" ] && exit 0
 nvidia-smi --query-gpu=name,temperature.gpu,power.draw,clocks.sm --format=csv,noheader || true
 [ -n "${OUT:-}" ] && tar czf "$OUT/h200.tgz" outputs/h200 && ls -la "$OUT"
