@@ -119,7 +119,7 @@ def summary_markdown(study: Study) -> str:
     note = memory_note(perf)
     if note:
         lines.append(f"**peak memory:** {note}")
-    note = cards_note(rec)
+    note = cards_note(perf)
     if note:
         lines.append(f"**cards:** {note}")
     if study.manifests:
