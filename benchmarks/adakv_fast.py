@@ -26,6 +26,7 @@ import traceback
 
 import torch
 
+from kvlab.card import device_card
 from kvlab.engine.compare import compare_engines
 from kvlab.engine.fast import FastEngine
 from kvlab.measure import make_prompt
@@ -231,7 +232,8 @@ def main(argv=None) -> int:
     if "engine" in args.parts:
         rows += engine_rows(loaded, args)
     rows.append({"part": "env", "torch": torch.__version__, "device": args.device,
-                 "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None})
+                 "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
+                 "card": device_card(args.device)})
     if args.json_out:
         with open(args.json_out, "w") as fh:
             json.dump(rows, fh, indent=1)

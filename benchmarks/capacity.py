@@ -105,6 +105,7 @@ from pathlib import Path
 
 import torch
 
+from kvlab.card import device_card
 from kvlab.energy import cuda_index
 from kvlab.engine.llama import STEP_COMPILE
 
@@ -218,7 +219,8 @@ class Report:
 
     def __init__(self, path: str, args):
         self.path = Path(path)
-        self.data = {"args": vars(args), "torch": torch.__version__, "rows": [], "fits": [],
+        self.data = {"args": vars(args), "torch": torch.__version__, "card": device_card(args.device),
+                     "rows": [], "fits": [],
                      "env": {"PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}}
 
     def add(self, key: str, item: dict) -> None:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from kvlab.card import device_card
 from kvlab.energy import NullSampler, NvmlSampler, make_sampler
 
 
@@ -177,7 +178,8 @@ def main(argv=None) -> int:
         return 2
     print(f"power fields at GPU scope: {probe.field_ids}")
     probe.close()
-    summary: dict = {"device": torch.cuda.get_device_name(args.device), "args": vars(args)}
+    summary: dict = {"device": torch.cuda.get_device_name(args.device), "card": device_card(args.device),
+                     "args": vars(args)}
 
     load = MatmulLoad(args.device) if parts & {"cadence", "windows"} else None
     if "cadence" in parts:

@@ -9,7 +9,7 @@ says otherwise), measures the device copy bandwidth, then for every (method, eng
 warm-up run (the exact shape: CUDA graph capture, cuDNN plans, quanto's build) and ``repeats``
 measured runs in a seeded shuffled order per repeat, all through ``kvlab.measure`` (the sweep's
 harness, NVML energy counter). Prints per pair: median ms/step (ITL), decode J/token (mean and
-95% bootstrap CI over repeats), the HBM floor ((weight + KV bytes) / copy bandwidth) and the
+95% t-interval over repeats, none below 3: ``kvlab.intervals``), the HBM floor ((weight + KV bytes) / copy bandwidth) and the
 ratio to it; then the fast/hf ratio per method, and the fast engine's logit error and top-1
 agreement against hf (teacher-forced, bf16). Every row, failures included, goes to ``--out``.
 
@@ -34,6 +34,9 @@ import traceback
 
 import torch
 
+from kvlab.card import device_card
+from kvlab.intervals import mean_interval, ratio_interval
+
 # fast-engine variants: FastEngine keyword arguments
 FAST_VARIANTS = {
     "fast": {},  # the engine's defaults (on CUDA: layers compiled, inside kvlab's graph)
@@ -48,12 +51,25 @@ METHODS = {
     "full": ("full", {}),
     "snapkv10": ("snapkv", {"keep": 0.1}),
     "pyramidkv10": ("pyramidkv", {"keep": 0.1}),
-    "quanto4": ("quanto", {"nbits": 4}),
-    "fp8": ("fp8", {}),
-    "kvq4": ("kvq-int4", {}),
+    "quanto4": ("quanto", {"nbits": 4}),  # on fast: kvlab's int4-g64 store (rows say kv_format and label)
+    "fp8": ("fp8", {}),  # on fast: kvlab's fp8 store, a scale per token and KV head
+    "kvq-int4": ("kvq-int4", {}),
+    "kvq-fp8": ("kvq-fp8", {}),
     "kivi": ("kivi", {}),
     "quest": ("quest", {}),
 }
+
+
+def fast_store(policy):
+    """The fast engine's store format for ``policy`` (its storage's ``kv_format``), or None where it
+    refuses the policy (hqq, decoding), said once here."""
+    from kvlab.policies.base import PolicyError
+
+    try:
+        return policy.storage().kv_format
+    except PolicyError as err:
+        print(f"{policy.name}: not on the fast engines ({err})", flush=True)
+        return None
 
 
 def copy_bandwidth(device: str, gib: float = 4) -> float:
@@ -203,24 +219,6 @@ def load_launch_configs(path: str, variant: str | None = None) -> None:
     print(f"launch configs from {path}: {formats.TUNED_CONFIGS}", flush=True)
 
 
-def bootstrap_ci(values: list[float], n: int = 2000, seed: int = 0) -> tuple[float, float]:
-    from kvlab.metrics import bootstrap_ci as ci
-
-    _, lo, hi = ci(values, n_boot=n, seed=seed)
-    return lo, hi
-
-
-def ratio_ci(a: list[float], b: list[float], n: int = 4000, seed: int = 0) -> tuple[float, float, float]:
-    """mean(a)/mean(b) with a 95% bootstrap interval (independent resamples)."""
-    rng = random.Random(seed)
-    point = statistics.fmean(a) / statistics.fmean(b)
-    if len(a) < 2 or len(b) < 2:
-        return point, float("nan"), float("nan")
-    draws = sorted(statistics.fmean(rng.choices(a, k=len(a))) / statistics.fmean(rng.choices(b, k=len(b)))
-                   for _ in range(n))
-    return point, draws[int(0.025 * n)], draws[int(0.975 * n) - 1]
-
-
 def main() -> int:
     from kvlab.kernels.formats import VARIANTS
 
@@ -289,6 +287,7 @@ def main() -> int:
                     "tuned_configs": {k: vars(c) for k, c in formats.TUNED_CONFIGS.items()}}
     cuda = args.device.startswith("cuda")
     result["gpu"] = torch.cuda.get_device_name() if cuda else None
+    result["card"] = device_card(args.device)
     bw = copy_bandwidth(args.device)
     result["copy_bandwidth_Bps"] = bw
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s (read + write)", flush=True)
@@ -315,14 +314,16 @@ def main() -> int:
             except Exception as err:
                 result["rows"].append({"method": name, "batch": batch, "status": "failed", "error": repr(err)})
                 print(f"{name}: setup failed: {err!r}", flush=True)
+        stores = {m: fast_store(p) for m, p in policies.items()} if set(args.engines) - {"hf"} else {}
         pairs = [(m, e) for m in policies for e in args.engines
-                 if not (e == "fast-deq" and policies[m].storage().kv_format == "model dtype")]
+                 if e == "hf" or (stores[m] is not None and not (e == "fast-deq" and stores[m] == "model dtype"))]
         ids = make_prompt(loaded, args.ctx, batch, 0, 0)
         for rep in range(-1, args.repeats):  # -1: the warm-up pass, never recorded
             order = list(pairs)
             random.Random(f"{batch}-{rep}").shuffle(order)
             for name, engine in order:
-                row = {"method": name, "engine": engine, "batch": batch, "ctx": args.ctx, "repeat": rep}
+                row = {"method": name, "engine": engine, "batch": batch, "ctx": args.ctx, "repeat": rep,
+                       "label": policies[name].engine_label("hf" if engine == "hf" else "fast")}
                 try:
                     if rep < 0 and engine != "hf":  # capture (or compile) time, outside any window
                         t0 = time.perf_counter()
@@ -443,18 +444,17 @@ def summarize(result: dict) -> None:
     groups: dict = {}
     for r in rows:
         groups.setdefault((r["batch"], r["method"], r["engine"]), []).append(r)
-    print("\nbatch method       engine  ms/step  floor  x floor  decode J/token (95% CI)")
+    print("\nbatch method       engine  ms/step  floor  x floor  decode J/token (95% t-interval; n < 3: none)")
     summary = []
     for (batch, method, engine), rs in sorted(groups.items()):
         ms = statistics.median(r["ms_step"] for r in rs)
         js = [r["decode_j_per_token"] for r in rs if r["decode_j_per_token"] is not None]
         floor = rs[0]["floor_ms"]
-        j = statistics.fmean(js) if js else None
-        lo, hi = bootstrap_ci(js) if len(js) > 1 else (float("nan"), float("nan"))
+        j = mean_interval(js) if js else None
         summary.append({"batch": batch, "method": method, "engine": engine, "ms_step": ms, "floor_ms": floor,
-                        "decode_j_per_token": j, "ci": [lo, hi], "n": len(rs)})
+                        "decode_j_per_token": j and j.value, "interval": j and j.to_dict(), "n": len(rs)})
         print(f"{batch:5d} {method:12s} {engine:6s} {ms:8.2f} {floor or 0:6.2f} {ms / floor if floor else 0:7.2f}  "
-              f"{j if j is None else f'{j:.3f} ({lo:.3f}-{hi:.3f})'}")
+              f"{j if j is None else j.text()}")
     result["summary"] = summary
     kernel = [r for r in result.get("kernel_bw", []) if r.get("status") == "ok"]
     if kernel:
@@ -463,7 +463,7 @@ def summarize(result: dict) -> None:
         for r in kernel:
             print(f"{r['batch']:5d} {r['method']:12s} {r['engine']:10s} {r['kv_format']:>11s} {r['kernel_ms']:7.3f} "
                   f"{r['kernel_GBps']:6.0f} {r['of_copy_same_bytes']:6.2f} {r['x_floor']:7.2f}")
-    print("\nratios (J/token, 95% CI over repeats)")
+    print("\nratios (J/token, 95% Welch t-interval on the log ratio over repeats; n < 3 a side: none)")
     ratios = []
     for batch in sorted({r["batch"] for r in rows}):
         def js(method, engine, b=batch):
@@ -472,19 +472,18 @@ def summarize(result: dict) -> None:
         for method in sorted({r["method"] for r in rows}):
             if js(method, "fast") and js(method, "hf"):
                 ratios.append({"batch": batch, "what": f"{method}: fast / hf",
-                               "ratio": ratio_ci(js(method, "fast"), js(method, "hf"))})
+                               "ratio": ratio_interval(js(method, "fast"), js(method, "hf"))})
             for variant in ("fast-eager", "fast-layers", "fast-ro", "fast-triton"):
                 if js(method, variant) and js(method, "fast"):
                     ratios.append({"batch": batch, "what": f"{method}: {variant} / fast",
-                                   "ratio": ratio_ci(js(method, variant), js(method, "fast"))})
+                                   "ratio": ratio_interval(js(method, variant), js(method, "fast"))})
             for engine in ("hf", "fast", "fast-layers"):
                 if method != "full" and js(method, engine) and js("full", engine):
                     ratios.append({"batch": batch, "what": f"{engine}: {method} / full",
-                                   "ratio": ratio_ci(js(method, engine), js("full", engine))})
+                                   "ratio": ratio_interval(js(method, engine), js("full", engine))})
     for r in ratios:
-        point, lo, hi = r["ratio"]
-        print(f"  b{r['batch']:<3d} {r['what']:28s} {point:.3f} ({lo:.3f}-{hi:.3f})")
-    result["ratios"] = ratios
+        print(f"  b{r['batch']:<3d} {r['what']:28s} {r['ratio'].text()}")
+    result["ratios"] = [{**r, "ratio": r["ratio"].to_dict()} for r in ratios]
 
 
 if __name__ == "__main__":

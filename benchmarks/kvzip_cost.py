@@ -26,6 +26,7 @@ import torch
 from torch.nn.attention.bias import CausalBias
 
 import kvlab.policies.kvzip as kvzip
+from kvlab.card import device_card
 from kvlab.engine.engines import make_engine
 from kvlab.measure import make_prompt, sdpa_context
 from kvlab.models import load_model
@@ -217,7 +218,7 @@ def main(argv=None) -> None:
                     print(summary(results[-1]), flush=True)
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump(results, f, indent=1)
+            json.dump([{**r, "card": device_card(args.device)} for r in results], f, indent=1)  # each row: its card
 
 
 if __name__ == "__main__":

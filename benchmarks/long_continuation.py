@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="long_continuation.json")
     args = ap.parse_args(argv)
 
+    from kvlab.card import device_card
     from kvlab.long_continuation import continuation_fidelity
     from kvlab.models import load_model
     from kvlab.policies import make_policy
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
                             score_params={"window_size": args.window} if s == "snapkv" else None)
                 for s in args.scores]
     items = continuation_items(enc, [args.context], args.samples, args.continuation)
-    result = {"args": vars(args), "rows": []}
+    result = {"args": vars(args), "card": device_card(args.device), "rows": []}
     for item in items:
         rows = continuation_fidelity(loaded, policies, item.context_ids, item.continuation_ids, args.step)
         for row in rows:

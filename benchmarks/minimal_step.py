@@ -16,8 +16,11 @@ follows the timed steps, so it never starts from idle), then torch.profiler's ke
 grouped by what each kernel is for (:func:`work_of`, with the difference per step), the kernels
 that differ most, and one eager step of each (the ops, with the host's share), so the extra work
 per step shows. ``--variants`` then measures kvlab's step again with other
-:class:`kvlab.engine.fast.FastEngine` options, one variant at a time (``flash_splits=8``: flash's
-split-KV count; ``attention=cudnn``: cuDNN's attention instead of flash's).
+:class:`kvlab.engine.fast.FastEngine` options (``flash_splits=8``: flash's split-KV count;
+``attention=cudnn``: cuDNN's attention instead of flash's), each built beside kvlab's step and
+alternated with it in every round of energy windows (its ratio to kvlab's step carries an interval
+from 3 rounds up); a variant whose store does not fit beside it (or ``--variants-apart``) is
+measured after it, alone, and its row says ``alternated: false``.
 
 On the H200 (Llama-3.1-8B shape, synthetic weights, 16k, batch 1 and 16; ~2 min):
 
@@ -394,11 +397,16 @@ def compare_batch(loaded, batch: int, args, sampler, t0: float) -> dict:
            "minimal_cuda_graph": minimal.graph is not None}
     row["greedy_equals_argmax"] = greedy_check(batch, model.config.vocab_size, param.device, param.dtype)
     runners = {"kvlab": fast, "minimal": minimal}
+    # variants built beside kvlab's step join its rounds (ABAB...: drift lands on both); one whose
+    # store does not fit beside it is measured after, alone, and its row says not alternated
+    beside = {} if args.variants_apart else {spec: variant_runner(loaded, batch, spec, args) for spec in args.variants}
+    runners.update({f"kvlab {spec}": built[2] for spec, built in beside.items() if isinstance(built, tuple)})
     ms = {key: time_ms(r, args.steps, args.device) for key, r in runners.items()}
     energies = energy_rounds(runners, ms, sampler, args.seconds, batch, args.repeats)
     for key, r in runners.items():
-        row[f"{key}_ms_step"] = ms[key]
-        row.update({f"{key}_{k}": v for k, v in energies[key].items()})
+        if key in ("kvlab", "minimal"):
+            row[f"{key}_ms_step"] = ms[key]
+            row.update({f"{key}_{k}": v for k, v in energies[key].items()})
         print_runner(batch, r.name, ms[key], energies[key], t0)
     row["energy_per_step"] = energy_per_step(row, batch)
     if args.device.startswith("cuda"):
@@ -410,6 +418,12 @@ def compare_batch(loaded, batch: int, args, sampler, t0: float) -> dict:
               f"{row['kvlab_ms_step'] / floor:.2f}x, minimal {row['minimal_ms_step'] / floor:.2f}x", flush=True)
     tables = {"kvlab": kernel_table(fast, args.profile_steps, args.device),
               "minimal": kernel_table(minimal, args.profile_steps, args.device)}
+    alternated = []
+    for spec, built in beside.items():
+        if isinstance(built, tuple):
+            name = f"kvlab {spec}"
+            alternated.append(variant_row(spec, built[2], ms[name], energies[name], energies["kvlab"], tables["kvlab"],
+                                          args, alternated=True))
     row["kernels"] = print_kernels(tables, args.rows)
     row["kernel_totals"] = totals(tables)
     row["work"] = print_work(tables)
@@ -418,11 +432,13 @@ def compare_batch(loaded, batch: int, args, sampler, t0: float) -> dict:
         text = eager_ops(r, args.device, args.rows)
         row[f"{name}_eager_ops"] = text
         print(f"\n  one eager step, {name}:\n{text}", flush=True)
-    del runners, engine, decoder, fast, m, minimal, kv  # before a variant's store: one store at a time
+    kvlab_energy = energies["kvlab"]
+    del runners, engine, decoder, fast, m, minimal, kv, beside  # before a variant's store: one store at a time
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
-    row["variants"] = [engine_variant(loaded, batch, spec, args, sampler, tables["kvlab"], t0)
-                       for spec in args.variants]
+    done = {v["variant"] for v in alternated}
+    row["variants"] = alternated + [engine_variant(loaded, batch, spec, args, sampler, tables["kvlab"], t0, kvlab_energy)
+                                    for spec in args.variants if spec not in done]
     return row
 
 
@@ -456,25 +472,49 @@ def engine_options(spec: str) -> dict:
     return out
 
 
-def engine_variant(loaded, batch: int, spec: str, args, sampler, default: dict, t0: float) -> dict:
-    """kvlab's step built with other engine options (``spec``: :func:`engine_options`), over the same
-    K/V: time, energy and its kernels grouped by work against the default step's (e.g. fewer flash
-    splits: a shorter combine pass, maybe a slower K/V read; ``attention=cudnn``: another kernel)."""
+def variant_runner(loaded, batch: int, spec: str, args):
+    """``(engine, decoder, runner)`` of kvlab's step built with other engine options (``spec``:
+    :func:`engine_options`), or an error row where it is refused, its kernel cannot take the call or
+    its store does not fit."""
     from kvlab.engine import EngineError
 
     name = f"kvlab {spec}"
     try:
-        engine, decoder, runner = kvlab_runner(loaded, batch, args.ctx, args.new_tokens, name=name,
-                                               fill=args.kv_fill, **engine_options(spec))
-    except (EngineError, ValueError, RuntimeError) as err:  # refused here, or its kernel cannot take the call
+        return kvlab_runner(loaded, batch, args.ctx, args.new_tokens, name=name, fill=args.kv_fill,
+                            **engine_options(spec))
+    except (EngineError, ValueError, RuntimeError) as err:  # RuntimeError: torch's OutOfMemoryError too
         print(f"b{batch} {name}: {type(err).__name__}: {err}", flush=True)
+        if str(args.device).startswith("cuda"):
+            torch.cuda.empty_cache()
         return {"variant": spec, "error": f"{type(err).__name__}: {str(err)[:300]}"}
-    ms = time_ms(runner, args.steps, args.device)
-    e = energy_rounds({name: runner}, {name: ms}, sampler, args.seconds, batch, 1)[name]
-    print_runner(batch, name, ms, e, t0)
+
+
+def variant_row(spec: str, runner, ms: float, e: dict, base: dict, default: dict, args, alternated: bool) -> dict:
+    """A variant's time, energy (its windows' J/token over kvlab's default step's, with the interval
+    of :mod:`kvlab.intervals`) and kernels grouped by work against the default step's."""
+    from kvlab.intervals import ratio_interval
+
+    name = f"kvlab {spec}"
     tables = {name: kernel_table(runner, args.profile_steps, args.device), "kvlab": default}
-    out = {"variant": spec, "ms_step": ms, **e, "kernel_totals": totals(tables)[name],
-           "work": print_work(tables)[name]}
+    ratio = ratio_interval([w["j_per_token"] for w in e.get("windows", [])],
+                           [w["j_per_token"] for w in base.get("windows", [])])
+    return {"variant": spec, "alternated": alternated, "ms_step": ms, **e, "j_per_token_vs_kvlab": ratio.to_dict(),
+            "kernel_totals": totals(tables)[name], "work": print_work(tables)[name]}
+
+
+def engine_variant(loaded, batch: int, spec: str, args, sampler, default: dict, t0: float, base: dict) -> dict:
+    """A variant whose store did not fit beside kvlab's step (or ``--variants-apart``), measured alone
+    after it over the same rounds: e.g. fewer flash splits (a shorter combine pass, maybe a slower
+    K/V read) or ``attention=cudnn`` (another kernel). Its ratio to kvlab's step is not alternated."""
+    built = variant_runner(loaded, batch, spec, args)
+    if not isinstance(built, tuple):
+        return built
+    engine, decoder, runner = built
+    name = f"kvlab {spec}"
+    ms = time_ms(runner, args.steps, args.device)
+    e = energy_rounds({name: runner}, {name: ms}, sampler, args.seconds, batch, args.repeats)[name]
+    print_runner(batch, name, ms, e, t0)
+    out = variant_row(spec, runner, ms, e, base, default, args, alternated=False)
     del engine, decoder, runner
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
@@ -491,15 +531,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=256, help="room per decoder (steps wrap around it)")
     ap.add_argument("--steps", type=int, default=200, help="steps timed by CUDA events")
     ap.add_argument("--seconds", type=float, default=8.0, help="steady energy window per engine, batch and round")
-    ap.add_argument("--repeats", type=int, default=1, help="rounds of energy windows, the engines alternating")
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="rounds of energy windows, the steps alternating within each (an interval needs 3)")
     ap.add_argument("--kv-fill", choices=KV_FILLS, default="zeros", help="what the K/V both steps read hold")
     ap.add_argument("--variants", nargs="*", default=[], metavar="K=V[,K=V]",
-                    help="kvlab's step again with these FastEngine options each, e.g. attention=cudnn flash_splits=8")
+                    help="kvlab's step again with these FastEngine options each, e.g. attention=cudnn flash_splits=8; "
+                         "built beside kvlab's step and alternated with it in every round")
+    ap.add_argument("--variants-apart", action="store_true",
+                    help="measure the variants after kvlab's step, one store at a time (not alternated: for "
+                         "shapes where two stores do not fit)")
     ap.add_argument("--profile-steps", type=int, default=10)
     ap.add_argument("--rows", type=int, default=25, help="rows of each profiler table")
     ap.add_argument("--out", default="minimal_step.json")
     args = ap.parse_args(argv)
 
+    from kvlab.card import device_card
     from kvlab.energy import make_sampler
     from kvlab.models import load_model
 
@@ -507,7 +553,8 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_model(args.model, weights=args.weights, device=args.device)
     sampler = make_sampler(args.device)
     result = {"args": vars(args), "torch": torch.__version__,
-              "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None, "batches": []}
+              "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
+              "card": device_card(args.device), "batches": []}
     print(f"{args.model} on {result['gpu'] or 'cpu'}, torch {torch.__version__} [{time.time() - t0:.0f}s]", flush=True)
     for batch in args.batch:
         with torch.no_grad():

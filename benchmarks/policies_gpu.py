@@ -19,6 +19,7 @@ import traceback
 import torch
 
 from kvlab.budget import cache_bytes
+from kvlab.card import device_card
 from kvlab.engine.generation import greedy_decode, prefill
 from kvlab.measure import sdpa_context
 from kvlab.models import load_model
@@ -113,7 +114,7 @@ def main() -> None:
             continue
         with sdpa_context(args.sdpa_backend):
             row = run_one(loaded, method, kwargs, args.ctx, args.new_tokens, args.seed)
-        row["sdpa_backend"] = args.sdpa_backend
+        row.update(sdpa_backend=args.sdpa_backend, card=device_card(args.device))
         if args.json_out:
             with open(args.json_out, "a") as fh:
                 fh.write(json.dumps(row) + "\n")

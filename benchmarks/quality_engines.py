@@ -111,6 +111,7 @@ def main() -> int:
     ap.add_argument("--out", default="quality_engines.json")
     args = ap.parse_args()
 
+    from kvlab.card import device_card
     from kvlab.engine.engines import make_engine
     from kvlab.models import load_model
     from kvlab.policies import make_policy
@@ -132,7 +133,8 @@ def main() -> int:
     rows = summary_rows(records, args.methods, args.tasks, args.lengths)
     print_rows(rows)
     with open(args.out, "w") as f:
-        json.dump({"args": vars(args), "summary": rows, "records": records}, f, indent=1, default=str)
+        json.dump({"args": vars(args), "card": device_card(args.device), "summary": rows, "records": records}, f,
+                  indent=1, default=str)
     print(f"wrote {args.out} [{time.time() - t0:.0f}s]")
     return 0
 

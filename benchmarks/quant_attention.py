@@ -62,6 +62,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvlab.budget import bandwidth_fields  # noqa: E402
+from kvlab.card import device_card  # noqa: E402
 from kvlab.kernels import (  # noqa: E402
     LaunchConfig,
     decode_attention,
@@ -690,7 +691,7 @@ def main() -> None:
     t0 = time.perf_counter()
     clock = Clock(args.device)
     result = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-              "torch": torch.__version__, "args": vars(args)}
+              "card": device_card(args.device), "torch": torch.__version__, "args": vars(args)}
     try:
         import triton
 

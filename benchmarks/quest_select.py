@@ -33,8 +33,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kivi_quest import L2_BYTES, timed  # noqa: E402
+from kivi_quest import L2_BYTES, timed, timed_alternating  # noqa: E402
 
+from kvlab.card import device_card  # noqa: E402
 from kvlab.kernels import quest  # noqa: E402
 from kvlab.kernels.quest_select import launch_select_top  # noqa: E402
 
@@ -63,9 +64,11 @@ def run_case(batch, length, budget, args, device, rows):
     same_inf = bool(torch.equal(want.isfinite(), got.isfinite()))
     same_pages = bool(torch.equal(want_pages.sort(-1).values, got_pages.sort(-1).values))
     k_sel = want_pages.shape[-1]
-    torch_ms = timed(lambda i: quest.select_pages(q, copies_of[i], lengths, "reference"), copies, device, args.reps)
-    fused_ms = timed(lambda i: quest.select_pages(q, copies_of[i], lengths, "triton"), copies, device, args.reps)
-    scores_ms = timed(lambda i: quest.selection_scores(q, copies_of[i], lengths, "triton"), copies, device, args.reps)
+    ms = timed_alternating({  # torch's selection and the kernels', replays alternating
+        "torch": lambda i: quest.select_pages(q, copies_of[i], lengths, "reference"),
+        "fused": lambda i: quest.select_pages(q, copies_of[i], lengths, "triton"),
+        "scores": lambda i: quest.selection_scores(q, copies_of[i], lengths, "triton")}, copies, device, args.reps)
+    torch_ms, fused_ms, scores_ms = ms["torch"], ms["fused"], ms["scores"]
     topk_ms = timed(lambda i: quest.top_pages(got, k_sel, "reference"), copies, device, args.reps)
     top_kernel_ms = timed(lambda i: quest.top_pages(got, k_sel, "triton"), copies, device, args.reps)
     top_radix_ms = {r: timed(lambda i, r=r: launch_select_top(got, k_sel, radix_bits=r), copies, device, args.reps)
@@ -110,6 +113,7 @@ def main(argv=None):
     if args.quick:
         args.lengths, args.batches, args.budgets = [300], [2], [64]
     rows = []
+    card = device_card(args.device)
     for length in args.lengths:
         for batch in args.batches:
             for budget in args.budgets:
@@ -120,8 +124,8 @@ def main(argv=None):
                     rows.append({"batch": batch, "length": length, "budget": budget, "error": repr(err)})
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-                if args.out:
-                    args.out.write_text(json.dumps(rows, indent=1))
+                if args.out:  # each row names its card
+                    args.out.write_text(json.dumps([{**r, "card": card} for r in rows], indent=1))
     return 1 if any("error" in r or not r["same_pages"] for r in rows) else 0
 
 

@@ -7,24 +7,25 @@ function of the object it describes; callers add their own identity and measured
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
+from kvlab.card import device_card
 
-def model_columns(loaded) -> dict[str, Any]:
-    """Provenance of the loaded model (weights, dtype, device, ...), its GPU and attention."""
-    device = str(loaded.device)
-    gpu_name = None
-    if device.startswith("cuda"):
-        import torch
 
-        gpu_name = torch.cuda.get_device_name(torch.device(device))
-    return {**loaded.provenance(), "gpu_name": gpu_name,
+def model_columns(loaded, gpu: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Provenance of the loaded model (weights, dtype, device, ...), its card (:func:`kvlab.card.device_card`:
+    ``cpu``, or the GPU's name, UUID, driver, power limit and maximum clocks; ``gpu``: a sampler's
+    NVML facts, read instead of asking NVML again) and its attention."""
+    return {**loaded.provenance(), **device_card(loaded.device, gpu=gpu),
             "attn_implementation": getattr(loaded.model.config, "_attn_implementation", None)}
 
 
-def policy_columns(policy) -> dict[str, Any]:
-    """Method, label and parameters of a cache policy (``prefill_chunk``: None for a one-shot prefill)."""
-    return {"method": policy.name, "label": policy.label, "policy_params": dict(policy.params()),
+def policy_columns(policy, engine: str = "hf") -> dict[str, Any]:
+    """Method, label and parameters of a cache policy (``prefill_chunk``: None for a one-shot prefill).
+    The label names what ran on ``engine`` (:meth:`kvlab.policies.base.Policy.engine_label`: on fast,
+    quanto int4 is 'kvq int4-g64 (asked: quanto int4)'); ``method`` and the parameters are as asked."""
+    return {"method": policy.name, "label": policy.engine_label(engine), "policy_params": dict(policy.params()),
             "keep": policy.keep, "bits": policy.bits, "prefill_chunk": getattr(policy, "prefill_chunk", None)}
 
 

@@ -16,6 +16,8 @@ import string
 from collections import Counter
 from collections.abc import Callable, Sequence
 
+from kvlab.intervals import mean_interval
+
 # ---------------------------------------------------------------- RULER string match
 
 _CONTROL = re.compile(r"[\x00-\x1f]")
@@ -259,33 +261,14 @@ def context_utility(nll_none: float, nll_compressed: float, nll_full: float) -> 
 # ---------------------------------------------------------------- paired statistics
 
 
-def bootstrap_ci(values: Sequence[float], n_boot: int = 2000, ci: float = 0.95,
-                 seed: int = 0) -> tuple[float, float, float]:
-    """Mean and percentile bootstrap confidence interval of ``values`` (NaNs dropped).
-
-    One value has no interval: ``(x, nan, nan)``, never a zero-width ``(x, x, x)`` that would read
-    as certainty (tables then show the mean alone and verdicts say "no CI"). None: all NaN.
-    """
-    import numpy as np
-
-    x = np.asarray([v for v in values if v is not None and not math.isnan(v)], dtype=float)
-    if x.size == 0:
-        return (math.nan, math.nan, math.nan)
-    if x.size == 1:
-        return (float(x[0]), math.nan, math.nan)
-    rng = np.random.default_rng(seed)
-    means = x[rng.integers(0, x.size, size=(n_boot, x.size))].mean(axis=1)
-    alpha = (1 - ci) / 2
-    return float(x.mean()), float(np.quantile(means, alpha)), float(np.quantile(means, 1 - alpha))
-
-
 def paired_difference(method: Sequence[float], baseline: Sequence[float], n_boot: int = 2000,
-                      ci: float = 0.95, seed: int = 0) -> dict[str, float]:
-    """Mean of (method - baseline) over paired items, with a paired bootstrap CI (resampling
-    items, so both arms move together). Pairs with a missing value on either side are dropped."""
+                      ci: float = 0.95, seed: int = 0, interval: str = "auto") -> dict[str, float]:
+    """Mean of (method - baseline) over paired items, with a t-interval of the differences
+    (:func:`kvlab.intervals.mean_interval`: none below 3 pairs). Pairs with a missing value on either
+    side are dropped; ``n_boot`` and ``seed`` serve ``interval='bca'``."""
     if len(method) != len(baseline):
         raise ValueError(f"paired samples differ in length: {len(method)} vs {len(baseline)}")
     diffs = [m - b for m, b in zip(method, baseline, strict=True)
              if m is not None and b is not None and not (math.isnan(m) or math.isnan(b))]
-    mean, lo, hi = bootstrap_ci(diffs, n_boot=n_boot, ci=ci, seed=seed)
+    mean, lo, hi = mean_interval(diffs, level=ci, method=interval, n_boot=n_boot, seed=seed).as_tuple()
     return {"diff": mean, "diff_lo": lo, "diff_hi": hi, "n_pairs": len(diffs)}

@@ -34,8 +34,8 @@ COMPRESSED = {".xz": lzma.open, ".gz": gzip.open}
 
 # The columns reports read (ARCHITECTURE.md, "Records"); records may carry more.
 PERF_COLUMNS = (
-    "run_id", "sweep", "kind", "created_at", "status", "error", "model", "weights", "device", "gpu_name",
-    "dtype", "attn_implementation", "sdpa_backend", "method", "label", "policy_params", "keep", "bits",
+    "run_id", "sweep", "kind", "created_at", "status", "error", "model", "weights", "device", "card", "gpu_name",
+    "gpu_uuid", "driver", "power_limit_w", "sm_clock_max_mhz", "mem_clock_max_mhz", "dtype", "attn_implementation", "sdpa_backend", "method", "label", "policy_params", "keep", "bits",
     "ctx", "batch", "new_tokens", "prompt_id", "repeat", "seed", "ttft_s", "prefill_s", "decode_s",
     "itl_ms", "itl_mean_ms", "itl_median_ms", "itl_p90_ms", "itl_max_ms", "gpu_busy_ms", "tokens_per_s",
     "peak_mem_bytes", "peak_mem_nvml_bytes", "cache_bytes", "cache_logical_tokens",

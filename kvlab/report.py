@@ -1,7 +1,7 @@
 """The study report's public names in one place (notebooks and tests say ``report.X``); the code
 lives in :mod:`kvlab.reporting`, one module per job."""
 
-from kvlab.metrics import bootstrap_ci
+from kvlab.intervals import Interval, mean_interval, ratio_interval
 from kvlab.quality import quality_notes
 from kvlab.reporting import ReportError
 from kvlab.reporting.admission import budget_lines, budget_summary, budget_table
@@ -133,7 +133,9 @@ __all__ = [
     "energy_missing",
     "memory_note",
     "contended_mask",
-    "bootstrap_ci",
+    "Interval",
+    "mean_interval",
+    "ratio_interval",
     "quality_notes",
     "ReportError",
     "all_perf_records",

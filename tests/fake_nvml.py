@@ -91,6 +91,12 @@ class FakeNvml:
     def nvmlDeviceGetEnforcedPowerLimit(self, handle):
         return 700_000
 
+    def nvmlSystemGetDriverVersion(self):
+        return "580.95.05"
+
+    def nvmlDeviceGetMaxClockInfo(self, handle, clock):
+        return {1: 1980, 2: 3201}[clock]
+
     def nvmlDeviceGetTotalEnergyConsumption(self, handle):
         self._count("counter")
         if self.counter_error:

@@ -22,3 +22,4 @@ def test_the_benchmark_runs_on_cpu(tmp_path):
     assert set(rows) == {(1, "sdpa"), (3, "sdpa")}
     assert all(r["max_err"] < 1e-5 and r["us_per_call"] > 0 and r["capacity"] == 48 for r in rows.values())
     assert isinstance(result["flash_takes_splits"], bool)
+    assert result["card"]["card"] == "cpu" and result["card"]["gpu_uuid"] is None

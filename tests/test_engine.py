@@ -299,7 +299,7 @@ def test_a_sweep_warms_a_quantized_policy_only_for_the_engine_that_needs_it(tiny
 
     warmed = []
     monkeypatch.setattr(QuantizedPolicy, "warmup", lambda self, model: warmed.append(self.name))
-    session = ModelSession(tiny, sampler=None, idle_w=None, gpu_name=None)
+    session = ModelSession(tiny, sampler=None, idle_w=None)
     variant = MethodVariant("quanto", {"nbits": 4, "q_group_size": 16})
     with session.attached:
         policy = session.policy(variant, "fast")
@@ -307,6 +307,27 @@ def test_a_sweep_warms_a_quantized_policy_only_for_the_engine_that_needs_it(tiny
         assert session.policy(variant, "hf") is policy and warmed == ["quanto"]
         session.policy(variant, "hf")
         assert warmed == ["quanto"]  # once per engine
+
+
+def test_labels_on_fast_name_the_store_that_runs():
+    """quanto's and transformers' fp8 layers do not run on fast: kvlab's stores do, and the label says so."""
+    from kvlab.columns import policy_columns
+
+    pytest.importorskip("optimum.quanto")
+    cases = [(make_policy("quanto", nbits=4), "quanto int4", "kvq int4-g64 (asked: quanto int4)"),
+             (make_policy("quanto", nbits=2, q_group_size=32), "quanto int2", "kvq int2-g32 (asked: quanto int2)"),
+             (make_policy("fp8"), "fp8", "kvq fp8 (asked: fp8)"),
+             (make_policy("snapkv", keep=0.1, quant={"backend": "quanto"}), "snapkv 10% + quanto int4",
+              "snapkv 10% + kvq int4-g64 (asked: snapkv 10% + quanto int4)"),
+             (make_policy("kvq-int4"), "kvq int4-g64", "kvq int4-g64"),
+             (make_policy("snapkv", keep=0.1), "snapkv 10%", "snapkv 10%")]
+    for policy, hf_label, fast_label in cases:
+        assert policy_columns(policy)["label"] == policy_columns(policy, "hf")["label"] == hf_label
+        assert policy_columns(policy, "fast")["label"] == fast_label
+    for name in POLICIES:  # every other registry name: its label on fast is its own
+        if name not in ("quanto", "fp8", "hqq", "decoding"):
+            policy = make_policy(name, **({"keep": 0.5} if issubclass(POLICIES[name], EvictionPolicy) else {}))
+            assert policy.engine_label("fast") == policy.label, name
 
 
 def test_an_engine_set_holds_one_fast_decoder_and_drops_it_for_an_hf_run(tiny):

@@ -1,4 +1,4 @@
-"""Pure metric functions: RULER string match, LongBench metrics, fidelity, paired bootstrap."""
+"""Pure metric functions: RULER string match, LongBench metrics, fidelity, paired differences."""
 
 import math
 import random
@@ -149,20 +149,6 @@ def test_mean_token_nll_and_context_utility():
     assert math.isnan(M.context_utility(2.0, 2.0, 2.5))
 
 
-def test_bootstrap_ci_contains_mean_and_narrows_with_n():
-    rng = random.Random(1)
-    small = [rng.random() for _ in range(10)]
-    big = [rng.random() for _ in range(400)]
-    m, lo, hi = M.bootstrap_ci(small, seed=3)
-    assert lo <= m <= hi
-    _, blo, bhi = M.bootstrap_ci(big, seed=3)
-    assert (bhi - blo) < (hi - lo)
-    mean, lo, hi = M.bootstrap_ci([0.5])  # one value: a mean, no interval
-    assert mean == 0.5 and math.isnan(lo) and math.isnan(hi)
-    assert all(math.isnan(v) for v in M.bootstrap_ci([]))
-    assert M.bootstrap_ci(small, seed=3) == M.bootstrap_ci(small, seed=3)
-
-
 def test_paired_difference_uses_pairing():
     rng = random.Random(2)
     base = [rng.random() for _ in range(50)]
@@ -173,6 +159,8 @@ def test_paired_difference_uses_pairing():
     # paired: the CI is as narrow as the noise, far narrower than the spread of the scores
     assert d["diff_hi"] - d["diff_lo"] < 0.02 and d["diff_hi"] < 0
     d2 = M.paired_difference([1.0, None, float("nan")], [0.0, 1.0, 1.0])
-    assert d2["n_pairs"] == 1 and d2["diff"] == 1.0
+    assert d2["n_pairs"] == 1 and d2["diff"] == 1.0 and math.isnan(d2["diff_lo"])
+    d3 = M.paired_difference([1.0, 2.0], [0.0, 0.5])  # two pairs: no interval
+    assert d3["diff"] == 1.25 and math.isnan(d3["diff_lo"]) and math.isnan(d3["diff_hi"])
     with pytest.raises(ValueError, match="length"):
         M.paired_difference([1.0], [1.0, 2.0])

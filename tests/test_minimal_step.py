@@ -57,6 +57,9 @@ def test_the_script_runs_on_cpu(bench, monkeypatch, tmp_path):
     assert set(row["work"]) == {"kvlab", "minimal"} and row["kernel_diff"]
     splits, cudnn = row["variants"]
     assert splits["variant"] == "flash_splits=4" and (splits.get("ms_step", 0) > 0 or "num_splits" in splits["error"])
+    if "error" not in splits:  # built beside kvlab's step: its windows alternate with kvlab's, round by round
+        assert splits["alternated"] is True and len(splits["windows"]) == 2
+        assert splits["j_per_token_vs_kvlab"]["method"] == "none"  # no counter on CPU, and 2 rounds: no interval
     assert "needs a CUDA device" in cudnn["error"]  # refused on CPU, in its row
     assert bench.engine_options("attention=cudnn,flash_splits=8") == {"attention": "cudnn", "flash_splits": 8}
     assert row["batch"] == 2 and row["kvlab_ms_step"] > 0 and row["minimal_ms_step"] > 0

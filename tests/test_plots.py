@@ -193,7 +193,7 @@ def test_compression_pays_heatmap_cells():
         {"label": "quanto int4", "ctx": 16384, "batch": 1, "j_per_token_ratio": 1.3, "j_per_token_ratio_lo": 1.2,
          "j_per_token_ratio_hi": 1.4, "verdict": "costs"},
         {"label": "snapkv 10%", "ctx": 16384, "batch": 1, "j_per_token_ratio": 0.8, "j_per_token_ratio_lo": math.nan,
-         "j_per_token_ratio_hi": math.nan, "verdict": "no CI (one run on a side)"},
+         "j_per_token_ratio_hi": math.nan, "verdict": "no interval (fewer than 3 runs a side)"},
         {"label": "quanto int4", "ctx": 16384, "batch": 32, "j_per_token_ratio": math.nan,
          "j_per_token_ratio_lo": math.nan, "j_per_token_ratio_hi": math.nan, "verdict": "failed: OOM"},
     ])

@@ -176,6 +176,26 @@ def test_provenance_snapshot_and_gpu_state_from_a_fake_nvml():
     gpu = gpu_state("cuda:0", nvml=fake, uuid="aaaa-0000")
     assert gpu["gpu_name"] == "Fake H200" and gpu["gpu_uuid"] == "GPU-aaaa-0000"
     assert gpu["power_limit_w"] == 700.0 and gpu["temperature_c"] == 41
-    assert gpu["driver"] is None  # not in the fake: unreadable facts are None, never an error
+    assert gpu["driver"] == "580.95.05" and gpu["sm_clock_max_mhz"] == 1980
+    assert gpu["pstate"] is None  # not in the fake: unreadable facts are None, never an error
     assert fake.inits == 0
     assert "nvml_error" in gpu_state("cuda:0", nvml=FakeNvml(init_error="no driver"), uuid="x")
+
+
+def test_the_card_fields_from_a_fake_nvml_and_on_cpu(monkeypatch):
+    from fake_nvml import FakeNvml
+
+    import kvlab.energy.device as dev
+    from kvlab.card import CARD_FIELDS, device_card
+    from kvlab.energy import make_sampler
+
+    assert device_card("cpu") == {"card": "cpu", **dict.fromkeys(CARD_FIELDS[1:])}
+    sampler = make_sampler("cuda:0", nvml=FakeNvml(), uuid="GPU-bbbb-1111", sync=lambda: None)
+    card = device_card("cuda:0", gpu=sampler.gpu)
+    assert card == {"card": "Fake H200", "gpu_name": "Fake H200", "gpu_uuid": "GPU-bbbb-1111",
+                    "driver": "580.95.05", "power_limit_w": 700.0, "sm_clock_max_mhz": 1980,
+                    "mem_clock_max_mhz": 3201}
+    sampler.close()
+    fake = FakeNvml(uuids=["GPU-zzzz", "GPU-yyyy"])  # read through NVML itself, found by torch's UUID
+    monkeypatch.setattr(dev, "torch_uuid_or_none", lambda device: "yyyy")
+    assert device_card("cuda:0", nvml=fake)["gpu_uuid"] == "GPU-yyyy" and fake.inits == 0

@@ -39,38 +39,43 @@ def perf(records):
 # --- statistics ---------------------------------------------------------------------------
 
 
-def test_bootstrap_ci_brackets_the_mean_and_is_reproducible():
+def test_mean_interval_brackets_the_mean_and_is_a_t_interval():
     x = np.random.default_rng(1).normal(10, 2, size=40)
-    mean, lo, hi = report.bootstrap_ci(x, seed=3)
-    assert mean == pytest.approx(x.mean())
-    assert lo < mean < hi
-    # about mean +- 1.96 sd/sqrt(n)
-    assert hi - lo == pytest.approx(2 * 1.96 * x.std(ddof=1) / math.sqrt(40), rel=0.25)
-    assert report.bootstrap_ci(x, seed=3) == (mean, lo, hi)
+    iv = report.mean_interval(x)
+    assert iv.value == pytest.approx(x.mean()) and iv.lo < iv.value < iv.hi and iv.method == "t"
+    assert iv.hi - iv.lo == pytest.approx(2 * 2.0227 * x.std(ddof=1) / math.sqrt(40), rel=1e-3)  # t(0.975, 39)
 
 
-def test_bootstrap_ci_edge_cases():
-    assert all(math.isnan(v) for v in report.bootstrap_ci([]))
-    mean, lo, hi = report.bootstrap_ci([4.0])
-    assert mean == 4.0 and math.isnan(lo) and math.isnan(hi)
-    assert report.bootstrap_ci([2.0, float("nan"), 4.0])[0] == 3.0
-    assert report.bootstrap_ci([5.0, 5.0, 5.0])[1:] == (5.0, 5.0)
+def test_mean_interval_edge_cases():
+    assert all(math.isnan(v) for v in report.mean_interval([]).as_tuple())
+    for few in ([4.0], [3.0, 5.0]):  # below 3 runs: a mean, no interval
+        mean, lo, hi = report.mean_interval(few).as_tuple()
+        assert mean == 4.0 and math.isnan(lo) and math.isnan(hi)
+    assert report.mean_interval([2.0, float("nan"), 4.0]).value == 3.0
+    assert report.mean_interval([5.0, 5.0, 5.0]).as_tuple()[1:] == (5.0, 5.0)
 
 
-def test_one_bootstrap_ci_for_report_and_quality():
-    from kvlab import metrics
+def test_one_interval_module_for_report_quality_and_metrics():
+    import inspect
 
-    assert report.bootstrap_ci is metrics.bootstrap_ci
+    from kvlab import intervals, metrics
+    from kvlab.quality import notes
+    from kvlab.reporting import stats
+
+    assert report.mean_interval is intervals.mean_interval and report.ratio_interval is intervals.ratio_interval
+    assert not hasattr(metrics, "bootstrap_ci")
+    for module in (metrics, notes, stats):
+        assert "default_rng" not in inspect.getsource(module)  # no resampling of their own
 
 
 def test_ratio_ci_of_exact_groups():
-    r, lo, hi = report.ratio_ci([1.35, 1.35], [1.0, 1.0])
+    r, lo, hi = report.ratio_ci([1.35, 1.35, 1.35], [1.0, 1.0, 1.0])
     assert (r, lo, hi) == pytest.approx((1.35, 1.35, 1.35))
     r, lo, hi = report.ratio_ci([2.0, 2.2, 1.8], [1.0, 1.1, 0.9])
     assert r == pytest.approx(2.0) and lo < 2.0 < hi
     assert math.isnan(report.ratio_ci([1.0], [])[0])
-    r, lo, hi = report.ratio_ci([0.595, 0.602], [1.526])  # one baseline run: a ratio, no CI
-    assert r == pytest.approx(0.5985 / 1.526) and math.isnan(lo) and math.isnan(hi)
+    r, lo, hi = report.ratio_ci([0.595, 0.602], [1.526, 1.5, 1.52])  # two runs on a side: a ratio, no interval
+    assert r == pytest.approx(0.5985 / (4.546 / 3)) and math.isnan(lo) and math.isnan(hi)
 
 
 def test_method_summary_columns_and_counts(perf):
@@ -90,14 +95,15 @@ def test_relative_to_full_gives_the_headline(perf):
     assert row["change_pct"] == pytest.approx(35.0)
     assert row["ratio_lo"] < 1.35 < row["ratio_hi"]
     lines = report.headline(rel)
-    assert lines[0].startswith("quanto int4: +35% J/token vs full at ctx 16384 (95% CI ")
+    assert lines[0].startswith("quanto int4: +35% J/token vs full at ctx 16384 (95% Welch-log CI ")
     assert "full" not in set(rel["label"])
 
 
 def test_relative_needs_the_baseline_in_the_same_context(perf):
     rel = report.relative_to_baseline(perf[perf["method"] != "full"])
     assert rel.empty
-    assert list(rel.columns) == ["label", "model", "ctx", "batch", "ratio", "ratio_lo", "ratio_hi", "change_pct"]
+    assert list(rel.columns) == ["label", "model", "ctx", "batch", "n", "n_base", "ratio", "ratio_lo", "ratio_hi",
+                                 "change_pct"]
 
 
 def test_several_models_are_kept_apart(perf):
@@ -332,7 +338,7 @@ def test_kvlab_report_renders_a_fake_campaign(tmp_path):
     assert html.count('class="plotly-graph-div"') == 10  # every figure of the report notebook
     assert "weights: synthetic" in html and FAKE_GPU in html
     assert "+35% J/token vs full at ctx 16384, batch 1" in html
-    assert "quanto int4 used +35% J/token vs full at 16k, batch 1 (95% CI" in html
+    assert "quanto int4 used +35% J/token vs full at 16k, batch 1 (95% Welch-log CI" in html
     assert "quanto int4 at 16k, batch 32: failed: OOM" in html
     assert "dequantize +3.00 ms" in html
     assert "h200-batch" in html and "h200-16k" in html  # provenance per sweep
@@ -504,7 +510,7 @@ def batch_records():
 def test_batch_summary_keeps_failures_as_rows():
     summary, ctx, caption = report.batch_summary(batch_records(), 16384, ["tokens_per_s", "j_per_token"], n_boot=100)
     assert ctx == 16384
-    assert caption.startswith("Batch sizes at ctx 16384: mean [95% CI]; new tokens")
+    assert caption.startswith("Batch sizes at ctx 16384: mean [95% t-interval; none below 3 runs]; new tokens")
     assert "batch 1: 128, batch 4: 64, batch 32: 64" in caption and "decode J/token" in caption
     rows = {(r["label"], r["batch"]): r for r in summary.to_dict("records")}
     assert set(rows) == {("full", 1), ("full", 4), ("quanto int4", 1), ("quanto int4", 4), ("quanto int4", 32)}
@@ -515,7 +521,7 @@ def test_batch_summary_keeps_failures_as_rows():
     table = report.format_ci(summary, {"j_per_token": "J/token"}, keys=["batch"])
     assert list(table.columns) == ["method", "batch", "runs", "status", "J/token"]
     assert table.iloc[-1].tolist() == ["quanto int4", 32, 0, "failed: OOM", "failed: OOM"]
-    assert table.iloc[0]["J/token"].startswith("1.100 [")
+    assert table.iloc[0]["J/token"] == "1.100 (n=2)"  # two runs: no interval
 
 
 def test_batch_summary_with_one_batch_says_so():
@@ -528,7 +534,7 @@ def test_pays_verdict_reads_the_ci():
     assert report.pays_verdict(0.8, 0.7, 0.9) == "pays"
     assert report.pays_verdict(1.2, 1.1, 1.3) == "costs"
     assert report.pays_verdict(1.0, 0.9, 1.1) == "no clear difference"
-    assert report.pays_verdict(0.8, math.nan, math.nan) == "no CI (one run on a side)"
+    assert report.pays_verdict(0.8, math.nan, math.nan) == "no interval (fewer than 3 runs a side)"
     assert report.pays_verdict(math.nan, math.nan, math.nan) == "no J/token data"
 
 
@@ -537,7 +543,7 @@ def pays_records():
     (16k, 4) one run each, int4 2.5 vs 2.0 J/token; at (16k, 16) int4 OOMs; at (16k, 32) full OOMs
     and int4 runs."""
     rows = []
-    for _ in range(2):
+    for _ in range(3):
         rows += [perf_row("full", "full", 16384, 1, j=1.0, itl=10.0, tps=100.0),
                  perf_row("quanto", "quanto int4", 16384, 1, j=1.3, itl=14.0, tps=70.0),
                  perf_row("snapkv", "snapkv 10%", 16384, 1, j=0.8, itl=9.0, tps=110.0)]
@@ -556,18 +562,18 @@ def test_compression_pays_per_cell():
     assert (int4["j_per_token_ratio"], int4["j_per_token_ratio_lo"], int4["j_per_token_ratio_hi"]) == \
         pytest.approx((1.3, 1.3, 1.3))
     assert int4["itl_median_ms_ratio"] == pytest.approx(1.4) and int4["tokens_per_s_ratio"] == pytest.approx(0.7)
-    assert int4["verdict"] == "costs" and (int4["n"], int4["n_base"]) == (2, 2)
+    assert int4["verdict"] == "costs" and (int4["n"], int4["n_base"]) == (3, 3)
     assert rows[("snapkv 10%", 1)]["j_per_token_ratio"] == pytest.approx(0.8)
     assert rows[("snapkv 10%", 1)]["verdict"] == "pays"
     assert rows[("quanto int4", 4)]["j_per_token_ratio"] == pytest.approx(1.25)
-    assert rows[("quanto int4", 4)]["verdict"] == "no CI (one run on a side)"
+    assert rows[("quanto int4", 4)]["verdict"] == "no interval (fewer than 3 runs a side)"
     assert rows[("quanto int4", 16)]["verdict"] == "failed: OOM"
     assert rows[("quanto int4", 32)]["verdict"] == "ran where full failed: OOM"
     table = report.pays_table(pays)
     assert list(table.columns) == ["ctx", "batch", "method", "runs (method/full)", "J/token / full",
                                    "time between tokens / full", "tokens/s / full", "verdict (J/token)"]
     first = table.iloc[0]
-    assert (first["method"], first["runs (method/full)"], first["J/token / full"]) == ("quanto int4", "2/2",
+    assert (first["method"], first["runs (method/full)"], first["J/token / full"]) == ("quanto int4", "3/3",
                                                                                        "1.300 [1.300, 1.300]")
 
 
@@ -578,7 +584,7 @@ def test_contended_runs_are_left_out_of_where_compression_pays():
         contended=True)
     pays = report.compression_pays(pd.concat([records, busy], ignore_index=True), n_boot=200)
     int4 = pays[(pays["label"] == "quanto int4") & (pays["batch"] == 1)].iloc[0]
-    assert int4["j_per_token_ratio"] == pytest.approx(1.3) and int4["n"] == 2 and int4["n_contended"] == 1
+    assert int4["j_per_token_ratio"] == pytest.approx(1.3) and int4["n"] == 3 and int4["n_contended"] == 1
     assert "contended runs left out" in report.pays_table(pays).columns
     only_busy = pd.DataFrame([perf_row("full", "full", 512, 1, j=1.0), perf_row("hqq", "hqq int4", 512, 1, j=1.0)]
                              ).assign(contended=[False, True])
@@ -590,9 +596,9 @@ def test_contended_runs_are_left_out_of_where_compression_pays():
 def test_energy_answer_one_sentence_per_cell():
     lines = report.energy_answer(report.compression_pays(pays_records(), n_boot=200))
     assert lines == [
-        "quanto int4 used +30% J/token vs full at 16k, batch 1 (95% CI +30% to +30%, 2 vs 2 runs): "
+        "quanto int4 used +30% J/token vs full at 16k, batch 1 (95% Welch-log CI +30% to +30%, 3 vs 3 runs): "
         "more energy than the full cache",
-        "quanto int4 used +25% J/token vs full at 16k, batch 4 (1 vs 1 runs, no CI)",
+        "quanto int4 used +25% J/token vs full at 16k, batch 4 (1 vs 1 runs, no interval below 3 runs a side)",
         "quanto int4 at 16k, batch 16: failed: OOM",
         "quanto int4 at 16k, batch 32: ran where full failed: OOM",
     ]
@@ -606,8 +612,8 @@ def test_energy_answer_one_sentence_per_cell():
 def test_headline_names_the_batch_when_several(campaign):
     rel = report.relative_to_baseline(campaign.perf, ctx=16384, n_boot=100)
     lines = report.headline(rel)
-    assert lines[0].startswith("quanto int4: +35% J/token vs full at ctx 16384, batch 1 (95% CI ")
-    assert "quanto int4: +35% J/token vs full at ctx 16384, batch 4" in lines
+    assert lines[0].startswith("quanto int4: +35% J/token vs full at ctx 16384, batch 1 (95% Welch-log CI ")
+    assert "quanto int4: +35% J/token vs full at ctx 16384, batch 4 (n=1/1, no interval)" in lines
 
 
 def test_campaign_batch_section_and_failed_runs(campaign):
@@ -625,7 +631,12 @@ def test_tenhz_gap_in_percent_of_the_counter():
     summary, sentence = report.tenhz_gap(df, n_boot=500)
     assert summary["gap_pct"].tolist() == pytest.approx([-15.0]) and summary["window_s"].tolist() == [3.0]
     assert sentence == ("Over 2 runs the 10 Hz power integration read -15.0% of the counter's energy "
-                        "(95% CI -20.0% to -10.0%), energy windows 2.0 to 4.0 s.")
+                        "(n=2, no interval), energy windows 2.0 to 4.0 s.")
+    three = pd.concat([df, df.iloc[[0]]], ignore_index=True)  # -20, -10, -20: t-interval by hand
+    half = 4.3027 * np.std([-20.0, -10.0, -20.0], ddof=1) / math.sqrt(3)
+    assert report.tenhz_gap(three)[1] == ("Over 3 runs the 10 Hz power integration read -16.7% of the counter's "
+                                          f"energy (95% t-interval {-50 / 3 - half:+.1f}% to {-50 / 3 + half:+.1f}%), "
+                                          "energy windows 2.0 to 4.0 s.")
     table = report.format_ci(summary, {"gap_pct": "gap (%)"}, key=None, keys=["ctx", "batch"])
     assert list(table.columns) == ["ctx", "batch", "runs", "gap (%)"]
     assert "no energy measurements" in report.tenhz_gap(df.assign(energy_j=None))[1]
@@ -742,7 +753,7 @@ def test_on_a_cpu_verdicts_read_cpu_time_and_keep_contended_runs():
     assert "contended runs (out of wall-time ratios)" in table.columns
     assert report.pays_metric(pays) == ("cpu_ms_per_token", "CPU ms/token")
     (line,) = report.energy_answer(pays, "int4")
-    assert line.startswith("kvq-int4 used +78%") and "CPU ms/token vs full at 256, batch 1 (95% CI" in line
+    assert line.startswith("kvq-int4 used +78%") and "CPU ms/token vs full at 256, batch 1 (95% Welch-log CI" in line
     assert line.endswith("3 vs 3 runs): more CPU time than the full cache")
 
 
@@ -784,4 +795,22 @@ def test_kvlab_report_on_cpu_records_prints_no_warning(tmp_path):
     assert "weights: synthetic" in html
     assert "no energy measure" in html  # the J/token sections say why they are empty
     assert "On a CPU the cost is the process's CPU time" in html
-    assert re.search(r"quanto int4 used \+\d+% CPU ms/token vs full at 16k, batch 1 \(95% CI", html)
+    assert re.search(r"quanto int4 used \+\d+% CPU ms/token vs full at 16k, batch 1 \(95% Welch-log CI", html)
+
+
+def test_old_fast_rows_recorded_as_quanto_or_fp8_are_labelled_by_the_store_that_ran():
+    rows = pd.DataFrame([
+        {"kind": "perf", "status": "ok", "method": "quanto", "label": "quanto int4", "engine": "fast",
+         "kv_format": "int4-g64", "policy_params": {"method": "quanto"}},
+        {"kind": "perf", "status": "ok", "method": "quanto", "label": "quanto int4", "engine": "hf",
+         "kv_format": None, "policy_params": {"method": "quanto"}},
+        {"kind": "perf", "status": "ok", "method": "fp8", "label": "fp8", "engine": "fast", "kv_format": "fp8",
+         "policy_params": {"method": "fp8"}},
+        {"kind": "perf", "status": "ok", "method": "snapkv", "label": "snapkv 10% + quanto int4", "engine": "fast",
+         "kv_format": "int4-g64", "policy_params": {"quant": {"backend": "quanto"}}},
+        {"kind": "perf", "status": "ok", "method": "quanto", "label": "kvq int4-g64 (asked: quanto int4)",
+         "engine": "fast", "kv_format": "int4-g64", "policy_params": {"method": "quanto"}},
+    ])
+    assert report.fill_labels(rows).tolist() == [
+        "kvq int4-g64 (asked: quanto int4)", "quanto int4", "kvq fp8 (asked: fp8)",
+        "snapkv 10% + kvq int4-g64 (asked: snapkv 10% + quanto int4)", "kvq int4-g64 (asked: quanto int4)"]

@@ -156,6 +156,7 @@ def test_sweep_records_every_run_once_and_a_rerun_does_nothing(tmp_path):
     assert len(ids) == total and set(ids) == {r.run_id for r in planned_runs(p)}
     df = load_records(tmp_path)
     assert set(df.status) == {"ok"} and set(df.weights) == {"synthetic"} and set(df.kind) == {"perf"}
+    assert set(df.card) == {"cpu"} and df.gpu_uuid.isna().all() and df.driver.isna().all()  # the card: cpu
     assert df.ttft_s.notna().all() and (df.cache_logical_tokens == df.ctx).all()
     # the kernel probe (torch.profiler) runs on GPU warm-ups only: on a CPU it costs 4x a run
     assert "sdpa_kernel" not in df.columns or df.sdpa_kernel.isna().all()
@@ -422,7 +423,7 @@ def test_failed_quality_items_make_the_sweep_say_so_and_a_rerun_retries_only_the
     ids = quality_ids(tmp_path)
     assert len(ids) == 8 + 2  # only the two failed items were run again
     q = load_records(tmp_path, kind="quality")
-    assert len(q) == 8 and set(q.status) == {"ok"}
+    assert len(q) == 8 and set(q.status) == {"ok"} and set(q.card) == {"cpu"}
 
 
 KILL_QUALITY_SCRIPT = """

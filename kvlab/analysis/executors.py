@@ -16,7 +16,8 @@ prints what each executor cost and whether it changed the measurements:
   to the last (what each run costs; ``created_at`` has one-second resolution); when the cluster was
   started beforehand, the overhead also counting that start;
 - per configuration (method, ctx, batch), ms/step, J/token and TTFT over the repeats: each
-  executor's mean with its 95% bootstrap CI, and the ratio other/base with its CI; a configuration
+  executor's mean with its 95% t-interval, and the ratio other/base with its Welch-log interval
+  (:mod:`kvlab.intervals`; none below 3 repeats); a configuration
   agrees when every ratio CI contains 1.
 
 Exit status: 0 when the comparison could be made, 2 when a folder or its records are missing.
@@ -161,7 +162,8 @@ def table_lines(table, base: str, other: str, empty: str = "no configuration has
     """Per configuration and metric: each side's mean [CI], the ratio other/base [CI]; then how many agree."""
     if table is None or len(table) == 0:
         return [empty]
-    lines = ["", f"per configuration: mean [95% bootstrap CI] over repeats; ratio {other}/{base} [95% CI]"]
+    lines = ["", f"per configuration: mean [95% t-interval] over repeats; ratio {other}/{base} [95% Welch-log CI] "
+             "(no interval below 3 repeats)"]
     head = f"{'metric':8s} {'label':24s} {'ctx':>6s} {'b':>3s} {'n':>5s}  {base:28s} {other:28s} {'ratio':22s}"
     lines.append(head)
     for _, row in table.iterrows():

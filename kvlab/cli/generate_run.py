@@ -161,7 +161,7 @@ def generate(args) -> int:
     out = {
         **result.columns,
         **model_columns(loaded),
-        **policy_columns(policy),
+        **policy_columns(policy, args.engine),
         "prompt_tokens": result.prompt_tokens,
         "new_tokens": int(result.tokens.shape[1]),
         "answer": result.text,

@@ -106,6 +106,23 @@ def torch_device_pci(device: str) -> str | None:
         return None
 
 
+def device_handle(nvml, device: str, uuid: str | None = None):
+    """The NVML handle of torch's ``device``: by ``uuid`` when given, else by torch's UUID or
+    ``CUDA_VISIBLE_DEVICES``' entry, then by PCI bus; raises LookupError when none matches."""
+    by_torch = uuid is None
+    if by_torch:  # the GPU this process was given; torch's own UUID wins where it can tell
+        uuid = torch_uuid_or_none(device) or visible_device_uuid(nvml, device)
+        if uuid is None:
+            raise LookupError(f"no NVML device matches {device} (CUDA_VISIBLE_DEVICES="
+                              f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+    handle = find_handle(nvml, uuid)
+    if handle is None and by_torch:
+        handle = find_handle_by_pci(nvml, torch_device_pci(device))
+    if handle is None:
+        raise LookupError(f"no NVML device has the UUID {uuid} of {device}")
+    return handle
+
+
 def find_handle_by_pci(nvml, bus_id: str | None):
     """Fallback when UUIDs do not match (e.g. a MIG slice): the NVML device on the same PCI bus."""
     if not bus_id:
@@ -138,8 +155,18 @@ def gpu_info(nvml, handle) -> dict[str, Any]:
             value = value.decode()
         return value / scale if scale and value is not None else value
 
+    def read_system(fn):
+        try:
+            value = getattr(nvml, fn)()
+        except Exception:
+            return None
+        return value.decode() if isinstance(value, bytes) else value
+
     return {
         "gpu_name": read("nvmlDeviceGetName"),
         "gpu_uuid": read("nvmlDeviceGetUUID"),
+        "driver": read_system("nvmlSystemGetDriverVersion"),
         "power_limit_w": read("nvmlDeviceGetEnforcedPowerLimit", scale=1000.0),
+        "sm_clock_max_mhz": read("nvmlDeviceGetMaxClockInfo", 1),  # NVML_CLOCK_SM
+        "mem_clock_max_mhz": read("nvmlDeviceGetMaxClockInfo", 2),  # NVML_CLOCK_MEM
     }

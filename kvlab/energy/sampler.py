@@ -2,18 +2,9 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
-from kvlab.energy.device import (
-    cuda_sync,
-    find_handle,
-    find_handle_by_pci,
-    gpu_info,
-    torch_device_pci,
-    torch_uuid_or_none,
-    visible_device_uuid,
-)
+from kvlab.energy.device import cuda_sync, device_handle, gpu_info
 from kvlab.energy.null import NullSampler
 from kvlab.energy.nvml_sampler import NvmlSampler
 
@@ -45,17 +36,7 @@ def make_sampler(device: str, *, interval_s: float = 0.015, study_interval_s: fl
     except Exception as err:
         return NullSampler(f"none: NVML init failed ({err})", sync)
     try:
-        by_torch = uuid is None
-        if by_torch:  # the GPU this process was given; torch's own UUID wins where it can tell
-            uuid = torch_uuid_or_none(dev) or visible_device_uuid(nvml, dev)
-            if uuid is None:
-                raise LookupError(f"no NVML device matches {dev} (CUDA_VISIBLE_DEVICES="
-                                  f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
-        handle = find_handle(nvml, uuid)
-        if handle is None and by_torch:
-            handle = find_handle_by_pci(nvml, torch_device_pci(dev))
-        if handle is None:
-            raise LookupError(f"no NVML device has the UUID {uuid} of {dev}")
+        handle = device_handle(nvml, dev, uuid)
         nvml.nvmlDeviceGetTotalEnergyConsumption(handle)
     except Exception as err:
         try:

@@ -96,9 +96,19 @@ class Policy:
     def label(self) -> str:
         return self.chunk_label(self.name)
 
+    def engine_label(self, engine: str) -> str:
+        """The label of what runs on ``engine``: :attr:`label`, except where the fast engine stores a
+        method's K/V in another format than its name says (quanto int4 on fast is kvlab's int4-g64
+        store: 'kvq int4-g64 (asked: quanto int4)')."""
+        return self.label
+
     def chunk_label(self, text: str) -> str:
         """``text`` plus the prefill chunk, when there is one (so plots keep chunked runs apart)."""
         return text if self.prefill_chunk is None else f"{text} chunk {self.prefill_chunk}"
+
+    def asked_as(self, ran: str) -> str:
+        """``ran`` (the label of what ran), followed by the label asked for when the two differ."""
+        return ran if ran == self.label else f"{ran} (asked: {self.label})"
 
     def chunk_params(self) -> dict[str, Any]:
         """``{"prefill_chunk": n}`` when chunked, else nothing (one-shot runs keep their ids)."""

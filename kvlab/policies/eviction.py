@@ -75,6 +75,11 @@ class EvictionPolicy(Policy):
         text = f"{self.name} {self.keep:.0%}"
         return self.chunk_label(f"{text} + {self.quant.label}" if self.quant else text)
 
+    def engine_label(self, engine: str) -> str:
+        if engine != "fast" or self.quant is None:
+            return self.label
+        return self.asked_as(self.chunk_label(f"{self.name} {self.keep:.0%} + {self.quant.fast_label}"))
+
     def check(self, model) -> None:
         shape = model_shape(model)
         shape.check_full_attention(f"{self.name} evicts")

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvlab.metrics import bootstrap_ci, paired_difference
+from kvlab.intervals import mean_interval
+from kvlab.metrics import paired_difference
 
 # Why SnapKV (and PyramidKV, which scores like it) can score 0 on a needle: the method, not a bug.
 SNAPKV_NEEDLE_NOTE = (
@@ -45,7 +46,7 @@ SUMMARY_METRICS = ("score", "gold_nll", "first_token_acc", "kl", "top1_agree")
 
 def summarize(records, metrics: Sequence[str] = SUMMARY_METRICS, n_boot: int = 2000, ci: float = 0.95,
               seed: int = 0):
-    """Per (task, length, method/label) means with bootstrap CIs and paired differences against
+    """Per (task, length, method/label) means with t-intervals (:mod:`kvlab.intervals`) and paired differences against
     the full cache (paired on depth, sample and query_aware), plus the ``no_signal`` flag.
 
     ``records`` is a list of quality record dicts or a DataFrame from ``load_records``.
@@ -67,7 +68,7 @@ def summarize(records, metrics: Sequence[str] = SUMMARY_METRICS, n_boot: int = 2
             indexed = arm.set_index(pair_key)
             for m in metrics:
                 vals = pd.to_numeric(arm[m], errors="coerce").tolist()
-                row[m], row[f"{m}_lo"], row[f"{m}_hi"] = bootstrap_ci(vals, n_boot, ci, seed)
+                row[m], row[f"{m}_lo"], row[f"{m}_hi"] = mean_interval(vals, ci).as_tuple()
                 if not full.empty and label != "full":
                     common = indexed.index.intersection(full.index)
                     a = pd.to_numeric(indexed.loc[common, m], errors="coerce").tolist()

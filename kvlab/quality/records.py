@@ -45,7 +45,7 @@ def quality_record(base: dict[str, Any], policy, item: TaskItem, *, query_aware:
     ``run_id`` hashes everything that identifies the measurement, so a re-run of the same
     (model, policy, item) replaces rather than duplicates it in ``load_records``.
     """
-    pcols = policy_columns(policy)
+    pcols = policy_columns(policy, base.get("engine") or "hf")
     key = item_key(item, query_aware)
     rec = {
         "run_id": quality_run_id(base, policy, item, query_aware),

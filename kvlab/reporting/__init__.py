@@ -1,6 +1,6 @@
 """The study report, one job per module: ``frames`` (which records, derived columns), ``stats``
-(bootstrap CIs, grouped summaries), ``summaries`` (the report's answers), ``anatomy_files``,
-``provenance``, ``study`` (loading a folder), ``notebook_params`` (the sweep notebook's params) and
+(intervals from kvlab.intervals, grouped summaries), ``cards`` (which card measured each record),
+``summaries`` (the report's answers), ``anatomy_files``, ``provenance``, ``study`` (loading a folder), ``notebook_params`` (the sweep notebook's params) and
 ``render`` (papermill + nbconvert to offline HTML). :mod:`kvlab.report` re-exports the public names
 the notebooks and tests use.
 """

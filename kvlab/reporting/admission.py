@@ -3,7 +3,7 @@
 Why: at batch 1 a smaller cache barely changes a decode step, but in a fixed memory budget it admits
 more sequences; throughput can rise while each request gets slower. The section reads the at-budget
 records (``budget_gb`` set, see :mod:`kvlab.sweep.admission`) next to the same method's batch-1 records and
-states both ratios with bootstrap CIs, plus what the method's freed memory became: its admitted
+states both ratios with Welch-log intervals, plus what the method's freed memory became: its admitted
 batch over the baseline's and its throughput over the baseline's at the same budget.
 """
 
@@ -39,7 +39,7 @@ def _ratio(values, base) -> tuple[float, float, float]:
 def concurrency_verdict(tput: tuple[float, float, float], itl: tuple[float, float, float]) -> str:
     """What the budget did, read from the throughput and ITL ratios' CIs (at budget / single)."""
     if any(math.isnan(x) for x in (*tput, *itl)):
-        return "no CI (one run on a side)" if not math.isnan(tput[0]) else "no data"
+        return "no interval (fewer than 3 runs a side)" if not math.isnan(tput[0]) else "no data"
     rises, slower = tput[1] > 1, itl[1] > 1
     if rises and slower:
         return "throughput rises while each request gets slower"
@@ -62,13 +62,16 @@ def budget_summary(records: pd.DataFrame, baseline: str = "full") -> pd.DataFram
     at_all = perf[perf["budget_gb"].notna()]
     single_all = perf[perf["budget_gb"].isna() & (perf["batch"] == 1)]
     rows = []
-    for (budget, ctx), cell in at_all.groupby([at_all["budget_gb"].astype(str), "ctx"], sort=True):
+    if "card" not in perf.columns:
+        at_all, single_all = at_all.assign(card=""), single_all.assign(card="")
+    for (budget, ctx, card), cell in at_all.groupby([at_all["budget_gb"].astype(str), "ctx", "card"], sort=True):
         base_label = next((lab for lab in cell["label"].unique() if lab == baseline or is_baseline_label(lab)), None)
         base_part = cell[cell["label"] == base_label] if base_label is not None else cell.iloc[0:0]
         labels = sorted(cell["label"].unique(), key=lambda lab: (lab != base_label, str(lab)))
         for label in labels:
             part = cell[cell["label"] == label]
-            single = single_all[(single_all["label"] == label) & (single_all["ctx"] == ctx)]
+            single = single_all[(single_all["label"] == label) & (single_all["ctx"] == ctx)
+                                & (single_all["card"] == card)]
             budget_bytes = pd.to_numeric(part.get("budget_bytes"), errors="coerce").max()
             row = {"budget_gb": budget, "budget_bytes": budget_bytes, "ctx": int(ctx), "label": label,
                    "admitted_batch": int(part["batch"].max()), "runs": len(part), "single_runs": len(single),

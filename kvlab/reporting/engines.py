@@ -42,10 +42,14 @@ def engine_comparison(records: pd.DataFrame, metric: str = "decode_j_per_token",
     if "weights_quant" not in df.columns:
         df = df.assign(weights_quant="none")
     df = df.assign(weights_quant=df["weights_quant"].fillna("none"))
+    if "card" not in df.columns:
+        df = df.assign(card="")
     rows: list[dict[str, Any]] = []
     # the baseline is the full cache on the same weights (a weight-quantized run is not compared
     # with the float-weights full cache here: that is the stack section's comparison)
-    for (model, _weights, ctx, batch), cell in df.groupby(["model", "weights_quant", "ctx", "batch"], sort=True):
+    # and on the same card: no ratio crosses cards
+    for (model, _weights, _card, ctx, batch), cell in df.groupby(["model", "weights_quant", "card", "ctx", "batch"],
+                                                                 sort=True):
         def values(label=None, engine=None, method=None, c=cell):
             sel = c["engine"] == engine
             sel &= (c["label"] == label) if label is not None else (c["method"] == method)
@@ -72,7 +76,7 @@ def engine_comparison(records: pd.DataFrame, metric: str = "decode_j_per_token",
 def _ratio(r: float, lo: float, hi: float) -> str:
     if r is None or math.isnan(r):
         return "n/a"
-    ci = f" (95% CI {lo:.2f}-{hi:.2f})" if not (math.isnan(lo) or math.isnan(hi)) else " (no CI: one run)"
+    ci = f" (95% Welch-log CI {lo:.2f}-{hi:.2f})" if not (math.isnan(lo) or math.isnan(hi)) else " (no interval: fewer than 3 runs a side)"
     return f"{r:.2f}x{ci}"
 
 

@@ -180,7 +180,7 @@ def fill_labels(df: pd.DataFrame) -> pd.Series:
     labels = df["label"] if "label" in df.columns else pd.Series(None, index=df.index, dtype=object)
     missing = labels.isna()
     if not missing.any() or "method" not in df.columns:
-        return labels
+        return store_labels(df, labels)
     known = df.loc[~missing]
     out = labels.copy().astype(object)
     for idx in df.index[missing]:
@@ -195,6 +195,34 @@ def fill_labels(df: pd.DataFrame) -> pd.Series:
         quant = params.get("quant") if isinstance(params, dict) else None
         out[idx] = found[0] if len(found) == 1 else method_label(row["method"], row.get("keep"),
                                                                  row.get("bits"), quant)
+    return store_labels(df, out)
+
+
+# Names whose rows on the fast engine ran kvlab's own store: records from before their label said so
+# (:meth:`kvlab.policies.base.Policy.engine_label`) carry the name; their kv_format says what ran.
+RECORDED_ALIASES = ("quanto", "fp8")
+
+
+def store_labels(df: pd.DataFrame, labels: pd.Series) -> pd.Series:
+    """``labels`` with each fast-engine row recorded under a name whose store did not run relabelled by
+    the store that did, as new records are: 'kvq int4-g64 (asked: quanto int4)', 'snapkv 10% + kvq
+    fp8 (asked: snapkv 10% + fp8)'. Rows without ``kv_format``, or labelled so already, keep theirs."""
+    if not {"engine", "kv_format", "method"} <= set(df.columns):
+        return labels
+    out = labels.copy().astype(object)
+    for idx in df.index[(df["engine"] == "fast") & df["kv_format"].notna()]:
+        row, label, fmt = df.loc[idx], str(labels[idx]), str(df.at[idx, "kv_format"])
+        if "(asked: " in label:
+            continue
+        params = row.get("policy_params")
+        quant = params.get("quant") if isinstance(params, dict) else None
+        if row["method"] in RECORDED_ALIASES:
+            ran = f"kvq {fmt}"
+        elif isinstance(quant, dict) and quant.get("backend") in RECORDED_ALIASES and " + " in label:
+            ran = f"{label.split(' + ')[0]} + kvq {fmt}"
+        else:
+            continue
+        out[idx] = f"{ran} (asked: {label})"
     return out
 
 

@@ -27,7 +27,7 @@ from kvlab.reporting.stats import ratio_ci, reading_order
 from kvlab.reporting.text import fmt_ctx
 
 PARITY_FILE = "parity.json"
-PERF_CELL = ("model", "weights_quant", "engine", "ctx", "batch")
+PERF_CELL = ("model", "weights_quant", "engine", "ctx", "batch", "card")  # never a ratio across cards
 # policy parameters that place a method on its axis, not what the method is
 AXIS_PARAMS = ("keep", "bits")
 PERF_RATIOS = {"decode_j_per_token": "decode_j_vs_full", "ttft_s": "ttft_vs_full", "prefill_j": "prefill_j_vs_full"}
@@ -125,7 +125,8 @@ def perf_part(records: pd.DataFrame, baseline: str = "full", n_boot: int = 2000,
     """Per label, its performance against the baseline in one cell (model, weights, engine, ctx,
     batch) where both ran ok and uncontended: the largest context, then the largest batch.
     KV freed is ``1 - cache_bytes / baseline's`` (the cache after the prefill), peak freed the
-    baseline's peak minus the method's (GB); the ratios are of means, with a CI from 2 runs up."""
+    baseline's peak minus the method's (GB); the ratios are of means, with an interval from 3 runs
+    a side (:mod:`kvlab.intervals`)."""
     perf = records[records["kind"] == "perf"] if "kind" in records.columns else records
     perf = _keyed(perf)
     if perf.empty:

@@ -13,6 +13,7 @@ import math
 import numpy as np
 import pandas as pd
 
+from kvlab.intervals import product_interval
 from kvlab.reporting.frames import contended_mask, perf_records
 from kvlab.reporting.stats import ratio_ci
 from kvlab.reporting.text import ci_text
@@ -30,26 +31,17 @@ def _values(part: pd.DataFrame, metric: str) -> np.ndarray:
 
 def interaction_ci(stack, weights, cache, base, n_boot: int = 2000, level: float = 0.95,
                    seed: int = 0) -> tuple[float, float, float]:
-    """``(stack / base) / ((weights / base) x (cache / base))`` of the groups' means, with a bootstrap
-    CI resampling each group independently: 1 when the two costs multiply, above 1 when they compound."""
-    groups = [np.asarray(g, dtype=float) for g in (stack, weights, cache, base)]
-    if any(g.size == 0 for g in groups) or any(g.mean() == 0 for g in groups):
-        return math.nan, math.nan, math.nan
-    s, w, c, b = (g.mean() for g in groups)
-    value = float(s * b / (w * c))
-    if all(g.size < 2 for g in groups):
-        return value, math.nan, math.nan
-    rng = np.random.default_rng(seed)
-    m = [g[rng.integers(0, g.size, size=(n_boot, g.size))].mean(axis=1) for g in groups]
-    lo, hi = np.quantile(m[0] * m[3] / (m[1] * m[2]), [(1 - level) / 2, 1 - (1 - level) / 2])
-    return value, float(lo), float(hi)
+    """``(stack / base) / ((weights / base) x (cache / base))`` of the groups' means, with the Welch
+    t-interval on its log (:func:`kvlab.intervals.product_interval`; none below 3 runs in a group):
+    1 when the two costs multiply, above 1 when they compound."""
+    return product_interval([stack, base, weights, cache], [1.0, 1.0, -1.0, -1.0], level).as_tuple()
 
 
 def stack_verdict(value: float, lo: float, hi: float) -> str:
     if math.isnan(value):
         return "no data"
     if math.isnan(lo):
-        return "no CI (one run on a side)"
+        return "no interval (fewer than 3 runs in a group)"
     if lo > 1:
         return "the costs compound (more than weights x cache)"
     if hi < 1:
@@ -68,7 +60,9 @@ def stack_summary(records: pd.DataFrame, baseline: str = "full", n_boot: int = 2
     perf = perf.assign(weights_quant=perf["weights_quant"].fillna("none"),
                        cache=perf["label"].astype(str).str.split(WEIGHTS_SUFFIX, regex=False).str[0])
     rows = []
-    for (ctx, batch), cell in perf.groupby(["ctx", "batch"], sort=True):
+    if "card" not in perf.columns:
+        perf = perf.assign(card="")
+    for (ctx, batch, _card), cell in perf.groupby(["ctx", "batch", "card"], sort=True):
         if cell["weights_quant"].nunique() < 2 or "budget_gb" in cell.columns and cell["budget_gb"].notna().any():
             continue
         parts = {key: part for key, part in cell.groupby(["weights_quant", "cache"], sort=True)}

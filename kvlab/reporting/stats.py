@@ -1,44 +1,28 @@
-"""Statistics of the report: the one bootstrap CI (:func:`kvlab.metrics.bootstrap_ci`), a ratio
-of means with its CI, and per-group summaries formatted as ``mean [lo, hi]``."""
+"""Statistics of the report: per-group means and ratios of means with the intervals of
+:mod:`kvlab.intervals` (t-intervals; none below 3 runs), formatted as ``mean [lo, hi]`` or ``mean (n=2)``."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import pandas as pd
 
-from kvlab.metrics import bootstrap_ci
+from kvlab.intervals import mean_interval, ratio_interval
 from kvlab.reporting.frames import contended_mask
 from kvlab.reporting.text import ci_text, is_baseline_label, runs_text
 
 
 def ratio_ci(values: Sequence[float], baseline: Sequence[float], n_boot: int = 2000,
-             level: float = 0.95, seed: int = 0) -> tuple[float, float, float]:
-    """Ratio of means (values / baseline) with a bootstrap CI resampling both groups independently;
-    no CI (NaN bounds) when either group has one value: resampling one run says nothing of its
-    spread, and the CI would read far narrower than it is (such as "0.39 [0.39, 0.39]")."""
-    x = np.asarray(values, dtype=float)
-    b = np.asarray(baseline, dtype=float)
-    x, b = x[~np.isnan(x)], b[~np.isnan(b)]
-    if x.size == 0 or b.size == 0 or b.mean() == 0:
-        return math.nan, math.nan, math.nan
-    ratio = float(x.mean() / b.mean())
-    if x.size < 2 or b.size < 2:
-        return ratio, math.nan, math.nan
-    rng = np.random.default_rng(seed)
-    xm = x[rng.integers(0, x.size, size=(n_boot, x.size))].mean(axis=1)
-    bm = b[rng.integers(0, b.size, size=(n_boot, b.size))].mean(axis=1)
-    alpha = (1 - level) / 2
-    lo, hi = np.quantile(xm / bm, [alpha, 1 - alpha])
-    return ratio, float(lo), float(hi)
+             level: float = 0.95, seed: int = 0, method: str = "auto") -> tuple[float, float, float]:
+    """``(ratio, lo, hi)`` of :func:`kvlab.intervals.ratio_interval` (Welch t on the log ratio; no
+    bounds below 3 runs a side), for tables that keep three columns."""
+    return ratio_interval(values, baseline, level, method, n_boot, seed).as_tuple()
 
 
 def method_summary(records: pd.DataFrame, metrics: Sequence[str], by: Sequence[str] = ("label",),
                    n_boot: int = 2000, level: float = 0.95, seed: int = 0) -> pd.DataFrame:
-    """One row per group: ``n`` runs and, per metric, the mean with ``_lo``/``_hi`` bootstrap bounds;
+    """One row per group: ``n`` runs and, per metric, the mean with ``_lo``/``_hi`` t-interval bounds;
     ``n_contended`` counts runs flagged contended when the records say (their times are suspect)."""
     by = list(by)
     metrics = [m for m in metrics if m in records.columns]
@@ -51,8 +35,8 @@ def method_summary(records: pd.DataFrame, metrics: Sequence[str], by: Sequence[s
         if busy is not None:
             row["n_contended"] = int(busy[part.index].sum())
         for m in metrics:
-            row[m], row[f"{m}_lo"], row[f"{m}_hi"] = bootstrap_ci(
-                pd.to_numeric(part[m], errors="coerce"), n_boot, level, seed)
+            row[m], row[f"{m}_lo"], row[f"{m}_hi"] = mean_interval(
+                pd.to_numeric(part[m], errors="coerce"), level, n_boot=n_boot, seed=seed).as_tuple()
         rows.append(row)
     cols = by + ["n"] + (["n_contended"] if busy is not None else []) + [
         f"{m}{s}" for m in metrics for s in ("", "_lo", "_hi")]
@@ -92,7 +76,7 @@ def format_ci(summary: pd.DataFrame, columns: dict[str, str], key: str | None = 
         out["status"] = summary["status"].to_numpy()
     for col, header in columns.items():
         if col in summary.columns:
-            out[header] = [r["status"] if f else ci_text(r[col], r.get(f"{col}_lo"), r.get(f"{col}_hi"))
+            out[header] = [r["status"] if f else ci_text(r[col], r.get(f"{col}_lo"), r.get(f"{col}_hi"), r.get("n"))
                            for r, f in zip(records, failed, strict=True)]
     return out.reset_index(drop=True)
 

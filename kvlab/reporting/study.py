@@ -14,6 +14,7 @@ import pandas as pd
 from kvlab.records import load_records
 from kvlab.reporting import ReportError
 from kvlab.reporting.anatomy_files import load_anatomy
+from kvlab.reporting.cards import cards_note, with_cards
 from kvlab.reporting.frames import (
     SYNTHETIC_NOTE,
     contended_mask,
@@ -88,6 +89,7 @@ def load_study(folder: str | Path) -> Study:
     manifests = sweep_manifests(folder)
     if manifests and "folder" in records.columns:
         records = records.assign(sweep_dir=[_sweep_dir(f, folder, list(manifests)) for f in records["folder"]])
+    records = with_cards(records, manifest, manifests)
     return Study(folder, records, manifest, manifests, load_anatomy(folder))
 
 
@@ -117,6 +119,9 @@ def summary_markdown(study: Study) -> str:
     note = memory_note(perf)
     if note:
         lines.append(f"**peak memory:** {note}")
+    note = cards_note(perf)
+    if note:
+        lines.append(f"**cards:** {note}")
     if study.manifests:
         counts = rec["sweep_dir"].value_counts() if "sweep_dir" in rec.columns else pd.Series(dtype=int)
         lines.append("**sweeps:** " + ", ".join(f"`{name}` ({int(counts.get(name, 0))} records)"

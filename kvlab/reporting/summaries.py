@@ -9,7 +9,7 @@ from typing import Any
 
 import pandas as pd
 
-from kvlab.metrics import bootstrap_ci
+from kvlab.intervals import mean_interval
 from kvlab.reporting.frames import (
     DEFAULT_CTX,
     all_perf_records,
@@ -32,10 +32,11 @@ STUDY_METRICS = {
 }
 
 
-# What makes two runs comparable: a method is compared with the baseline method run on the same model,
-# engine and weights (int8 weights x quanto's cache against int8 weights x the full cache; the
-# weights' own cost is the stack section's), at the same context and batch.
-CELL = ("model", "engine", "weights_quant", "ctx", "batch")
+# What makes two runs comparable: a method is compared with the baseline method run on the same card
+# (``card``: the GPU's UUID, :mod:`kvlab.reporting.cards`; no ratio crosses cards), model, engine and
+# weights (int8 weights x quanto's cache against int8 weights x the full cache; the weights' own cost
+# is the stack section's), at the same context and batch.
+CELL = ("card", "model", "engine", "weights_quant", "ctx", "batch")
 
 
 def relative_to_baseline(records: pd.DataFrame, metric: str = "j_per_token", baseline: str = "full",
@@ -48,7 +49,7 @@ def relative_to_baseline(records: pd.DataFrame, metric: str = "j_per_token", bas
     ``change_pct`` is the headline number: +35 means 35% more J/token than the full cache.
     """
     within = [w for w in within if w in records.columns]
-    cols = ["label", *within, "ratio", "ratio_lo", "ratio_hi", "change_pct"]
+    cols = ["label", *within, "n", "n_base", "ratio", "ratio_lo", "ratio_hi", "change_pct"]
     if ctx is not None and "ctx" in records.columns:
         records = records[records["ctx"] == ctx]
     if records.empty or metric not in records.columns or "method" not in records.columns:
@@ -61,8 +62,10 @@ def relative_to_baseline(records: pd.DataFrame, metric: str = "j_per_token", bas
         if base.notna().sum() == 0:
             continue
         for label, g in part[part["method"] != baseline].groupby("label", sort=False):
-            r, lo, hi = ratio_ci(pd.to_numeric(g[metric], errors="coerce"), base, n_boot, level, seed)
-            rows.append({"label": label, **dict(zip(within, keys, strict=True)), "ratio": r,
+            values = pd.to_numeric(g[metric], errors="coerce")
+            r, lo, hi = ratio_ci(values, base, n_boot, level, seed)
+            rows.append({"label": label, **dict(zip(within, keys, strict=True)), "n": int(values.notna().sum()),
+                         "n_base": int(base.notna().sum()), "ratio": r,
                          "ratio_lo": lo, "ratio_hi": hi, "change_pct": (r - 1) * 100})
     return reading_order(pd.DataFrame(rows, columns=cols))
 
@@ -72,13 +75,18 @@ def headline(rel: pd.DataFrame, metric_title: str = "J/token", baseline: str = "
     is named too when ``rel`` holds several (a folder of sweeps), so no two lines read the same."""
     lines = []
     several_batches = "batch" in rel.columns and rel["batch"].nunique() > 1
+    several_cards = "card" in rel.columns and rel["card"].nunique() > 1
     for r in rel.dropna(subset=["ratio"]).to_dict("records"):
         where = f" at ctx {int(r['ctx'])}" if "ctx" in r else ""
         if several_batches:
             where += f", batch {int(r['batch'])}"
+        if several_cards:
+            where += f", on {r['card']}"
         ci = ""
         if not math.isnan(r["ratio_lo"]):
-            ci = f" (95% CI {(r['ratio_lo'] - 1) * 100:+.0f}% to {(r['ratio_hi'] - 1) * 100:+.0f}%)"
+            ci = f" (95% Welch-log CI {(r['ratio_lo'] - 1) * 100:+.0f}% to {(r['ratio_hi'] - 1) * 100:+.0f}%)"
+        elif "n" in r and "n_base" in r:
+            ci = f" (n={int(r['n'])}/{int(r['n_base'])}, no interval)"
         lines.append(f"{r['label']}: {r['change_pct']:+.0f}% {metric_title} vs {baseline}{where}{ci}")
     return lines
 
@@ -242,7 +250,7 @@ def batch_summary(records: pd.DataFrame, ctx: int | None = None, metrics: Sequen
             extra.append({"label": label, "batch": batch, "n": 0, "status": text})
     if extra:
         summary = pd.concat([summary, pd.DataFrame(extra)], ignore_index=True)
-    caption = f"Batch sizes at {caption}: mean [95% CI]"
+    caption = f"Batch sizes at {caption}: mean [95% t-interval; none below 3 runs]"
     if "new_tokens" in at.columns and at["new_tokens"].nunique() > 1:
         per_batch = at.groupby("batch")["new_tokens"].agg(lambda v: "/".join(map(str, sorted(set(v.dropna())))))
         caption += ("; new tokens per sequence differ (" + ", ".join(f"batch {b}: {t}" for b, t in per_batch.items())
@@ -308,7 +316,7 @@ def pays_verdict(ratio: float, lo: float, hi: float, cost: str = "J/token") -> s
     if ratio is None or math.isnan(ratio):
         return f"no {cost} data"
     if lo is None or hi is None or math.isnan(lo) or math.isnan(hi):
-        return "no CI (one run on a side)"
+        return "no interval (fewer than 3 runs a side)"
     if hi < 1:
         return "pays"
     if lo > 1:
@@ -327,7 +335,7 @@ def cell_cost(cell: pd.DataFrame) -> str:
 def compression_pays(records: pd.DataFrame, baseline: str = "full", metrics: Sequence[str] | None = None,
                      n_boot: int = 2000, level: float = 0.95, seed: int = 0) -> pd.DataFrame:
     """For every measured (ctx, batch) cell, each method's metrics over the full cache's in the same
-    cell: ratio of means with a bootstrap CI (``{metric}_ratio``, ``_lo``, ``_hi``) and a
+    cell: ratio of means with a Welch-log interval (:mod:`kvlab.intervals`) (``{metric}_ratio``, ``_lo``, ``_hi``) and a
     ``verdict`` (:func:`pays_verdict`) on the cell's ``cost`` (:func:`cell_cost`: J/token, or CPU
     ms/token on a CPU). A method that failed in a cell, or ran where the full cache failed (that is
     where compression pays in capacity), gets a row saying so. Runs flagged ``contended`` (measured
@@ -432,8 +440,8 @@ def energy_answer(pays: pd.DataFrame, pattern: str = "int4", baseline: str = "fu
             lines.append(f"{r['label']} {where}: {reason}")
             continue
         runs = f"{int(r['n'])} vs {int(r['n_base'])} runs"
-        ci = (f"95% CI {(lo - 1) * 100:+.0f}% to {(hi - 1) * 100:+.0f}%, {runs}" if not math.isnan(lo)
-              else f"{runs}, no CI")
+        ci = (f"95% Welch-log CI {(lo - 1) * 100:+.0f}% to {(hi - 1) * 100:+.0f}%, {runs}" if not math.isnan(lo)
+              else f"{runs}, no interval below 3 runs a side")
         words = VERDICT_WORDS.get(r["verdict"], "").format(what=COST_WORDS.get(cost, title))
         tail = f": {words}" if words else ""
         lines.append(f"{r['label']} used {(ratio - 1) * 100:+.0f}% {title} vs {baseline} {where} ({ci}){tail}")
@@ -484,8 +492,8 @@ def tenhz_gap(records: pd.DataFrame, **boot) -> tuple[pd.DataFrame, str]:
     else:
         d["window_s"] = math.nan
     summary = method_summary(d, ["gap_pct", "window_s"], by=["ctx", "batch"], **boot)
-    mean, lo, hi = bootstrap_ci(d["gap_pct"], boot.get("n_boot", 2000), boot.get("level", 0.95), boot.get("seed", 0))
-    ci = f" (95% CI {lo:+.1f}% to {hi:+.1f}%)" if not math.isnan(lo) else ""
+    mean, lo, hi = mean_interval(d["gap_pct"], boot.get("level", 0.95)).as_tuple()
+    ci = f" (95% t-interval {lo:+.1f}% to {hi:+.1f}%)" if not math.isnan(lo) else f" (n={len(d)}, no interval)"
     w = d["window_s"].dropna()
     span = f", energy windows {w.min():.1f} to {w.max():.1f} s" if not w.empty else ""
     sentence = (f"Over {len(d)} runs the 10 Hz power integration read {mean:+.1f}% of the counter's "

@@ -30,10 +30,12 @@ def runs_text(summary: pd.DataFrame) -> list:
             for n, c in zip(summary["n"], busy.fillna(0), strict=True)]
 
 
-def ci_text(v, lo, hi) -> str:
+def ci_text(v, lo, hi, n=None) -> str:
+    """``v [lo, hi]``; without bounds ``v (n=2)`` when the count is known (fewer than 3 runs give no
+    interval, :mod:`kvlab.intervals`), else ``v``."""
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "n/a"
     digits = 3 if abs(v) < 10 else 1
     if lo is None or hi is None or (isinstance(lo, float) and math.isnan(lo)):
-        return f"{v:.{digits}f}"
+        return f"{v:.{digits}f}" + (f" (n={int(n)})" if n is not None and not pd.isna(n) else "")
     return f"{v:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"

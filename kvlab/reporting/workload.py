@@ -14,6 +14,7 @@ import math
 import numpy as np
 import pandas as pd
 
+from kvlab.intervals import MIN_BCA
 from kvlab.reporting.frames import contended_mask, perf_records
 from kvlab.reporting.summaries import pays_verdict
 from kvlab.reporting.text import ci_text, is_baseline_label
@@ -61,11 +62,13 @@ def _aggregate(units: pd.DataFrame) -> dict[str, float]:
 
 def _boot(units: dict[str, pd.DataFrame], n_boot: int, level: float, seed: int):
     """Bootstrap draws of each label's aggregates over the units every label has (resampled
-    together, so ratios between labels are paired), and a function giving a draw list's bounds."""
+    together, so ratios between labels are paired), and a function giving a draw list's percentile
+    bounds; no bounds below :data:`kvlab.intervals.MIN_BCA` shared draws (a bootstrap of 2 draws
+    returns their range)."""
     common = sorted(set.intersection(*(set(u.index) for u in units.values())))
     rng = np.random.default_rng(seed)
     draws: dict[str, list[dict[str, float]]] = {label: [] for label in units}
-    if len(common) >= 2:
+    if len(common) >= MIN_BCA:
         for _ in range(n_boot):
             pick = [common[i] for i in rng.integers(0, len(common), len(common))]
             for label, u in units.items():

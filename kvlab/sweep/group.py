@@ -24,6 +24,7 @@ from typing import Any
 from tqdm import tqdm
 
 from kvlab import measure
+from kvlab.card import CARD_FIELDS
 from kvlab.columns import model_columns, policy_columns
 from kvlab.engine.engines import EngineSet, release_memory
 from kvlab.policies import make_policy
@@ -43,12 +44,11 @@ from kvlab.weights_quant import quantize_weights, weights_label
 class ModelSession:
     """A loaded model plus its per-variant policies (checked, prepared and warmed once) and its engines."""
 
-    def __init__(self, loaded, sampler, idle_w: float | None, gpu_name: str | None, gpu_uuid: str | None = None):
+    def __init__(self, loaded, sampler, idle_w: float | None):
         self.loaded = loaded
         self.sampler = sampler
         self.idle_w = idle_w
-        self.gpu_name = gpu_name
-        self.gpu_uuid = gpu_uuid
+        self.gpu = dict(getattr(sampler, "gpu", None) or {})  # the sampler's GPU, found by UUID
         self.host = socket.gethostname()
         self.policies: dict[tuple, Any] = {}
         self.broken: dict[tuple, str] = {}  # variant key (+ shape) -> error
@@ -133,12 +133,7 @@ def _open_model(params, model_name, loader, sampler, model_runs, sink, sweep_nam
     sink.log(f"kvlab sweep: loaded {model_name} in {time.monotonic() - started:.1f} s")
     idle_w = sampler.measure_idle(params.idle_s) if params.idle_s > 0 else None
     sink.idle(model_name, idle_w)
-    gpu_name = getattr(sampler, "gpu", {}).get("gpu_name")
-    if gpu_name is None and str(params.device).startswith("cuda"):
-        import torch
-
-        gpu_name = torch.cuda.get_device_name(torch.device(params.device))
-    return ModelSession(loaded, sampler, idle_w, gpu_name, getattr(sampler, "gpu", {}).get("gpu_uuid"))
+    return ModelSession(loaded, sampler, idle_w)
 
 
 def _measure(session: ModelSession, run: RunSpec, policy, probe: bool):
@@ -152,11 +147,9 @@ def _measure(session: ModelSession, run: RunSpec, policy, probe: bool):
 def _base_record(session: ModelSession, run: RunSpec, sweep_name: str, kind: str, policy) -> dict[str, Any]:
     """The run's identity, then the shared model and policy columns (:mod:`kvlab.columns`)."""
     rec = identity_record(run, sweep_name, kind)
-    model = model_columns(session.loaded)
-    rec.update(weights=model.get("weights"), dtype=model.get("dtype"),
-               gpu_name=session.gpu_name or model["gpu_name"],  # the sampler's GPU, found by UUID
-               gpu_uuid=session.gpu_uuid, host=session.host)
-    cols = policy_columns(policy)
+    model = model_columns(session.loaded, gpu=session.gpu)
+    rec.update({k: model.get(k) for k in ("weights", "dtype", *CARD_FIELDS)}, host=session.host)
+    cols = policy_columns(policy, run.engine)
     rec.update(cols, label=weights_label(cols["label"], run.weights_quant))
     return rec
 

@@ -38,6 +38,9 @@ class QuantizedPolicy(Policy):
     def label(self) -> str:
         return self.chunk_label(self.spec.label)
 
+    def engine_label(self, engine: str) -> str:
+        return self.asked_as(self.chunk_label(self.spec.fast_label)) if engine == "fast" else self.label
+
     def params(self) -> dict[str, Any]:
         return {"method": self.name, **self.spec.params(), "keep": 1.0, "bits": self.bits, **self.chunk_params()}
 

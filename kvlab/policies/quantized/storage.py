@@ -380,6 +380,17 @@ class QuantSpec:
         policy whose cache the prefill fills (None: the prompt whole)."""
         return KVQStorage(self.fast_format(), prefill)
 
+    @property
+    def fast_label(self) -> str:
+        """The label of the store the fast engine runs for this storage: kvlab's own format
+        (``kvq int4-g64``, ``kvq fp8``), whatever the backend's name (quanto's and transformers' fp8
+        layers do not run there). A storage with no fast store (hqq) keeps its own label: the fast
+        engine refuses it before any record names it."""
+        try:
+            return f"kvq {self.fast_format()}"
+        except PolicyError:
+            return self.label
+
     def evicting_layer_class(self) -> type:
         """The layer class that evicts at prefill, then stores the kept K/V this way."""
         return self.impl.evicting_layer_class(self)
