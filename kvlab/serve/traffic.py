@@ -158,8 +158,8 @@ def arrival_times(spec: TrafficSpec, rate: float | None) -> list[float] | None:
     else:
         shape = 1.0 if spec.arrival == "poisson" else spec.burstiness
         gaps = rng.gamma(shape, 1.0 / (rate * shape), size=n)
-    times = np.cumsum(gaps) - gaps[0]  # the first request at t = 0
-    if spec.requests and n > 1 and times[-1] > 0:
+    times = np.cumsum(gaps)
+    if spec.requests and times[-1] > 0:
         times *= (n / rate) / times[-1]  # vLLM: the last request leaves at exactly N / rate
     if spec.duration_s is not None:
         times = times[times < spec.duration_s]
