@@ -180,3 +180,49 @@ def test_a_request_that_can_never_fit_is_refused_at_add(tiny):
     engine = make_serving_engine(tiny, "full", num_blocks=4, block_size=4)
     with pytest.raises(ServeError, match="pool holds 4"):
         engine.add(Request("big", list(range(15)), 4, 0.0))
+
+
+def test_predicted_concurrency_is_the_pool_over_a_mean_requests_blocks():
+    from kvlab.serve.layout import predicted_concurrency
+    full = BlockLayout("full", 16, 1, "dense")
+    snap = BlockLayout("snapkv", 16, 1, "dense", keep=0.25)
+    lengths = [(96, 8)] * 40
+    assert predicted_concurrency(full, 28, lengths) == pytest.approx(28 / 7)  # ceil(104/16) = 7 blocks
+    assert predicted_concurrency(snap, 28, lengths) == pytest.approx(28 / 2)  # ceil((24+8)/16) = 2
+    assert predicted_concurrency(snap, 1000, lengths) == 40  # never more than the requests
+
+
+@pytest.mark.parametrize("traffic, method, words", [
+    ({"arrival": "gamma", "burstiness": -1, "rate": 1, "requests": 2, "lengths": FIXED}, "full", "burstiness"),
+    ({"arrival": "burst", "requests": 2, "lengths": FIXED, "server": {"block_size": 0}}, "full", "block_size"),
+    ({"arrival": "burst", "requests": 2, "lengths": FIXED, "slo": {"ttft": -1}}, "full", "slo.ttft"),
+    ({"arrival": "burst", "requests": 2, "lengths": FIXED}, "quest", "not served yet"),
+])
+def test_the_serving_sweep_refuses_bad_params_before_any_model_loads(tmp_path, traffic, method, words):
+    from kvlab.errors import UserError
+    from kvlab.serve.sweep import run_serving_sweep
+    from kvlab.sweep.params import parse_params
+
+    def refuse(*args, **kwargs):
+        pytest.fail("a model was loaded for bad input")
+
+    with pytest.raises(UserError, match=words):
+        params = parse_params({"models": "tiny-llama", "weights": "synthetic", "methods": [method], "ctx": [32],
+                               "traffic": traffic})
+        run_serving_sweep(params, tmp_path / "out", loader=refuse)
+
+
+def test_the_serving_sweep_runs_every_method_and_rate_and_records_them(tmp_path, tiny):
+    from kvlab.serve.sweep import run_serving_sweep
+    from kvlab.sweep.params import parse_params
+
+    params = parse_params({"models": "tiny-llama", "weights": "synthetic", "methods": ["full", "snapkv"], "keep": 0.5,
+                           "ctx": [32], "repeats": 2,
+                           "traffic": {"arrival": "poisson", "rate": [50, 100], "requests": 4,
+                                       "lengths": {"kind": "fixed", "input": 12, "output": 3},
+                                       "server": {"num_blocks": 16, "block_size": 4}, "slo": {"ttft": 10}}})
+    rows = run_serving_sweep(params, tmp_path, loader=lambda *a, **k: tiny, log=lambda s: None)
+    assert [(r["method"], r["rate"], r["repeat"]) for r in rows] == [
+        (m, rate, rep) for rep in (0, 1) for rate in (50.0, 100.0) for m in ("full", "snapkv")]
+    assert all(r["status"] == "complete" and r["completed"] == 4 and r["goodput"] is not None for r in rows)
+    assert len((tmp_path / "serve_runs.jsonl").read_text().splitlines()) == 8
