@@ -170,6 +170,8 @@ def test_abort_frees_blocks_and_stops_events(tiny):
     ("quest", {}, "supports full, snapkv"),
     ("full", {"num_blocks": 0}, "pool holds 0 blocks"),
     ("full", {}, "pass pool_gb"),
+    ("full", {"num_blocks": 4, "attention": "flash"}, "attention='flash'"),
+    ("kvq-fp8", {"num_blocks": 4, "attention": "triton"}, "dense pools"),
 ])
 def test_engine_refuses_with_one_clear_error(tiny, method, params, words):
     with pytest.raises(ServeError, match=words):
