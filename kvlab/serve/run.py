@@ -113,14 +113,14 @@ def run_workload(engine: ServingEngine, workload: Workload, out_dir=None, *, slo
                 rec = live[ev.request_id]
                 rec["token_times"].append(ev.time_s - start)
                 rec["token_ids"].append(ev.token_id)
-                if on_event:
-                    on_event(ev)
                 if ev.finished:
                     records.append(finish(rec, engine.finished.get(ev.request_id, {}), start, ev.finish_reason))
                     log.request(records[-1])
                     del live[ev.request_id]
                     if closed:
                         send(closed.pop(0), ev.time_s - start)
+                if on_event:  # after the event is recorded
+                    on_event(ev)
             counter_log.append((time.perf_counter() - start, counter()))
         status = "complete"
     finally:
