@@ -227,6 +227,7 @@ def test_the_serving_sweep_runs_every_method_and_rate_and_records_them(tmp_path,
     assert [(r["method"], r["rate"], r["repeat"]) for r in rows] == [
         (m, rate, rep) for rep in (0, 1) for rate in (50.0, 100.0) for m in ("full", "snapkv")]
     assert all(r["status"] == "complete" and r["completed"] == 4 and r["goodput"] is not None for r in rows)
+    assert all(0 < r["bookkeeping_share"] < 1 for r in rows)
     assert len((tmp_path / "serve_runs.jsonl").read_text().splitlines()) == 8
     from kvlab.serve import figures
     df = figures.load_sweep(tmp_path)

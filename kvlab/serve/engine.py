@@ -92,12 +92,16 @@ class ServingEngine:
                 "slots_filled": sum(s.stored for s in self.scheduler.running)}
 
     def step(self) -> list[TokenEvent]:
+        began = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch:
             return []
         now = time.perf_counter()
         chunks = [self.chunk(seq, n, now) for seq, n in batch]
         logits = self.runner.forward(chunks)
+        if logits.is_cuda:  # the forward's own time, not its launches (the tokens below wait for it anyway)
+            torch.cuda.synchronize(logits.device)
+        forward_s = time.perf_counter() - now  # the rest of the step is bookkeeping (and the eviction)
         events = []
         for (seq, n), chunk, row in zip(batch, chunks, logits, strict=True):
             seq.fed += n
@@ -108,8 +112,9 @@ class ServingEngine:
                 self.evict(seq, chunk)
             if seq.fed == len(seq.tokens):
                 events.append(self.emit(seq, int(row.argmax())))
-        self.timeline.append({"time_s": time.perf_counter(), **self.stats(),
-                              "tokens": sum(n for _, n in batch)})
+        ended = time.perf_counter()
+        self.timeline.append({"time_s": ended, **self.stats(), "tokens": sum(n for _, n in batch),
+                              "step_s": ended - began, "forward_s": forward_s})
         return events
 
     # -- inside a step ----------------------------------------------------------------------------

@@ -130,6 +130,8 @@ def run_workload(engine: ServingEngine, workload: Workload, out_dir=None, *, slo
         metrics.update(peak_running=peak_running, predicted_peak=predicted, energy_unit=energy_unit, preemptions_total=engine.scheduler.preemptions_total,
                        unfinished=len(live) + len(open_loop) + len(closed))
         timeline = [{**row, "time_s": row["time_s"] - start} for row in engine.timeline]
+        step_s = sum(row["step_s"] for row in timeline)
+        metrics["bookkeeping_share"] = (step_s - sum(row["forward_s"] for row in timeline)) / step_s if step_s else None
         log.write_status(status, metrics, timeline)
     return {"status": status, "records": records, "metrics": metrics, "timeline": timeline}
 
