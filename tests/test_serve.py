@@ -246,3 +246,15 @@ def test_crossover_is_the_lowest_rate_from_which_a_method_stays_at_or_below_full
     df = pd.DataFrame({"label": ["full "] * 3 + ["snapkv x"] * 3, "rate": [1, 2, 4] * 2,
                        "energy_per_request": [1.0, 1.0, 1.0, 1.5, 0.9, 0.8]})
     assert crossover_rates(df) == {"snapkv x": 2}
+
+
+def test_closed_loop_keeps_at_most_users_requests_in_flight(tiny, tmp_path):
+    from kvlab.serve.run import load_run, run_workload
+
+    spec = parse_traffic({"arrival": "closed", "users": 2, "requests": 5, "lengths": FIXED})
+    wl = build_workload(spec, None, None, vocab=100)
+    engine = make_serving_engine(tiny, "full", num_blocks=32, block_size=4)
+    res = run_workload(engine, wl, tmp_path)
+    assert res["status"] == "complete" and len(res["records"]) == 5
+    assert res["metrics"]["peak_concurrency"] == 2 and res["metrics"]["peak_running"] <= 2
+    assert load_run(tmp_path)["status"] == "complete" and len(load_run(tmp_path)["records"]) == 5
