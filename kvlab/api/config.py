@@ -23,8 +23,10 @@ class ServeConfig:
     policy: dict[str, Any] = field(default_factory=dict)  # the method's parameters (`kvlab policies`)
     weights: str | None = None
     device: str = "cpu"
-    pool_gb: float | None = None  # the KV block pool; None: the engine's default
+    pool_gb: float | None = None  # the KV block pool; None: CPU_POOL_GB on CPU, the GPU's free memory on CUDA
     block_size: int = 16
+    max_num_seqs: int | None = None  # the scheduler's batch limit; None: the engine's default
+    max_num_batched_tokens: int | None = None  # tokens per step (chunked prefill); None: the engine's default
     host: str = "127.0.0.1"
     port: int = 8000
     max_in_flight: int | None = None  # requests held at once (waiting + running); beyond it, 503
@@ -40,6 +42,10 @@ class ServeConfig:
             raise ServeConfigError(f"block_size {self.block_size!r}: tokens per KV block, an integer >= 1")
         if self.pool_gb is not None and not (isinstance(self.pool_gb, int | float) and self.pool_gb > 0):
             raise ServeConfigError(f"pool_gb {self.pool_gb!r}: a positive size in GB (or leave it out)")
+        for key in ("max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, key)
+            if value is not None and not (isinstance(value, int) and value >= 1):
+                raise ServeConfigError(f"{key} {value!r}: an integer >= 1 (or leave it out)")
         if self.max_in_flight is not None and not (isinstance(self.max_in_flight, int) and self.max_in_flight >= 1):
             raise ServeConfigError(f"max_in_flight {self.max_in_flight!r}: an integer >= 1 (or leave it out)")
         if self.weights not in (None, "real", "synthetic"):
@@ -47,6 +53,17 @@ class ServeConfig:
         return self
 
 
+    def engine_options(self) -> dict[str, Any]:
+        """``make_serving_engine``'s keywords besides the method's parameters."""
+        pool_gb = self.pool_gb if self.pool_gb is not None or self.device.startswith("cuda") else CPU_POOL_GB
+        options = {"pool_gb": pool_gb, "block_size": self.block_size, "device": self.device}
+        for key in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, key) is not None:
+                options[key] = getattr(self, key)
+        return options
+
+
+CPU_POOL_GB = 1.0  # SmolLM2-135M in float32: about 21k tokens of KV
 KEYS = tuple(f.name for f in fields(ServeConfig))
 
 

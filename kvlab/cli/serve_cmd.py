@@ -17,8 +17,12 @@ def register(sub) -> None:
     p.add_argument("--group-size", type=int, help="quantized methods: elements per scale")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                    help="any other policy parameter, value parsed as YAML (repeatable)")
-    p.add_argument("--pool-gb", type=float, help="KV block pool size in GB (default: the engine's)")
+    p.add_argument("--pool-gb", type=float, help="KV block pool size in GB (default: 1 on CPU, the GPU's free "
+                                                  "memory after the weights on CUDA)")
     p.add_argument("--block-size", type=int, help="tokens per KV block (default 16)")
+    p.add_argument("--max-num-seqs", type=int, help="requests in the running batch at most (default: the engine's)")
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   help="tokens per scheduler step, prefill chunks included (default: the engine's)")
     p.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=None, help="port (default 8000)")
     p.add_argument("--max-in-flight", type=int, help="requests held at once; more are refused with 503")

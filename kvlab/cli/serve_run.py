@@ -12,7 +12,8 @@ from kvlab.errors import UserError
 from kvlab.preflight import device_problem, require, weights_problem
 
 FLAG_POLICY = {"keep": "keep", "bits": "nbits", "group_size": "q_group_size"}
-FLAG_CONFIG = ("model", "weights", "device", "method", "pool_gb", "block_size", "host", "port", "max_in_flight")
+FLAG_CONFIG = ("model", "weights", "device", "method", "pool_gb", "block_size", "max_num_seqs", "max_num_batched_tokens",
+               "host", "port", "max_in_flight")
 
 
 def config_from_args(args):
@@ -51,8 +52,7 @@ def serve(args) -> int:
             listen_problem(config.host, config.port))
     logging.basicConfig(level=logging.INFO, format="kvlab serve: %(message)s")
     loaded = load_model(config.model, weights=config.weights, device=config.device)
-    engine = make_serving_engine(loaded, config.method, pool_gb=config.pool_gb, block_size=config.block_size,
-                                 device=config.device, **config.policy)
+    engine = make_serving_engine(loaded, config.method, **config.engine_options(), **config.policy)
     counter = nvml_reader(config.device) if config.device.startswith("cuda") else None
     app = make_app(engine, method=config.method, energy_j=counter.read if counter else (lambda: None),
                    max_in_flight=config.max_in_flight)

@@ -25,6 +25,7 @@ from kvlab.errors import UserError
 COMPLETIONS = "completions"
 CHAT = "chat"
 PATHS = {COMPLETIONS: "/v1/completions", CHAT: "/v1/chat/completions"}
+JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 @dataclass(frozen=True)
@@ -65,15 +66,15 @@ async def send_one(session: aiohttp.ClientSession, url: str, model: str, item: T
                            "max_tokens": item.max_tokens, "send_s": None, "token_times_s": [],
                            "end_s": None, "status": "failed", "http_status": None, "error": None,
                            "finish_reason": None, "input_tokens": None, "output_tokens": None}
+    body = json.dumps(request_body(item, model, endpoint)).encode()
     delay = t0 + item.arrival_s - time.perf_counter()
     if delay > 0:
         await asyncio.sleep(delay)
-    body = request_body(item, model, endpoint)
     try:
         if gate is not None:
             await gate.acquire()
         rec["send_s"] = time.perf_counter() - t0
-        async with session.post(url + PATHS[endpoint], json=body) as resp:
+        async with session.post(url + PATHS[endpoint], data=body, headers=JSON_HEADERS) as resp:
             rec["http_status"] = resp.status
             if resp.status != 200:
                 rec["status"], rec["error"] = "refused", _error_message(await resp.read())
@@ -93,29 +94,41 @@ async def send_one(session: aiohttp.ClientSession, url: str, model: str, item: T
 
 
 async def _read_stream(resp: aiohttp.ClientResponse, rec: dict[str, Any], t0: float) -> bool:
-    """Read SSE lines into ``rec``; True once ``[DONE]`` arrived."""
-    times = rec["token_times_s"]
-    async for line in resp.content:
-        if not line.startswith(b"data:"):
-            continue
+    """Read SSE events into ``rec`` (each read's events stamped with its arrival); True once
+    ``[DONE]`` arrived."""
+    buf = b""
+    async for data in resp.content.iter_any():
         now = time.perf_counter() - t0
-        data = line[5:].strip()
-        if data == b"[DONE]":
-            return True
-        chunk = json.loads(data)
-        if chunk.get("error"):
-            rec["error"] = str(chunk["error"].get("message", chunk["error"]))
-            return False
-        choices = chunk.get("choices")
-        if choices:
-            times.append(now)
-            reason = choices[0].get("finish_reason")
-            if reason:
-                rec["finish_reason"] = reason
-        usage = chunk.get("usage")
-        if usage:
-            rec["input_tokens"] = usage.get("prompt_tokens")
-            rec["output_tokens"] = usage.get("completion_tokens")
+        buf += data.replace(b"\r\n", b"\n") if b"\r" in data else data
+        *events, buf = buf.split(b"\n\n")
+        for event in events:
+            for line in event.split(b"\n"):
+                if line.startswith(b"data:") and _take(line[5:].strip(), rec, now):
+                    return True
+                if rec["error"] is not None:
+                    return False
+    return False
+
+
+def _take(data: bytes, rec: dict[str, Any], now: float) -> bool:
+    """One event's data into ``rec``; True for ``[DONE]``."""
+    if data == b"[DONE]":
+        return True
+    chunk = json.loads(data)
+    if chunk.get("error"):
+        rec["error"] = str(chunk["error"].get("message", chunk["error"]) if isinstance(chunk["error"], dict)
+                           else chunk["error"])
+        return False
+    choices = chunk.get("choices")
+    if choices:
+        rec["token_times_s"].append(now)
+        reason = choices[0].get("finish_reason")
+        if reason:
+            rec["finish_reason"] = reason
+    usage = chunk.get("usage")
+    if usage:
+        rec["input_tokens"] = usage.get("prompt_tokens")
+        rec["output_tokens"] = usage.get("completion_tokens")
     return False
 
 
