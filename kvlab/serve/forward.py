@@ -1,0 +1,83 @@
+"""One forward over a batch of chunks, each a run of one request's tokens, reading K/V from blocks.
+
+Every token is a row (as vLLM's flattened batch): the model's embedding, norms, fused projections
+and MLP (``kvlab.engine.llama``'s functions over the loaded model's own weights) run once over all
+rows; only attention is per request: each chunk writes its K/V into its request's slots and
+attends, causally, over every slot its block table holds. A decode step is a chunk of one token;
+a prefill chunk is many. The torch reference, the one a GPU kernel over block tables is checked
+against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from kvlab.engine.llama import LlamaFamilyStep, attention_inputs, layer_output, rms_norm, step_inputs
+from kvlab.serve.pool import slots_of
+
+
+@dataclass
+class Chunk:
+    """``tokens`` of one request at logical positions ``start..``, stored after its ``stored`` slots.
+
+    ``observe_from``: rows from which the post-RoPE queries are kept (an evicting method scores the
+    prompt with its last window of queries); None keeps none.
+    """
+
+    blocks: list[int]
+    tokens: list[int]
+    start: int
+    stored: int
+    observe_from: int | None = None
+    queries: list[torch.Tensor] = field(default_factory=list)  # per layer [Hq, w, D], filled by the forward
+
+
+class PagedForward:
+    """``forward(chunks) -> logits [len(chunks), V]`` of each chunk's last token."""
+
+    def __init__(self, model, pool, block_size: int):
+        self.step = LlamaFamilyStep(model)  # fused q/k/v and gate/up views of the model's own weights
+        self.pool = pool
+        self.block_size = block_size
+        self.device = next(model.parameters()).device
+
+    @torch.no_grad()
+    def forward(self, chunks: list[Chunk]) -> torch.Tensor:
+        s = self.step
+        tokens = torch.tensor([t for c in chunks for t in c.tokens], device=self.device).unsqueeze(1)
+        positions = torch.cat([torch.arange(c.start, c.start + len(c.tokens)) for c in chunks]).to(self.device)
+        hidden, cos, sin = step_inputs(s.embed, s.rotary, tokens, positions.unsqueeze(1))  # [N, 1, H]
+        bounds = torch.tensor([0] + [len(c.tokens) for c in chunks]).cumsum(0).tolist()
+        slots = [(slots_of(c.blocks, c.stored, c.stored + len(c.tokens), self.block_size),
+                  slots_of(c.blocks, 0, c.stored + len(c.tokens), self.block_size)) for c in chunks]
+        for i, layer in enumerate(s.layers):
+            eps_in, eps_post = s.eps[i]
+            q, k, v = attention_inputs(hidden, layer.input_layernorm.weight, eps_in, *s.qkv[i], cos, sin, s.heads)
+            out = []
+            for c, (new, held), lo, hi in zip(chunks, slots, bounds, bounds[1:], strict=False):
+                self.pool.write(i, new, k[lo:hi, :, 0], v[lo:hi, :, 0])
+                keys, values = self.pool.read(i, held)  # [Hkv, n_held, D]
+                qc = q[lo:hi, :, 0].transpose(0, 1)  # [Hq, n, D]
+                out.append(attend(qc, keys, values, s.scaling).transpose(0, 1))
+                if c.observe_from is not None:
+                    c.queries.append(qc[:, c.observe_from:])
+            attn = layer.self_attn
+            hidden = layer_output(hidden, torch.cat(out), attn.o_proj.weight, attn.o_proj.bias,
+                                  layer.post_attention_layernorm.weight, eps_post, *s.gate_up[i],
+                                  layer.mlp.down_proj.weight, layer.mlp.down_proj.bias, s.act)
+        last = hidden[torch.tensor(bounds[1:], device=self.device) - 1, -1]  # [len(chunks), H]
+        return s.lm_head(rms_norm(s.norm, last))
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """``q [Hq, n, D]``, the last ``n`` of the ``m`` held rows being its own: causal over the held K/V
+    ``[Hkv, m, D]`` (earlier held rows are all visible). -> ``[Hq, n, D]``."""
+    n, m = q.shape[1], keys.shape[1]
+    mask = None
+    if n > 1:
+        mask = torch.ones(n, m, dtype=torch.bool, device=q.device).tril(m - n)
+    return F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+                                          attn_mask=mask, scale=scale, enable_gqa=True)[0]

@@ -1,0 +1,70 @@
+"""How many pool blocks a request holds under each method, and what one block weighs.
+
+A block holds ``block_size`` token slots of every layer's K and V for every KV head (vLLM's layout:
+one block id indexes the same slots in each layer's pool). A method changes two things only:
+the bytes of a block (a quantized store's blocks are smaller, so the same pool holds more) and
+the tokens a request keeps after its prefill (an evicting method keeps ``budget`` per KV head,
+compacted into the first blocks, and frees the rest). Quest-style sparse reads keep every block.
+
+Head-adaptive budgets (AdaKV) keep a different count per head; in this layout a block holds every
+head, so a request needs the blocks of its *largest* head and the nominal saving frees nothing
+unless heads are padded to the same count (they are, in the hf engine) or get their own tables.
+
+This is the interface the storage protocol's paged layouts will back: ``bytes_per_block``,
+``prefill_blocks(n)``, ``resident_tokens(n)``, ``blocks_for(tokens)``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kvlab.budget import DTYPE_BITS, kv_elements_per_token
+from kvlab.models import ModelSpec
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """A method's block accounting. ``store`` names the pool kind: ``"dense"`` or a format label."""
+
+    method: str
+    block_size: int
+    bytes_per_block: int
+    store: str
+    keep: float = 1.0  # prompt fraction kept per KV head after the prefill (1.0: no eviction)
+    window: int = 0  # last prompt queries whose attention scores the prompt (evicting methods)
+
+    @property
+    def evicts(self) -> bool:
+        return self.keep < 1.0
+
+    def blocks_for(self, tokens: int) -> int:
+        return math.ceil(tokens / self.block_size)
+
+    def resident_tokens(self, prompt_tokens: int) -> int:
+        """Tokens a request stores once its prompt is in (after the eviction, if any)."""
+        if not self.evicts:
+            return prompt_tokens
+        return min(prompt_tokens, max(1, math.floor(prompt_tokens * self.keep)))
+
+    def prefill_blocks(self, prompt_tokens: int) -> int:
+        """Blocks held while the prompt is prefilled: every prompt token, before any eviction."""
+        return self.blocks_for(prompt_tokens)
+
+    def peak_blocks(self, prompt_tokens: int, new_tokens: int) -> int:
+        """The most blocks the request ever holds: its prefill, or its kept prompt plus its output."""
+        return max(self.prefill_blocks(prompt_tokens),
+                   self.blocks_for(self.resident_tokens(prompt_tokens) + new_tokens))
+
+    def pool_blocks(self, pool_bytes: float) -> int:
+        return int(pool_bytes // self.bytes_per_block)
+
+
+def dense_token_bytes(spec: ModelSpec, dtype_name: str) -> int:
+    """K and V bytes one token adds in the model dtype (``kvlab.budget``'s element count)."""
+    return kv_elements_per_token(spec) * DTYPE_BITS[dtype_name] // 8
+
+
+def format_token_bytes(spec: ModelSpec, fmt) -> int:
+    """K and V bytes one token adds in a ``kvlab.kernels`` format, its scales included."""
+    return 2 * spec.num_layers * spec.num_kv_heads * fmt.token_bytes(spec.head_dim)

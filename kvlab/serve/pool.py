@@ -1,0 +1,92 @@
+"""The block pool: a free list of block ids, and the K/V slots behind them (torch reference, CPU).
+
+Slots are addressed flat: slot ``block * block_size + offset``. ``write`` stores K/V rows at
+slots, ``read`` returns a request's K/V ``[Hkv, n, D]`` in the order of the slots it is given
+(its block table expanded to its stored length). A dense pool holds the model dtype; a format
+pool holds a ``kvlab.kernels`` format's codes and scales and dequantizes on read, so a quantized
+request attends over exactly the bits its blocks store.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from kvlab.kernels.formats import KVStore
+
+
+class BlockAllocator:
+    """Block ids on a free list (FIFO, as nano-vllm's); ``used`` counts the ids handed out."""
+
+    def __init__(self, num_blocks: int):
+        self.total = num_blocks
+        self.free_ids: deque[int] = deque(range(num_blocks))
+
+    @property
+    def free(self) -> int:
+        return len(self.free_ids)
+
+    @property
+    def used(self) -> int:
+        return self.total - len(self.free_ids)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self.free_ids):
+            raise RuntimeError(f"allocate({n}) with {len(self.free_ids)} free blocks: the scheduler must check first")
+        return [self.free_ids.popleft() for _ in range(n)]
+
+    def release(self, ids: list[int]) -> None:
+        self.free_ids.extend(ids)
+
+
+def slots_of(blocks: list[int], start: int, stop: int, block_size: int) -> torch.Tensor:
+    """Flat slots of token indices ``start..stop-1`` of a request whose block table is ``blocks``."""
+    idx = torch.arange(start, stop)
+    table = torch.tensor(blocks, dtype=torch.long)
+    return table[idx // block_size] * block_size + idx % block_size
+
+
+class DensePool:
+    """K and V per layer as ``[slots, Hkv, D]`` in the model dtype."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device):
+        shape = (num_layers, num_blocks * block_size, kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.dtype = dtype
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """``k``/``v`` ``[n, Hkv, D]`` into ``slots [n]``."""
+        self.k[layer, slots] = k.to(self.dtype)
+        self.v[layer, slots] = v.to(self.dtype)
+
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[layer, slots].transpose(0, 1), self.v[layer, slots].transpose(0, 1)
+
+
+class FormatPool:
+    """K and V per layer in a ``kvlab.kernels`` format: one ``KVStore`` of batch 1 whose token axis
+    is the pool's slots; each token is quantized on its own (its scales are per token)."""
+
+    def __init__(self, fmt, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device):
+        self.fmt, self.dtype, self.head_dim = fmt, dtype, head_dim
+        slots = num_blocks * block_size
+        self.k = [fmt.empty(1, kv_heads, slots, head_dim, device) for _ in range(num_layers)]
+        self.v = [fmt.empty(1, kv_heads, slots, head_dim, device) for _ in range(num_layers)]
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        for store, x in ((self.k[layer], k), (self.v[layer], v)):
+            codes = self.fmt.quantize(x.transpose(0, 1).unsqueeze(0).float())
+            for dst, src in zip(store.tensors(), codes.tensors(), strict=True):
+                dst[:, :, slots] = src
+
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = []
+        for store in (self.k[layer], self.v[layer]):
+            picked = KVStore(self.fmt, *(t[:, :, slots] if t is not None else None
+                                         for t in (store.codes, store.scale, store.zero)), self.head_dim)
+            out.append(picked.dequantize(len(slots))[0].to(self.dtype))
+        return out[0], out[1]
