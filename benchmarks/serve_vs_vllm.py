@@ -19,10 +19,11 @@ from pathlib import Path
 from kvlab.loadgen.external import kvlab_server, vllm_server
 from kvlab.loadgen.meter import cpu_time_reader
 from kvlab.loadgen.run import run_load
-from kvlab.loadgen.trace import poisson_trace
+from kvlab.loadgen.trace import fixed_items
 from kvlab.models import converted_gguf, smollm2_gguf_path
 
-KEYS = ("output_throughput", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")
+T95 = {3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571, 7: 2.447, 8: 2.365}
+KEYS = ("output_throughput", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s")
 
 
 def main() -> None:
@@ -39,7 +40,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     folder = converted_gguf(smollm2_gguf_path())
-    trace = poisson_trace(args.requests, args.rate, args.input_tokens, args.output_tokens, seed=0, vocab_size=49152)
+    trace = fixed_items(args.requests, args.rate, args.input_tokens, args.output_tokens, seed=0, vocab_size=49152)
     kv = kvlab_server("--model", "smollm2-135m", "--method", "full", "--pool-gb", str(args.pool_gb),
                       log_path=out / "kvlab.log")
     vl = vllm_server(folder, kv_cache_gb=max(1, round(args.pool_gb)), dtype=args.vllm_dtype, log_path=out / "vllm.log")
@@ -52,11 +53,11 @@ def main() -> None:
                 other = servers["vllm" if name == "kvlab" else "kvlab"][1]
                 idle = cpu_time_reader(other.pid)
                 idle0 = idle.read()
-                result = run_load(url, trace, out / f"{name}-{repeat}", name=name, repeat=repeat,
-                                  counter=cpu_time_reader(proc.pid))
-                s = result.summary
-                row = {"server": name, "repeat": repeat, **{k: s[k] for k in KEYS}, "completed": s["completed"],
-                       "cpu_s_per_output_token": s.get("cpu_s_per_output_token"),
+                result = run_load(url, trace, out / f"{name}-{repeat}", counter=cpu_time_reader(proc.pid),
+                                  meta={"server": name, "repeat": repeat})
+                m = result.metrics
+                row = {"server": name, "repeat": repeat, **{k: m[k] for k in KEYS}, "completed": m["completed"],
+                       "cpu_s_per_output_token": m["energy_per_output_token"],
                        "other_server_idle_cpu_s": idle.read() - idle0}
                 rows.append(row)
                 print(json.dumps(row))
@@ -66,8 +67,10 @@ def main() -> None:
     for key in KEYS:
         ratios = [a[key] / b[key] for a, b in zip(rows[0::2], rows[1::2], strict=True) if a[key] and b[key]]
         text = ", ".join(f"{r:.2f}" for r in ratios)
-        mean = f"mean {statistics.mean(ratios):.2f}" if ratios else ""
-        print(f"  {key}: {text} {mean}")
+        if len(ratios) >= 3:
+            mean, half = statistics.mean(ratios), T95.get(len(ratios), 2.262) * statistics.stdev(ratios) / len(ratios) ** 0.5
+            text += f"; mean {mean:.2f}, 95% interval [{mean - half:.2f}, {mean + half:.2f}]"
+        print(f"  {key}: {text} (n={len(ratios)})")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 
 import aiohttp
@@ -14,8 +15,10 @@ from fake_serving_engine import FakeServingEngine
 
 from kvlab.api.server import BackgroundServer, make_app
 from kvlab.loadgen.client import CHAT, replay
+from kvlab.loadgen.meter import cpu_time_reader
 from kvlab.loadgen.run import run_load
-from kvlab.loadgen.trace import poisson_trace
+from kvlab.loadgen.trace import fixed_items
+from kvlab.serve.run import load_run
 
 
 def served(engine=None, **app_kwargs):
@@ -117,29 +120,27 @@ def test_an_engine_failure_ends_its_requests_with_500_and_serving_goes_on():
 
 def test_load_generator_against_the_server_records_match_usage_and_metrics(tmp_path):
     engine, server = served(FakeServingEngine(step_s=0.002))
-    trace = poisson_trace(24, 200.0, input_tokens=12, output_tokens=6, seed=1, vocab_size=256)
+    trace = fixed_items(24, 200.0, input_tokens=12, output_tokens=6, seed=1, vocab_size=256)
     with server as url:
-        result = run_load(url, trace, tmp_path, name="fake")
+        result = run_load(url, trace, tmp_path, counter=cpu_time_reader(os.getpid()))
         _, text = asyncio.run(_get(url, "/metrics"))
-    s = result.summary
-    assert s["requests"] == s["completed"] == 24 and s["failed"] == s["refused"] == 0
+    m = result.metrics
+    assert result.status == "complete" and m["requests"] == m["completed"] == 24 and m["failed"] == m["refused"] == 0
     for rec, item in zip(result.records, trace, strict=True):
         assert rec["status"] == "ok" and rec["input_tokens"] == 12 and rec["output_tokens"] == 6
-        assert len(rec["token_times_s"]) == 6 and rec["finish_reason"] == "length"
-        assert item.arrival_s <= rec["send_s"] < rec["token_times_s"][0] <= rec["token_times_s"][-1] <= rec["end_s"]
-        assert 0 < rec["ttft_s"] <= rec["e2e_s"] and len(rec["itl_s"]) == 5
-        assert rec["tpot_s"] == pytest.approx((rec["e2e_s"] - rec["ttft_s"]) / 5)
-    assert s["output_tokens"] == 24 * 6 and s["ttft_p50_ms"] > 0 and s["tpot_p99_ms"] >= s["tpot_p50_ms"]
+        assert len(rec["token_times"]) == 6 and rec["finish_reason"] == "length"
+        assert item.arrival_s <= rec["arrival_s"] < rec["token_times"][0] <= rec["token_times"][-1] <= rec["finish_s"]
+    assert m["output_tokens"] == m["usage_output_tokens"] == 24 * 6
+    assert 0 < m["ttft_p50_s"] <= m["e2el_p50_s"] and m["tpot_p99_s"] >= m["tpot_p50_s"] > 0
+    assert m["cost_source"].startswith("cpu-time") and m["peak_concurrency"] >= 1
     assert metrics_values(text)['kvlab_requests_total{outcome="ok"}'] == 24
-    lines = (tmp_path / "requests.jsonl").read_text().splitlines()
-    assert len(lines) == 24 and json.loads(lines[0])["kind"] == "request"
-    assert json.loads((tmp_path / "records.jsonl").read_text())["completed"] == 24
-    assert json.loads((tmp_path / "manifest.json").read_text())["requests"] == 24
+    assert load_run(tmp_path)["status"] == "complete" and len(load_run(tmp_path)["records"]) == 24
+    assert json.loads((tmp_path / "run.json").read_text())["metrics"]["completed"] == 24
 
 
 def test_two_clients_at_once_share_the_batch():
     engine, server = served(FakeServingEngine(step_s=0.005))
-    a = poisson_trace(6, None, 8, 10, seed=2, vocab_size=256)
+    a = fixed_items(6, None, 8, 10, seed=2, vocab_size=256)
     b = [type(x)(f"b{x.request_id}", x.arrival_s, "the quick brown fox", x.max_tokens) for x in a]
 
     async def both(url):
@@ -148,6 +149,7 @@ def test_two_clients_at_once_share_the_batch():
     with server as url:
         (recs_a, _), (recs_b, _) = asyncio.run(both(url))
     assert all(r["status"] == "ok" and r["output_tokens"] == 10 for r in recs_a + recs_b)
+    assert all(r["input_tokens"] == 8 for r in recs_a)
     assert engine.peak_running == 8  # both clients' requests ran in one batch (max_batch 8)
 
 
@@ -181,7 +183,7 @@ def test_a_client_leaving_mid_stream_cancels_its_request_and_frees_its_blocks():
 
 def test_200_requests_nothing_lost_each_answered_or_refused_with_a_reason():
     engine, server = served(FakeServingEngine(blocks_total=16, max_batch=8, step_s=0.001), max_in_flight=60)
-    trace = poisson_trace(200, None, 16, 8, seed=3, vocab_size=256)  # all at once: more than the server holds
+    trace = fixed_items(200, None, 16, 8, seed=3, vocab_size=256)  # all at once: more than the server holds
     too_long = {i: type(t)(t.request_id, t.arrival_s, t.prompt * 20, t.max_tokens) for i, t in enumerate(trace)
                 if i % 25 == 0}  # 320-token prompts: over the model's 256
     trace = [too_long.get(i, t) for i, t in enumerate(trace)]

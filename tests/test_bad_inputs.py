@@ -494,7 +494,7 @@ CASES = [
     ("loadgen-output-tokens", "loadgen --target http://127.0.0.1:9 --output-tokens -1", None, "--output-tokens"),
     ("loadgen-model", ["loadgen", "--target", "http://127.0.0.1:9", "--model", " "], None, "--model is empty"),
     ("loadgen-endpoint", "loadgen --target http://127.0.0.1:9 --endpoint embeddings", None, "invalid choice"),
-    ("loadgen-vocab-size", "loadgen --target http://127.0.0.1:9 --vocab-size 10", None, "--vocab-size"),
+    ("loadgen-vocab-size", "loadgen --target http://127.0.0.1:9 --vocab-size 1", None, "--vocab-size"),
     ("loadgen-seed", "loadgen --target http://127.0.0.1:9 --seed x", None, "argument --seed"),
     ("loadgen-max-concurrency", "loadgen --target http://127.0.0.1:9 --max-concurrency 0", None, "--max-concurrency"),
     ("loadgen-out", "loadgen --target http://127.0.0.1:9 --out {tmp}/f", files({"f": "x"}), "is a file"),

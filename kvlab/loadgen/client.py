@@ -3,10 +3,11 @@
 Each request is sent at its trace offset (open loop: a slow server does not slow the arrivals)
 over one keep-alive connection pool, streamed, and timed the way vLLM's serving benchmark times it:
 a chunk that carries ``choices`` is a token arrival (the first is TTFT); ``usage`` in the last
-chunk gives the token counts. The record keeps the raw clock readings (seconds since the replay
-began, ``time.perf_counter``) so any metric can be computed from it later. Every request ends in
-a record: ``ok``, ``refused`` (an HTTP error with the server's reason) or ``failed`` (no answer:
-connection lost, timeout, a stream that ended early).
+chunk gives the token counts. The record has the in-process serving run's keys (``arrival_s``,
+here the send time as vLLM's client takes it; ``token_times``; ``finish_s``; token counts: seconds
+since the replay began, ``time.perf_counter``), so :mod:`kvlab.serve.metrics` reads both alike.
+Every request ends in a record with a ``status``: ``ok``, ``refused`` (an HTTP error with the
+server's reason) or ``failed`` (no answer: connection lost, timeout, a stream that ended early).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,11 +62,11 @@ def _error_message(raw: bytes) -> str:
 async def send_one(session: aiohttp.ClientSession, url: str, model: str, item: TimedRequest, *,
                    endpoint: str, t0: float, gate: asyncio.Semaphore | None = None) -> dict[str, Any]:
     """Send ``item`` at its offset after ``t0``; return its raw record (never raises)."""
-    rec: dict[str, Any] = {"request_id": item.request_id, "scheduled_s": item.arrival_s,
-                           "prompt_tokens_sent": len(item.prompt) if isinstance(item.prompt, list) else None,
-                           "max_tokens": item.max_tokens, "send_s": None, "token_times_s": [],
-                           "end_s": None, "status": "failed", "http_status": None, "error": None,
-                           "finish_reason": None, "input_tokens": None, "output_tokens": None}
+    sent_ids = len(item.prompt) if isinstance(item.prompt, list) else None
+    rec: dict[str, Any] = {"request_id": item.request_id, "scheduled_s": item.arrival_s, "arrival_s": None,
+                           "input_tokens": sent_ids, "max_new_tokens": item.max_tokens, "token_times": [],
+                           "finish_s": None, "output_tokens": None, "finish_reason": None,
+                           "status": "failed", "http_status": None, "error": None}
     body = json.dumps(request_body(item, model, endpoint)).encode()
     delay = t0 + item.arrival_s - time.perf_counter()
     if delay > 0:
@@ -73,14 +74,16 @@ async def send_one(session: aiohttp.ClientSession, url: str, model: str, item: T
     try:
         if gate is not None:
             await gate.acquire()
-        rec["send_s"] = time.perf_counter() - t0
+        rec["arrival_s"] = time.perf_counter() - t0
         async with session.post(url + PATHS[endpoint], data=body, headers=JSON_HEADERS) as resp:
             rec["http_status"] = resp.status
             if resp.status != 200:
                 rec["status"], rec["error"] = "refused", _error_message(await resp.read())
                 return rec
             done = await _read_stream(resp, rec, t0)
-        rec["end_s"] = time.perf_counter() - t0
+        rec["finish_s"] = time.perf_counter() - t0
+        if rec["output_tokens"] is None:  # a server without usage in streams: one token per chunk
+            rec["output_tokens"] = len(rec["token_times"])
         if done:
             rec["status"] = "ok"
         elif rec["error"] is None:
@@ -88,7 +91,7 @@ async def send_one(session: aiohttp.ClientSession, url: str, model: str, item: T
     except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as err:  # ValueError: a chunk not JSON
         rec["error"] = f"{type(err).__name__}: {err}"
     finally:
-        if gate is not None and rec["send_s"] is not None:
+        if gate is not None and rec["arrival_s"] is not None:
             gate.release()
     return rec
 
@@ -121,13 +124,13 @@ def _take(data: bytes, rec: dict[str, Any], now: float) -> bool:
         return False
     choices = chunk.get("choices")
     if choices:
-        rec["token_times_s"].append(now)
+        rec["token_times"].append(now)
         reason = choices[0].get("finish_reason")
         if reason:
             rec["finish_reason"] = reason
     usage = chunk.get("usage")
     if usage:
-        rec["input_tokens"] = usage.get("prompt_tokens")
+        rec["input_tokens"] = usage.get("prompt_tokens", rec["input_tokens"])
         rec["output_tokens"] = usage.get("completion_tokens")
     return False
 
@@ -148,10 +151,11 @@ async def first_model(session: aiohttp.ClientSession, url: str) -> str:
 
 
 async def replay(url: str, items: Sequence[TimedRequest], *, model: str | None = None,
-                 endpoint: str = COMPLETIONS, max_concurrency: int | None = None,
-                 timeout_s: float = 3600.0) -> tuple[list[dict[str, Any]], float]:
+                 endpoint: str = COMPLETIONS, max_concurrency: int | None = None, timeout_s: float = 3600.0,
+                 on_record: Callable[[dict[str, Any]], None] | None = None) -> tuple[list[dict[str, Any]], float]:
     """Send every item at its offset; return the records (in trace order) and the replay's start
-    on ``time.perf_counter`` (the zero of every ``*_s`` field)."""
+    on ``time.perf_counter`` (the zero of every time field). ``on_record`` gets each record as its
+    request ends (a run's log appends it at once)."""
     if endpoint not in PATHS:
         raise ValueError(f"endpoint {endpoint!r}: choose {' or '.join(PATHS)}")
     url = url.rstrip("/")
@@ -161,9 +165,13 @@ async def replay(url: str, items: Sequence[TimedRequest], *, model: str | None =
         model = model or await first_model(session, url)
         gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
         t0 = time.perf_counter()
-        tasks = [asyncio.create_task(send_one(session, url, model, item, endpoint=endpoint, t0=t0, gate=gate))
-                 for item in items]
-        records = await asyncio.gather(*tasks)
-    for rec in records:
-        rec["model"], rec["endpoint"] = model, endpoint
+
+        async def one(item: TimedRequest) -> dict[str, Any]:
+            rec = await send_one(session, url, model, item, endpoint=endpoint, t0=t0, gate=gate)
+            rec["model"], rec["endpoint"] = model, endpoint
+            if on_record is not None:
+                on_record(rec)
+            return rec
+
+        records = await asyncio.gather(*(one(item) for item in items))
     return list(records), t0

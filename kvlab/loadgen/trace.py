@@ -1,32 +1,28 @@
-"""Trace rows for a replay: :class:`~kvlab.loadgen.client.TimedRequest` s with token-id prompts of
-exact lengths (any server then sees the same input lengths without a shared tokenizer)."""
+"""A serving workload (:mod:`kvlab.serve.workload`, built from a ``traffic:`` block) as the load
+generator's rows: each request's send time and token-id prompt (token ids give every server the
+same input lengths without a shared tokenizer)."""
 
 from __future__ import annotations
 
-import numpy as np
-
+from kvlab.errors import UserError
 from kvlab.loadgen.client import TimedRequest
+from kvlab.serve.traffic import parse_traffic
+from kvlab.serve.workload import Workload, build_workload
 
 
-def poisson_trace(n: int, rate: float | None, input_tokens: int, output_tokens: int, *, seed: int = 0,
-                  vocab_size: int = 32000) -> list[TimedRequest]:
-    """``n`` requests of fixed lengths, Poisson arrivals at ``rate`` per second (None: all at t = 0),
-    prompts of seeded random token ids in ``[100, vocab_size - 100)``."""
-    if n < 1 or input_tokens < 1 or output_tokens < 1:
-        raise ValueError("n, input_tokens and output_tokens must be >= 1")
-    if rate is not None and rate <= 0:
-        raise ValueError(f"rate={rate}: a positive rate, or None for all at once")
-    rng = np.random.default_rng(seed)
-    gaps = rng.exponential(1.0 / rate, n) if rate else np.zeros(n)
-    arrivals = np.cumsum(gaps) - gaps[0]
-    prompts = rng.integers(100, max(101, vocab_size - 100), size=(n, input_tokens))
-    return [TimedRequest(f"r{i}", float(arrivals[i]), [int(t) for t in prompts[i]], output_tokens)
-            for i in range(n)]
+def items_from_workload(workload: Workload) -> list[TimedRequest]:
+    """Open-loop rows in arrival order; a closed-loop workload is refused (the client sends on a clock)."""
+    if any(item.arrival_s is None for item in workload.items):
+        raise UserError("the load generator replays open-loop arrivals (poisson, gamma, constant, burst, trace); "
+                        "closed loop (users) runs in-process only")
+    return [TimedRequest(f"r{k}", float(item.arrival_s), list(item.prompt_ids), int(item.output_len))
+            for k, item in enumerate(workload.items)]
 
 
-def from_rows(rows, *, seed: int = 0, vocab_size: int = 32000) -> list[TimedRequest]:
-    """A trace from ``(arrival_s, input_tokens, output_tokens)`` rows (a CSV/JSONL trace, or the
-    serving engine's traffic), prompts of seeded random token ids."""
-    rng = np.random.default_rng(seed)
-    return [TimedRequest(f"r{i}", float(t), [int(x) for x in rng.integers(100, max(101, vocab_size - 100), int(n_in))],
-                         int(n_out)) for i, (t, n_in, n_out) in enumerate(rows)]
+def fixed_items(requests: int, rate: float | None, input_tokens: int, output_tokens: int, *, seed: int = 0,
+                vocab_size: int = 32000, tokenizer=None) -> list[TimedRequest]:
+    """``requests`` of fixed lengths, Poisson at ``rate`` per second (None: all at once): the
+    ``traffic:`` block ``{arrival: poisson, rate, requests, seed, lengths: {kind: fixed, ...}}``."""
+    spec = parse_traffic({"arrival": "poisson" if rate else "burst", "rate": rate, "requests": requests,
+                          "seed": seed, "lengths": {"kind": "fixed", "input": input_tokens, "output": output_tokens}})
+    return items_from_workload(build_workload(spec, rate, tokenizer, vocab_size))
