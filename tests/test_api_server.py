@@ -226,3 +226,22 @@ def test_server_survives_a_burst_of_disconnects():
         values = asyncio.run(burst(url))
         ok, _ = asyncio.run(_post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 2}))
     assert values["kvlab_kv_blocks_used"] == 0 and ok == 200
+
+
+def test_gpu_energy_over_the_steady_state_from_an_nvml_counter():
+    """The load generator's J/token with a (fake) local GPU at a constant 200 W: the window's
+    energy is 200 W x its length, shared by the tokens generated in it."""
+    from fake_nvml import FakeNvml
+
+    from kvlab.loadgen.meter import nvml_reader
+
+    counter = nvml_reader("cuda:0", nvml=FakeNvml(segments=[(0.0, 200.0)]), uuid="aaaa-0000")
+    _, server = served(FakeServingEngine(step_s=0.004))
+    with server as url:
+        result = run_load(url, fixed_items(30, 40.0, 8, 4, seed=4, vocab_size=256), counter=counter)
+    m = result.metrics
+    assert m["cost_unit"] == "J" and m["cost_source"].startswith("nvml-counter")
+    t0, t1 = m["steady_window_s"]
+    tokens = sum(t0 < t <= t1 for r in result.records for t in r["token_times"])
+    assert m["energy_per_output_token"] * tokens == pytest.approx(200.0 * (t1 - t0), rel=0.02)
+    assert m["energy_per_request"] == pytest.approx(m["energy_per_output_token"] * 4)

@@ -23,9 +23,10 @@ class CounterReader:
         self.read, self.unit, self.source = read, unit, source
 
 
-def nvml_reader(device: str = "cuda:0") -> CounterReader | None:
-    """The local GPU's energy counter, or None where NVML cannot read one."""
-    sampler = make_sampler(device)
+def nvml_reader(device: str = "cuda:0", *, nvml=None, uuid: str | None = None) -> CounterReader | None:
+    """The local GPU's energy counter, or None where NVML cannot read one (``nvml``, ``uuid``: as
+    :func:`kvlab.energy.make_sampler` takes them)."""
+    sampler = make_sampler(device, nvml=nvml, uuid=uuid, sync=lambda: None)
     if not isinstance(sampler, NvmlSampler):
         return None
     nvml, handle = sampler.nvml, sampler.handle
