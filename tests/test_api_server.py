@@ -245,3 +245,31 @@ def test_gpu_energy_over_the_steady_state_from_an_nvml_counter():
     tokens = sum(t0 < t <= t1 for r in result.records for t in r["token_times"])
     assert m["energy_per_output_token"] * tokens == pytest.approx(200.0 * (t1 - t0), rel=0.02)
     assert m["energy_per_request"] == pytest.approx(m["energy_per_output_token"] * 4)
+
+
+def test_incremental_text_waits_for_whole_characters():
+    from kvlab.api.server import Detokenizer
+
+    tok = FakeServingEngine().tokenizer  # byte-level: a multi-byte character spans tokens
+    ids = tok.encode("the café 🎉 naïve")
+    d = Detokenizer(tok)
+    deltas = [d.push(i) for i in ids]
+    assert "".join(deltas) == d.text == tok.decode(ids) and all("\ufffd" not in x for x in deltas)
+    assert "" in deltas  # the first bytes of é and 🎉 gave no text yet
+
+
+def test_serve_config_from_a_params_file_and_flags(tmp_path):
+    import argparse
+
+    from kvlab.cli.serve_cmd import register
+    from kvlab.cli.serve_run import config_from_args
+
+    (tmp_path / "s.yaml").write_text("model: smollm2-135m\nmethod: snapkv\npolicy: {keep: 0.5, window_size: 8}\n"
+                                     "port: 8100\nmax_num_seqs: 4\n")
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--params", str(tmp_path / "s.yaml"), "--keep", "0.25", "--port", "8200"])
+    config = config_from_args(args)
+    assert (config.model, config.method, config.port, config.host) == ("smollm2-135m", "snapkv", 8200, "127.0.0.1")
+    assert config.policy == {"keep": 0.25, "window_size": 8}
+    assert config.engine_options() == {"pool_gb": 1.0, "block_size": 16, "device": "cpu", "max_num_seqs": 4}

@@ -58,20 +58,26 @@ STATE = web.AppKey("state", ServerState)
 
 
 class Detokenizer:
-    """A request's text so far; each token gives the new characters (whole-text decoding, so
-    multi-token characters come out once complete)."""
+    """A request's text, token by token, decoding only a short window (vLLM's incremental rule):
+    the new text is what ``ids[prefix:]`` adds to ``ids[prefix:read]``; a half character (a
+    replacement mark at the end) waits for the next token. ``text`` is the whole answer."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
+        self.prefix = self.read = 0
         self.text = ""
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # half a character: wait for the rest
+        decode = self.tokenizer.decode
+        before = decode(self.ids[self.prefix:self.read], skip_special_tokens=True)
+        after = decode(self.ids[self.prefix:], skip_special_tokens=True)
+        if len(after) <= len(before) or after.endswith("\ufffd"):
             return ""
-        delta, self.text = text[len(self.text):], text
+        delta = after[len(before):]
+        self.prefix, self.read = self.read, len(self.ids)
+        self.text += delta
         return delta
 
 
