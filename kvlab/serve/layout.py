@@ -60,6 +60,15 @@ class BlockLayout:
         return int(pool_bytes // self.bytes_per_block)
 
 
+def predicted_concurrency(layout: BlockLayout, pool_blocks: int, lengths: list[tuple[int, int]]) -> float:
+    """The capacity model's peak concurrent requests: the pool over the blocks a mean request holds
+    at its end (its kept prompt plus its output), capped by the number of requests."""
+    if not lengths:
+        return 0.0
+    held = sum(layout.blocks_for(layout.resident_tokens(p) + o) for p, o in lengths) / len(lengths)
+    return min(float(len(lengths)), pool_blocks / held)
+
+
 def dense_token_bytes(spec: ModelSpec, dtype_name: str) -> int:
     """K and V bytes one token adds in the model dtype (``kvlab.budget``'s element count)."""
     return kv_elements_per_token(spec) * DTYPE_BITS[dtype_name] // 8

@@ -7,11 +7,10 @@ import torch
 
 from kvlab.kernels.formats import parse_format
 from kvlab.models import ModelSpec
+from kvlab.serve import SERVED
 from kvlab.serve.layout import BlockLayout, dense_token_bytes, format_token_bytes
 from kvlab.serve.pool import DensePool, FormatPool
 from kvlab.serve.request import ServeError
-
-SERVED = ("full", "snapkv", "kvq-fp8", "kvq-int4", "kvq-int2")
 
 
 def check_method(method: str) -> None:

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from kvlab.serve.engine import Request, ServingEngine
+from kvlab.serve.layout import predicted_concurrency
 from kvlab.serve.metrics import run_metrics
 from kvlab.serve.workload import Workload
 
@@ -54,6 +55,8 @@ def run_workload(engine: ServingEngine, workload: Workload, out_dir=None, *, slo
                  counter=cpu_seconds, meta: dict | None = None, on_event=None) -> dict:
     """Run every request of ``workload``; returns ``{"status", "records", "metrics", "timeline"}``.
     Record times are seconds from the run's start."""
+    predicted = predicted_concurrency(engine.layout, engine.allocator.total,
+                                      [(len(it.prompt_ids), it.output_len) for it in workload.items])
     log = RunLog(out_dir, {"model": engine.model_name, "method": engine.layout.method,
                            "block_size": engine.layout.block_size, "bytes_per_block": engine.layout.bytes_per_block,
                            "blocks_total": engine.allocator.total, **workload.meta, **(meta or {})})
@@ -103,7 +106,7 @@ def run_workload(engine: ServingEngine, workload: Workload, out_dir=None, *, slo
         duration = time.perf_counter() - start
         peak_running = max((row["running"] for row in engine.timeline), default=0)
         metrics = run_metrics(records, duration, slo=slo, batch=peak_running, counter=counter_log)
-        metrics.update(peak_running=peak_running, preemptions_total=engine.scheduler.preemptions_total,
+        metrics.update(peak_running=peak_running, predicted_peak=predicted, preemptions_total=engine.scheduler.preemptions_total,
                        unfinished=len(live) + len(open_loop) + len(closed))
         timeline = [{**row, "time_s": row["time_s"] - start} for row in engine.timeline]
         log.write_status(status, metrics, timeline)

@@ -13,6 +13,9 @@ input_sigma, output_median, output_sigma}``, ``{kind: trace, path}`` (CSV or JSO
 input tokens, output tokens), ``{kind: sharegpt}`` (:mod:`kvlab.serve.sharegpt`) or
 ``{kind: mooncake}`` (:data:`MOONCAKE`). ``max_input`` / ``max_output`` clip drawn lengths (a
 small model's context).
+
+``server`` sets the engine (pool size, block size, scheduler limits); ``slo`` (``ttft``, ``tpot``,
+``e2el`` in seconds) defines goodput.
 """
 
 from __future__ import annotations
@@ -79,6 +82,31 @@ class Lengths(BaseModel):
         return self
 
 
+class Server(BaseModel):
+    """The serving engine's settings for a traffic run (``make_serving_engine``'s keywords)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    pool_gb: float | None = Field(None, gt=0, description="GB of KV blocks (default on CUDA: free memory - 2 GB)")
+    num_blocks: int | None = Field(None, ge=1, description="the pool's block count (instead of pool_gb)")
+    block_size: int = Field(16, ge=1, description="tokens per block")
+    max_num_seqs: int = Field(256, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=1, description="tokens per step (prefill chunks + decodes)")
+
+
+class SLO(BaseModel):
+    """Goodput's service levels, seconds; a request is good if it meets every one given."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ttft: float | None = Field(None, gt=0)
+    tpot: float | None = Field(None, gt=0)
+    e2el: float | None = Field(None, gt=0)
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in self.model_dump().items() if v is not None}
+
+
 class TrafficSpec(BaseModel):
     """The ``traffic:`` block of sweep params, key for key."""
 
@@ -93,6 +121,8 @@ class TrafficSpec(BaseModel):
     rate_scale: float = Field(1.0, gt=0, description="trace arrivals: divide the trace's times by this")
     seed: int = 0
     lengths: Lengths
+    server: Server = Field(default_factory=Server)
+    slo: SLO | None = None
 
     @field_validator("rate", mode="before")
     @classmethod
@@ -158,8 +188,8 @@ def arrival_times(spec: TrafficSpec, rate: float | None) -> list[float] | None:
     else:
         shape = 1.0 if spec.arrival == "poisson" else spec.burstiness
         gaps = rng.gamma(shape, 1.0 / (rate * shape), size=n)
-    times = np.cumsum(gaps) - gaps[0]  # the first request at t = 0
-    if spec.requests and n > 1 and times[-1] > 0:
+    times = np.cumsum(gaps)
+    if spec.requests and times[-1] > 0:
         times *= (n / rate) / times[-1]  # vLLM: the last request leaves at exactly N / rate
     if spec.duration_s is not None:
         times = times[times < spec.duration_s]

@@ -16,6 +16,7 @@ from kvlab.errors import UserError
 from kvlab.models import ModelError, get_spec
 from kvlab.preflight import compressions, device_problem, shape_problems, weights_problem
 from kvlab.quality import TaskSpec
+from kvlab.serve import SERVED
 from kvlab.sweep.params import (
     DTYPES,
     MethodVariant,
@@ -85,7 +86,7 @@ def prefill_rows_problems(params: SweepParams) -> list[str]:
 
 
 def check_params(params: SweepParams, check_device: bool = True,
-                 own_loader: bool = False) -> list[tuple[int, MethodVariant]]:
+                 own_loader: bool = False, serving: bool = False) -> list[tuple[int, MethodVariant]]:
     """Validate against models, policies and (with ``check_device``) this machine's device and its
     memory, without loading weights; returns the method variants. ``own_loader``: the caller loads
     models itself (a test's loader may give synthetic weights a tokenizer; kvlab's never does).
@@ -120,6 +121,9 @@ def check_params(params: SweepParams, check_device: bool = True,
         problems.append(f"sdpa_backend: {params.sdpa_backend!r} only applies with attn_implementation: sdpa")
     if not params.methods:
         problems.append("methods: empty; list at least one method, e.g. [full]")
+    if params.traffic is not None and not serving:
+        problems.append("traffic: kvlab sweep runs static batches; a traffic block runs with "
+                        "python benchmarks/serve_rates.py PARAMS -o OUT (or drop traffic)")
     problems += weights_quant_problems(params.weights_quant, params.engine)
     problems += budget_problems(params, check_device)
     problems += prefill_rows_problems(params)
@@ -198,6 +202,10 @@ def check_params(params: SweepParams, check_device: bool = True,
                 v.method + (f": {args}" if where not in ("keep", "bits") and args else ""))
     for (where, err), methods in failures.items():
         problems.append(f"{where} ({', '.join(dict.fromkeys(methods))}): {err}")
+    unserved = [v.method for _, v in variants if v.method not in SERVED]
+    if serving and unserved:
+        problems.append(f"methods: {', '.join(dict.fromkeys(unserved))} not served yet; the serving engine runs "
+                        f"{', '.join(SERVED)}")
     if problems:
         raise params_error(problems)
     return variants

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 from kvlab.errors import UserError
 from kvlab.preflight import read_text_file
 from kvlab.records import canonical_json
+from kvlab.serve.traffic import TrafficError, TrafficSpec, parse_traffic
 from kvlab.workload import CtxDistribution, WorkloadError, parse_distribution
 
 SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
@@ -115,6 +116,10 @@ class SweepParams(BaseModel):
         None, description="a quality pass after the performance runs: kvlab.quality.TaskSpec keys "
                           "(tasks, lengths, depths, samples, ...); needs real weights")
 
+    traffic: TrafficSpec | None = Field(
+        None, description="serving under traffic: arrivals, rates, lengths, server, slo (kvlab.serve.traffic); "
+                          "run with benchmarks/serve_rates.py, not kvlab sweep")
+
     _lists = field_validator("models", "batch", "keep", "bits", "methods", "engine", "weights_quant",
                              mode="before")(_as_list)
 
@@ -132,6 +137,16 @@ class SweepParams(BaseModel):
         except ValidationError as err:
             raise ValueError(f"{err.errors()[0]['msg']}; give lengths in tokens, e.g. [4096, 16384], or a "
                              f"distribution such as {{dist: lognormal, median: 4096, sigma: 0.6}}") from None
+
+    @field_validator("traffic", mode="before")
+    @classmethod
+    def _traffic(cls, value):
+        if value is None:
+            return None
+        try:
+            return parse_traffic(value)
+        except TrafficError as err:
+            raise ValueError(str(err)) from None
 
     @field_validator("prefill_chunk", mode="before")
     @classmethod

@@ -1,0 +1,59 @@
+"""The serving sweep: a params file with a ``traffic:`` block, every method at every rate.
+
+    python benchmarks/serve_rates.py params/serve-cpu.yaml -o out/serve-cpu
+    python benchmarks/serve_rates.py params/h100-serve-sharegpt.yaml -o $OUT/serve-sharegpt
+
+Per run: a folder with ``run.json`` (status, metrics), ``requests.jsonl`` (one record per finished
+request), ``timeline.jsonl`` (running, waiting, blocks used per step); one row per run in
+``serve_runs.jsonl``. Printed at the end: per method and rate, the medians over repeats of p99
+TTFT, p99 TPOT, output tokens/s, goodput and peak running requests, with n; beside each method its
+predicted peak concurrency (pool blocks / blocks a mean request holds), so the two read side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections import defaultdict
+
+from kvlab.errors import UserError
+from kvlab.serve.sweep import run_serving_sweep
+from kvlab.sweep.params import load_params
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("params")
+    ap.add_argument("-o", "--out", required=True)
+    ap.add_argument("--set", action="append", default=[], help="KEY=VALUE overrides, as kvlab sweep")
+    args = ap.parse_args(argv)
+    try:
+        params = load_params(args.params, args.set)
+        if params.traffic is None:
+            raise UserError(f"{args.params}: no traffic: block; add one (kvlab.serve.traffic)")
+        rows = run_serving_sweep(params, args.out)
+    except UserError as err:
+        print(f"serve_rates: error: {err}", file=sys.stderr)
+        return 2
+    table = defaultdict(list)
+    for r in rows:
+        if r["status"] == "complete":
+            table[(r["method"], r["params"], r["rate"])].append(r)
+    print("method params rate n p99_ttft_s p99_tpot_s out_tok_s goodput peak_running predicted_peak")
+    for (method, knobs, rate), runs in sorted(table.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or 0)):
+        cols = ("ttft_p99_s", "tpot_p99_s", "output_throughput", "goodput", "peak_running", "predicted_peak")
+        print(method, knobs, rate, len(runs), *(median(runs, key) for key in cols))
+    failed = [r for r in rows if r["status"] == "failed"]
+    for r in failed:
+        print(f"FAILED {r['run']}: {r['error']}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def median(runs: list[dict], key: str) -> str:
+    vals = [r[key] for r in runs if r.get(key) is not None]
+    return f"{statistics.median(vals):.4g}" if vals else "-"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""The serving engine's parts on a tiny random model and known answers: metrics, traffic, blocks."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from kvlab.models import get_spec
+from kvlab.serve import metrics
+from kvlab.serve.engine import Request, ServeError, make_serving_engine
+from kvlab.serve.layout import BlockLayout, dense_token_bytes, format_token_bytes
+from kvlab.serve.traffic import MOONCAKE, TrafficError, arrival_times, lognormal_from_mean_p99, parse_traffic
+from kvlab.serve.workload import build_workload, read_trace
+
+FIXED = {"kind": "fixed", "input": 20, "output": 4}
+
+
+# -- metrics: hand-computed answers -----------------------------------------------------------------
+def rec(arrival, times):
+    return {"arrival_s": arrival, "token_times": times, "input_tokens": 10}
+
+
+def test_request_metrics_follow_vllms_formulas():
+    r = rec(1.0, [1.5, 1.7, 2.0, 2.5])
+    assert metrics.ttft(r) == pytest.approx(0.5)
+    assert metrics.e2e(r) == pytest.approx(1.5)
+    assert metrics.tpot(r) == pytest.approx(1.0 / 3)  # (1.5 - 0.5) / (4 - 1)
+    assert metrics.tpot(rec(0.0, [0.3])) == 0.0  # one token: 0, as vLLM's goodput counts it
+    assert metrics.itls([r, rec(0, [1.0, 1.25])]) == pytest.approx([0.2, 0.3, 0.5, 0.25])
+
+
+def test_run_metrics_throughput_goodput_percentiles_and_concurrency():
+    recs = [rec(0.0, [1.0, 2.0]), rec(0.5, [1.5, 1.6, 1.7]), rec(3.0, [3.2])]
+    m = metrics.run_metrics(recs, duration_s=4.0, slo={"ttft": 0.5, "tpot": 0.5})
+    assert m["completed"] == 3 and m["output_tokens"] == 6
+    assert m["request_throughput"] == pytest.approx(0.75) and m["output_throughput"] == pytest.approx(1.5)
+    # ttfts 1.0, 1.0, 0.2; tpots 1.0, 0.1, 0: only the last meets both SLOs
+    assert m["goodput"] == pytest.approx(0.25)
+    assert m["ttft_p50_s"] == pytest.approx(1.0) and m["ttft_mean_s"] == pytest.approx(2.2 / 3)
+    assert m["ttft_p90_s"] == pytest.approx(np.percentile([1.0, 1.0, 0.2], 90))
+    assert m["peak_concurrency"] == 2  # [0, 2) and [0.5, 1.7) overlap; [3, 3.2) alone
+
+
+def test_steady_window_and_energy_per_token():
+    recs = [rec(0.0, [float(i + 1), float(i + 1.5)]) for i in range(6)]  # first tokens at 1..6
+    assert metrics.steady_window(recs, 2) == (2.0, 4.0)  # 2nd first token to the (6-2)th
+    assert metrics.steady_window(recs, 3) is None
+    counter = [(0.0, 0.0), (10.0, 10.0)]  # one unit per second
+    per_token, per_request = metrics.energy_per_work(recs, (2.0, 4.0), counter)
+    # tokens in (2, 4]: 2.5, 3.0, 3.5, 4.0 -> 4 tokens for 2 units; 2 tokens a request
+    assert per_token == pytest.approx(2.0 / 4) and per_request == pytest.approx(2 * 2.0 / 4)
+
+
+# -- traffic: validation and draws ------------------------------------------------------------------
+@pytest.mark.parametrize("block, words", [
+    ({"arrival": "poisson", "requests": 4, "lengths": FIXED}, "needs rate"),
+    ({"arrival": "poisson", "rate": -1, "requests": 4, "lengths": FIXED}, "rate must be > 0"),
+    ({"arrival": "gamma", "rate": 1, "burstiness": 0, "requests": 4, "lengths": FIXED}, "burstiness"),
+    ({"arrival": "closed", "requests": 4, "lengths": FIXED}, "needs users"),
+    ({"arrival": "poisson", "rate": 1, "lengths": FIXED}, "requests"),
+    ({"arrival": "often", "rate": 1, "requests": 4, "lengths": FIXED}, "arrival"),
+    ({"arrival": "poisson", "rate": 1, "requests": 4, "lengths": {"kind": "fixed", "input": 8}}, "needs output"),
+    ({"arrival": "poisson", "rate": 1, "requests": 4, "lengths": {"kind": "trace", "path": "/nope.csv"}}, "not a file"),
+    ({"arrival": "poisson", "rate": 1, "requests": 4, "lengths": FIXED, "speed": 3}, "speed"),
+    ("fast", "expected a mapping"),
+])
+def test_bad_traffic_is_one_error_naming_the_key(block, words):
+    with pytest.raises(TrafficError, match=words) as err:
+        parse_traffic(block)
+    assert "\n" not in str(err.value)
+
+
+def test_gamma_arrivals_rescale_to_n_over_rate_and_burstiness_sets_the_spread():
+    spec = parse_traffic({"arrival": "gamma", "rate": 4, "burstiness": 0.25, "requests": 2000, "lengths": FIXED})
+    times = np.array(arrival_times(spec, 4.0))
+    assert times[0] > 0 and times[-1] == pytest.approx(2000 / 4)
+    gaps = np.diff(times)
+    assert gaps.std() / gaps.mean() == pytest.approx(1 / math.sqrt(0.25), rel=0.1)  # CV of Gamma(b) = 1/sqrt(b)
+    const = arrival_times(parse_traffic({"arrival": "constant", "rate": 2, "requests": 5, "lengths": FIXED}), 2.0)
+    assert np.diff(const) == pytest.approx([0.5] * 4)
+    burst = parse_traffic({"arrival": "burst", "requests": 3, "lengths": FIXED})
+    assert arrival_times(burst, None) == [0.0, 0.0, 0.0]
+
+
+def test_mooncake_fit_reproduces_its_mean_and_p99():
+    mu, sigma = lognormal_from_mean_p99(MOONCAKE["input_mean"], MOONCAKE["input_p99"])
+    assert math.exp(mu + sigma ** 2 / 2) == pytest.approx(12035)
+    assert math.exp(mu + 2.3263478740408408 * sigma) == pytest.approx(85400)
+    assert 6000 < math.exp(mu) < 7500  # the trace's median is 6,909: not fitted, a check
+
+
+def test_trace_file_gives_arrivals_and_lengths(tmp_path):
+    path = tmp_path / "t.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n10.0,30,5\n10.5,12,3\n")
+    assert read_trace(str(path)) == [(0.0, 30, 5), (0.5, 12, 3)]
+    spec = parse_traffic({"arrival": "trace", "rate_scale": 2, "lengths": {"kind": "trace", "path": str(path)}})
+    wl = build_workload(spec, None, None, vocab=100)
+    assert [(len(i.prompt_ids), i.output_len, i.arrival_s) for i in wl.items] == [(30, 5, 0.0), (12, 3, 0.25)]
+
+
+# -- layouts ----------------------------------------------------------------------------------------
+def test_block_bytes_and_blocks_per_method():
+    spec = get_spec("llama-3.1-8b")
+    assert dense_token_bytes(spec, "bfloat16") == 131072  # 2 x 32 x 8 x 128 x 2 B
+    from kvlab.kernels.formats import parse_format
+    assert format_token_bytes(spec, parse_format("int4-g64")) == 2 * 32 * 8 * (64 + 2 * 2 * 2)
+    snap = BlockLayout("snapkv", 16, 1, "dense", keep=0.25, window=64)
+    assert snap.prefill_blocks(1000) == 63 and snap.resident_tokens(1000) == 250
+    assert snap.peak_blocks(1000, 300) == max(63, math.ceil(550 / 16))
+    assert BlockLayout("full", 16, 1, "dense").peak_blocks(1000, 300) == math.ceil(1300 / 16)
+
+
+# -- the engine on a tiny random model --------------------------------------------------------------
+def drain(engine):
+    out = {}
+    while engine.has_work():
+        for ev in engine.step():
+            out.setdefault(ev.request_id, []).append(ev)
+    return out
+
+
+@pytest.mark.parametrize("method, params", [("full", {}), ("snapkv", {"keep": 0.25, "window_size": 4}),
+                                            ("kvq-fp8", {})])
+def test_every_request_gets_exactly_its_tokens_and_all_blocks_come_back(tiny, method, params):
+    engine = make_serving_engine(tiny, method, num_blocks=12, max_num_batched_tokens=24, **params)
+    rng = np.random.default_rng(0)
+    for i in range(6):
+        engine.add(Request(f"q{i}", rng.integers(0, 100, 20 + 7 * i).tolist(), 3 + i, 0.0))
+    out = drain(engine)
+    assert {k: len(v) for k, v in out.items()} == {f"q{i}": 3 + i for i in range(6)}
+    assert all(v[-1].finished and v[-1].finish_reason == "length" for v in out.values())
+    stats = engine.stats()
+    assert stats["blocks_used"] == 0 and stats["blocks_free"] == stats["blocks_total"] == 12
+
+
+def test_eviction_compacts_survivors_into_fewer_blocks(tiny):
+    engine = make_serving_engine(tiny, "snapkv", num_blocks=20, block_size=4, keep=0.25, window_size=4)
+    engine.add(Request("a", list(range(40)), 5, 0.0))
+    engine.step()  # the whole prompt in one chunk, then the eviction
+    seq = engine.scheduler.running[0]
+    assert seq.stored == 10 and len(seq.blocks) == 3  # 10 kept of 40: 3 blocks of 4 instead of 10
+    assert engine.stats()["blocks_used"] == 3
+
+
+def test_too_small_a_pool_preempts_and_still_finishes(tiny):
+    engine = make_serving_engine(tiny, "full", num_blocks=8, block_size=4, max_num_batched_tokens=64)
+    for i in range(4):
+        engine.add(Request(f"q{i}", list(range(10, 20)), 12, 0.0))  # 22 tokens = 6 blocks each at the end
+    out = drain(engine)
+    assert engine.stats()["preemptions_total"] > 0
+    assert {k: len(v) for k, v in out.items()} == {f"q{i}": 12 for i in range(4)}
+    assert sum(engine.finished[k]["preemptions"] for k in out) == engine.stats()["preemptions_total"]
+    # recompute keeps greedy tokens: every copy of the same prompt generates the same tokens
+    assert len({tuple(e.token_id for e in v) for v in out.values()}) == 1
+
+
+def test_abort_frees_blocks_and_stops_events(tiny):
+    engine = make_serving_engine(tiny, "full", num_blocks=10, block_size=4)
+    engine.add(Request("a", list(range(12)), 20, 0.0))
+    engine.add(Request("b", list(range(12)), 3, 0.0))
+    engine.step()
+    engine.abort("a")
+    out = drain(engine)
+    assert set(out) == {"b"} and engine.stats()["blocks_used"] == 0
+
+
+@pytest.mark.parametrize("method, params, words", [
+    ("quest", {}, "supports full, snapkv"),
+    ("full", {"num_blocks": 0}, "pool holds 0 blocks"),
+    ("full", {}, "pass pool_gb"),
+])
+def test_engine_refuses_with_one_clear_error(tiny, method, params, words):
+    with pytest.raises(ServeError, match=words):
+        make_serving_engine(tiny, method, **params)
+
+
+def test_a_request_that_can_never_fit_is_refused_at_add(tiny):
+    engine = make_serving_engine(tiny, "full", num_blocks=4, block_size=4)
+    with pytest.raises(ServeError, match="pool holds 4"):
+        engine.add(Request("big", list(range(15)), 4, 0.0))
+
+
+def test_predicted_concurrency_is_the_pool_over_a_mean_requests_blocks():
+    from kvlab.serve.layout import predicted_concurrency
+    full = BlockLayout("full", 16, 1, "dense")
+    snap = BlockLayout("snapkv", 16, 1, "dense", keep=0.25)
+    lengths = [(96, 8)] * 40
+    assert predicted_concurrency(full, 28, lengths) == pytest.approx(28 / 7)  # ceil(104/16) = 7 blocks
+    assert predicted_concurrency(snap, 28, lengths) == pytest.approx(28 / 2)  # ceil((24+8)/16) = 2
+    assert predicted_concurrency(snap, 1000, lengths) == 40  # never more than the requests
+
+
+@pytest.mark.parametrize("traffic, method, words", [
+    ({"arrival": "gamma", "burstiness": -1, "rate": 1, "requests": 2, "lengths": FIXED}, "full", "burstiness"),
+    ({"arrival": "burst", "requests": 2, "lengths": FIXED, "server": {"block_size": 0}}, "full", "block_size"),
+    ({"arrival": "burst", "requests": 2, "lengths": FIXED, "slo": {"ttft": -1}}, "full", "slo.ttft"),
+    ({"arrival": "burst", "requests": 2, "lengths": FIXED}, "quest", "not served yet"),
+])
+def test_the_serving_sweep_refuses_bad_params_before_any_model_loads(tmp_path, traffic, method, words):
+    from kvlab.errors import UserError
+    from kvlab.serve.sweep import run_serving_sweep
+    from kvlab.sweep.params import parse_params
+
+    def refuse(*args, **kwargs):
+        pytest.fail("a model was loaded for bad input")
+
+    with pytest.raises(UserError, match=words):
+        params = parse_params({"models": "tiny-llama", "weights": "synthetic", "methods": [method], "ctx": [32],
+                               "traffic": traffic})
+        run_serving_sweep(params, tmp_path / "out", loader=refuse)
+
+
+def test_the_serving_sweep_runs_every_method_and_rate_and_records_them(tmp_path, tiny):
+    from kvlab.serve.sweep import run_serving_sweep
+    from kvlab.sweep.params import parse_params
+
+    params = parse_params({"models": "tiny-llama", "weights": "synthetic", "methods": ["full", "snapkv"], "keep": 0.5,
+                           "ctx": [32], "repeats": 2,
+                           "traffic": {"arrival": "poisson", "rate": [50, 100], "requests": 4,
+                                       "lengths": {"kind": "fixed", "input": 12, "output": 3},
+                                       "server": {"num_blocks": 16, "block_size": 4}, "slo": {"ttft": 10}}})
+    rows = run_serving_sweep(params, tmp_path, loader=lambda *a, **k: tiny, log=lambda s: None)
+    assert [(r["method"], r["rate"], r["repeat"]) for r in rows] == [
+        (m, rate, rep) for rep in (0, 1) for rate in (50.0, 100.0) for m in ("full", "snapkv")]
+    assert all(r["status"] == "complete" and r["completed"] == 4 and r["goodput"] is not None for r in rows)
+    assert len((tmp_path / "serve_runs.jsonl").read_text().splitlines()) == 8
