@@ -273,3 +273,22 @@ def test_serve_config_from_a_params_file_and_flags(tmp_path):
     assert (config.model, config.method, config.port, config.host) == ("smollm2-135m", "snapkv", 8200, "127.0.0.1")
     assert config.policy == {"keep": 0.25, "window_size": 8}
     assert config.engine_options() == {"pool_gb": 1.0, "block_size": 16, "device": "cpu", "max_num_seqs": 4}
+
+
+def test_a_traffic_block_with_target_runs_through_the_load_generator(tmp_path):
+    """Sweep params' traffic: block with target: URL replays every rate x repeat against the server."""
+    from kvlab.loadgen.sweep import run_target_sweep
+    from kvlab.sweep.params import parse_params
+
+    _, server = served(FakeServingEngine(step_s=0.002))
+    with server as url:
+        params = parse_params({"models": "tiny-llama", "weights": "synthetic", "methods": "full", "ctx": 16,
+                               "repeats": 2, "traffic": {
+            "arrival": "poisson", "rate": [50, 100], "requests": 6, "target": url, "slo": {"ttft": 5.0},
+            "lengths": {"kind": "fixed", "input": 8, "output": 3}}})
+        rows = run_target_sweep(params, tmp_path, log=lambda _: None)
+    assert [(r["rate"], r["repeat"], r["status"], r["completed"]) for r in rows] == [
+        (50, 0, "complete", 6), (100, 0, "complete", 6), (50, 1, "complete", 6), (100, 1, "complete", 6)]
+    assert all(r["goodput"] > 0 and r["method"] == "external" for r in rows)
+    assert len((tmp_path / "serve_runs.jsonl").read_text().splitlines()) == 4
+    assert load_run(tmp_path / rows[0]["run"])["status"] == "complete"
