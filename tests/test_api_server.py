@@ -130,7 +130,7 @@ def test_load_generator_against_the_server_records_match_usage_and_metrics(tmp_p
         assert rec["status"] == "ok" and rec["input_tokens"] == 12 and rec["output_tokens"] == 6
         assert len(rec["token_times"]) == 6 and rec["finish_reason"] == "length"
         assert item.arrival_s <= rec["arrival_s"] < rec["token_times"][0] <= rec["token_times"][-1] <= rec["finish_s"]
-    assert m["output_tokens"] == m["usage_output_tokens"] == 24 * 6
+    assert m["output_tokens"] == m["chunks"] == 24 * 6
     assert 0 < m["ttft_p50_s"] <= m["e2el_p50_s"] and m["tpot_p99_s"] >= m["tpot_p50_s"] > 0
     assert m["cost_source"].startswith("cpu-time") and m["peak_concurrency"] >= 1
     assert metrics_values(text)['kvlab_requests_total{outcome="ok"}'] == 24

@@ -66,3 +66,11 @@ def test_prometheus_text_sums_label_sets():
             'vllm:request_success_total{finished_reason="stop",model_name="smol"} 2\nkvlab_up 1\n')
     v = prometheus_values(text)
     assert v["vllm:prompt_tokens_total"] == 96.0 and v["vllm:request_success_total"] == 5 and v["kvlab_up"] == 1
+
+
+def test_several_tokens_in_a_chunk_count_by_usage():
+    two = rec(0.0, [1.0, 2.0, 3.0])
+    two["output_tokens"] = 6  # the server's usage: two tokens per chunk
+    m = load_metrics([two, rec(0.0, [1.0, 2.0, 3.0])], 4.0, None, t0=0.0)
+    assert m["chunks"] == 6 and m["output_tokens"] == 9 and m["output_throughput"] == 9 / 4.0
+    assert m["tpot_mean_s"] == pytest.approx((2.0 / 5 + 2.0 / 2) / 2)

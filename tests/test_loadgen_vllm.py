@@ -41,9 +41,9 @@ def test_records_agree_with_vllms_usage_and_metrics(vllm, tmp_path):
     assert m["completed"] == N, [r["error"] for r in result.records if r["status"] != "ok"]
     for rec in result.records:
         assert rec["input_tokens"] == IN and rec["output_tokens"] == OUT  # ignore_eos honoured, ids kept
-        assert len(rec["token_times"]) == OUT  # one chunk per token
+        assert OUT - 4 <= len(rec["token_times"]) <= OUT  # vLLM may put two tokens in a chunk
     assert delta["vllm:prompt_tokens_total"] == N * IN
-    assert delta["vllm:generation_tokens_total"] == N * OUT
+    assert delta["vllm:generation_tokens_total"] == N * OUT == m["output_tokens"]
     assert delta["vllm:request_success_total"] == N
     # the client's clock holds the server's: its E2E sum is at least vLLM's, and not by more than
     # the HTTP, queueing and tokenizing a loopback request adds (50 ms each here)

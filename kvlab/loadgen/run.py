@@ -19,7 +19,7 @@ from typing import Any
 
 from kvlab.loadgen.client import COMPLETIONS, TimedRequest, replay
 from kvlab.loadgen.meter import CounterReader, CounterTrace, cpu_time_reader, nvml_reader
-from kvlab.serve.metrics import peak_concurrency, run_metrics
+from kvlab.serve.metrics import e2e, peak_concurrency, run_metrics, summary, ttft
 from kvlab.serve.run import RunLog
 
 
@@ -46,8 +46,14 @@ def load_metrics(records: list[dict[str, Any]], duration_s: float, counter: Coun
     readings = [(t - t0, v) for t, v in zip(counter.ts, counter.values, strict=True)] if counter else None
     metrics = run_metrics(ok, duration_s, slo=slo, batch=peak_concurrency(ok) if ok else None, counter=readings)
     metrics.update(requests=len(records), refused=sum(r["status"] == "refused" for r in records),
-                   failed=sum(r["status"] == "failed" for r in records),
-                   usage_output_tokens=sum(r["output_tokens"] or 0 for r in ok))
+                   failed=sum(r["status"] == "failed" for r in records), chunks=metrics["output_tokens"])
+    if any(r["output_tokens"] != len(r["token_times"]) for r in ok):
+        # a server that put several tokens in a chunk: tokens and TPOT from its usage, as vLLM's
+        # benchmark counts them (ITL stays per chunk, TTFT is the first chunk's)
+        out = sum(r["output_tokens"] for r in ok)
+        metrics.update(output_tokens=out, output_throughput=out / duration_s if duration_s > 0 else None)
+        per_request = [(e2e(r) - ttft(r)) / (r["output_tokens"] - 1) if r["output_tokens"] > 1 else 0.0 for r in ok]
+        metrics.update({f"tpot_{k}_s": v for k, v in summary(per_request).items()})
     if counter is not None:
         metrics.update(cost_source=counter.reader.source, cost_unit=counter.reader.unit)
     return metrics
