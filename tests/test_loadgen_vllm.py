@@ -14,7 +14,7 @@ from kvlab.loadgen.trace import fixed_items
 
 pytestmark = pytest.mark.slow(reason="starts vLLM's CPU build (about 1 min) and replays a trace through it")
 
-N, IN, OUT = 12, 48, 16
+N, IN, OUT = 16, 48, 8
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def vllm(tmp_path_factory):
 def test_records_agree_with_vllms_usage_and_metrics(vllm, tmp_path):
     url, server = vllm
     before = scrape(url)
-    items = fixed_items(N, 4.0, IN, OUT, seed=0, vocab_size=49152)
+    items = fixed_items(N, 1.0, IN, OUT, seed=0, vocab_size=49152)  # slow enough for a steady state (N > 2 x peak)
     result = run_load(url, items, tmp_path, counter=cpu_time_reader(server.pid))
     after = scrape(url)
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
@@ -41,7 +41,7 @@ def test_records_agree_with_vllms_usage_and_metrics(vllm, tmp_path):
     assert m["completed"] == N, [r["error"] for r in result.records if r["status"] != "ok"]
     for rec in result.records:
         assert rec["input_tokens"] == IN and rec["output_tokens"] == OUT  # ignore_eos honoured, ids kept
-        assert OUT - 4 <= len(rec["token_times"]) <= OUT  # vLLM may put two tokens in a chunk
+        assert OUT - 3 <= len(rec["token_times"]) <= OUT  # vLLM may put two tokens in a chunk
     assert delta["vllm:prompt_tokens_total"] == N * IN
     assert delta["vllm:generation_tokens_total"] == N * OUT == m["output_tokens"]
     assert delta["vllm:request_success_total"] == N
