@@ -46,10 +46,11 @@ def test_records_agree_with_vllms_usage_and_metrics(vllm, tmp_path):
     assert delta["vllm:generation_tokens_total"] == N * OUT == m["output_tokens"]
     assert delta["vllm:request_success_total"] == N
     # the client's clock holds the server's: its E2E sum is at least vLLM's, and not by more than
-    # the HTTP, queueing and tokenizing a loopback request adds (50 ms each here)
+    # what HTTP, vLLM's API process and its queue add to a loopback request (50-135 ms each here on
+    # the shared 2 cores; 250 ms allowed)
     client_e2e = m["e2el_mean_s"] * N
     server_e2e = delta["vllm:e2e_request_latency_seconds_sum"]
-    assert server_e2e * 0.98 <= client_e2e <= server_e2e + N * 0.05, (client_e2e, server_e2e)
+    assert server_e2e * 0.98 <= client_e2e <= server_e2e + N * 0.25, (client_e2e, server_e2e)
     client_ttft = m["ttft_mean_s"] * N
     assert delta["vllm:time_to_first_token_seconds_sum"] * 0.98 <= client_ttft, (client_ttft, delta)
     # kvlab's J/request machinery on CPU time: the server's processes' CPU seconds over the steady state
