@@ -11,7 +11,8 @@ Per run: a folder with ``run.json`` (status, metrics), ``requests.jsonl`` (one r
 request), ``timeline.jsonl`` (running, waiting, blocks used per step); one row per run in
 ``serve_runs.jsonl``. Printed at the end: per method and rate, the medians over repeats of p99
 TTFT, p99 TPOT, output tokens/s, goodput and peak running requests, with n; beside each method its
-predicted peak concurrency (pool blocks / blocks a mean request holds), so the two read side by side.
+predicted peak concurrency (pool blocks / blocks a mean request holds), so the two read side by side,
+and the share of step time outside the model's forward (scheduling, block bookkeeping, eviction).
 """
 
 from __future__ import annotations
@@ -49,9 +50,10 @@ def main(argv=None) -> int:
     for r in rows:
         if r["status"] == "complete":
             table[(r["method"], r["params"], r["rate"])].append(r)
-    print("method params rate n p99_ttft_s p99_tpot_s out_tok_s goodput peak_running predicted_peak")
+    print("method params rate n p99_ttft_s p99_tpot_s out_tok_s goodput peak_running predicted_peak bookkeeping")
     for (method, knobs, rate), runs in sorted(table.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or 0)):
-        cols = ("ttft_p99_s", "tpot_p99_s", "output_throughput", "goodput", "peak_running", "predicted_peak")
+        cols = ("ttft_p99_s", "tpot_p99_s", "output_throughput", "goodput", "peak_running", "predicted_peak",
+                "bookkeeping_share")
         print(method, knobs, rate, len(runs), *(median(runs, key) for key in cols))
     failed = [r for r in rows if r["status"] == "failed"]
     for r in failed:

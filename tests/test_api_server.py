@@ -132,7 +132,7 @@ def test_load_generator_against_the_server_records_match_usage_and_metrics(tmp_p
         assert item.arrival_s <= rec["arrival_s"] < rec["token_times"][0] <= rec["token_times"][-1] <= rec["finish_s"]
     assert m["output_tokens"] == m["chunks"] == 24 * 6
     assert 0 < m["ttft_p50_s"] <= m["e2el_p50_s"] and m["tpot_p99_s"] >= m["tpot_p50_s"] > 0
-    assert m["cost_source"].startswith("cpu-time") and m["peak_concurrency"] >= 1
+    assert m["energy_source"].startswith("cpu-time") and m["peak_concurrency"] >= 1
     assert metrics_values(text)['kvlab_requests_total{outcome="ok"}'] == 24
     assert load_run(tmp_path)["status"] == "complete" and len(load_run(tmp_path)["records"]) == 24
     assert json.loads((tmp_path / "run.json").read_text())["metrics"]["completed"] == 24
@@ -240,7 +240,7 @@ def test_gpu_energy_over_the_steady_state_from_an_nvml_counter():
     with server as url:
         result = run_load(url, fixed_items(30, 40.0, 8, 4, seed=4, vocab_size=256), counter=counter)
     m = result.metrics
-    assert m["cost_unit"] == "J" and m["cost_source"].startswith("nvml-counter")
+    assert m["energy_unit"] == "J" and m["energy_source"].startswith("nvml-counter")
     t0, t1 = m["steady_window_s"]
     tokens = sum(t0 < t <= t1 for r in result.records for t in r["token_times"])
     assert m["energy_per_output_token"] * tokens == pytest.approx(200.0 * (t1 - t0), rel=0.02)

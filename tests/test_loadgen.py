@@ -42,7 +42,7 @@ def test_metrics_over_http_records_count_refusals_and_cost_the_steady_state():
     tokens = sum(start < t <= end for r in records for t in r["token_times"])
     assert m["energy_per_output_token"] == pytest.approx(2.0 * (end - start) / tokens)
     assert m["energy_per_request"] == pytest.approx(m["energy_per_output_token"] * 3)
-    assert m["cost_unit"] == "cpu_s"
+    assert m["energy_unit"] == "cpu_s"
 
 
 def test_workload_rows_keep_the_traffic_arrivals_and_lengths():

@@ -54,5 +54,5 @@ def test_records_agree_with_vllms_usage_and_metrics(vllm, tmp_path):
     client_ttft = m["ttft_mean_s"] * N
     assert delta["vllm:time_to_first_token_seconds_sum"] * 0.98 <= client_ttft, (client_ttft, delta)
     # kvlab's J/request machinery on CPU time: the server's processes' CPU seconds over the steady state
-    assert m["cost_source"].startswith("cpu-time") and m["steady_window_s"] is not None
+    assert m["energy_source"].startswith("cpu-time") and m["steady_window_s"] is not None
     assert m["energy_per_output_token"] > 0 and m["energy_per_request"] == pytest.approx(m["energy_per_output_token"] * OUT)

@@ -170,6 +170,8 @@ def test_abort_frees_blocks_and_stops_events(tiny):
     ("quest", {}, "supports full, snapkv"),
     ("full", {"num_blocks": 0}, "pool holds 0 blocks"),
     ("full", {}, "pass pool_gb"),
+    ("full", {"num_blocks": 4, "attention": "flash"}, "attention='flash'"),
+    ("kvq-fp8", {"num_blocks": 4, "attention": "triton"}, "dense pools"),
 ])
 def test_engine_refuses_with_one_clear_error(tiny, method, params, words):
     with pytest.raises(ServeError, match=words):
@@ -225,4 +227,22 @@ def test_the_serving_sweep_runs_every_method_and_rate_and_records_them(tmp_path,
     assert [(r["method"], r["rate"], r["repeat"]) for r in rows] == [
         (m, rate, rep) for rep in (0, 1) for rate in (50.0, 100.0) for m in ("full", "snapkv")]
     assert all(r["status"] == "complete" and r["completed"] == 4 and r["goodput"] is not None for r in rows)
+    assert all(0 < r["bookkeeping_share"] < 1 for r in rows)
     assert len((tmp_path / "serve_runs.jsonl").read_text().splitlines()) == 8
+    from kvlab.serve import figures
+    df = figures.load_sweep(tmp_path)
+    assert len(df) == 8 and set(df["label"]) == {"full ", 'snapkv {"keep":0.5}'}
+    for fig in (figures.latency_throughput(df), figures.goodput_vs_rate(df),
+                figures.blocks_timeline(tmp_path / rows[-1]["run"])):
+        assert fig.data and all(len(trace.x) for trace in fig.data)
+    # 4 requests leave no steady window (ML.ENERGY's needs more than twice the batch): no energy, no trace
+    assert df["energy_per_request"].isna().all() and not figures.energy_vs_rate(df).data
+
+
+def test_crossover_is_the_lowest_rate_from_which_a_method_stays_at_or_below_full():
+    import pandas as pd
+
+    from kvlab.serve.figures import crossover_rates
+    df = pd.DataFrame({"label": ["full "] * 3 + ["snapkv x"] * 3, "rate": [1, 2, 4] * 2,
+                       "energy_per_request": [1.0, 1.0, 1.0, 1.5, 0.9, 0.8]})
+    assert crossover_rates(df) == {"snapkv x": 2}

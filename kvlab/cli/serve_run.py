@@ -6,10 +6,15 @@ from __future__ import annotations
 import logging
 import socket
 
+from kvlab import models
 from kvlab.api.config import make_config, read_params_file
+from kvlab.api.server import make_app, run_server
 from kvlab.cli.generate_run import param_overrides
 from kvlab.errors import UserError
+from kvlab.loadgen.meter import nvml_reader
+from kvlab.policies import make_policy
 from kvlab.preflight import device_problem, require, weights_problem
+from kvlab.serve.engine import make_serving_engine
 
 FLAG_POLICY = {"keep": "keep", "bits": "nbits", "group_size": "q_group_size"}
 FLAG_CONFIG = ("model", "weights", "device", "method", "pool_gb", "block_size", "max_num_seqs", "max_num_batched_tokens",
@@ -39,19 +44,13 @@ def listen_problem(host: str, port: int) -> str | None:
 
 
 def serve(args) -> int:
-    from kvlab.api.server import make_app, run_server
-    from kvlab.loadgen.meter import nvml_reader
-    from kvlab.models import get_spec, load_model
-    from kvlab.policies import make_policy
-    from kvlab.serve.engine import make_serving_engine
-
     config = config_from_args(args)
-    get_spec(config.model)  # an unknown model: one line, nothing loaded
+    models.get_spec(config.model)  # an unknown model: one line, nothing loaded
     make_policy(config.method, **config.policy)  # a bad method or parameter: the same
     require(device_problem(config.device), weights_problem(config.model, config.weights),
             listen_problem(config.host, config.port))
     logging.basicConfig(level=logging.INFO, format="kvlab serve: %(message)s")
-    loaded = load_model(config.model, weights=config.weights, device=config.device)
+    loaded = models.load_model(config.model, weights=config.weights, device=config.device)
     engine = make_serving_engine(loaded, config.method, **config.engine_options(), **config.policy)
     counter = nvml_reader(config.device) if config.device.startswith("cuda") else None
     app = make_app(engine, method=config.method, energy_j=counter.read if counter else (lambda: None),

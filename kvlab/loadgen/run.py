@@ -55,7 +55,7 @@ def load_metrics(records: list[dict[str, Any]], duration_s: float, counter: Coun
         per_request = [(e2e(r) - ttft(r)) / (r["output_tokens"] - 1) if r["output_tokens"] > 1 else 0.0 for r in ok]
         metrics.update({f"tpot_{k}_s": v for k, v in summary(per_request).items()})
     if counter is not None:
-        metrics.update(cost_source=counter.reader.source, cost_unit=counter.reader.unit)
+        metrics.update(energy_source=counter.reader.source, energy_unit=counter.reader.unit)
     return metrics
 
 

@@ -24,14 +24,15 @@ from kvlab.serve.scheduler import Scheduler, Sequence
 
 __all__ = ["Request", "TokenEvent", "ServeError", "ServingEngine", "make_serving_engine"]
 
-ENGINE_KEYS = ("num_blocks", "max_num_seqs", "max_num_batched_tokens", "reserve_gb")
+ENGINE_KEYS = ("num_blocks", "max_num_seqs", "max_num_batched_tokens", "reserve_gb", "attention")
+ATTENTION = ("reference", "triton")
 
 
 class ServingEngine:
     """Continuous batching over a block pool (see the module docstring)."""
 
     def __init__(self, loaded, policy, layout: BlockLayout, fmt, num_blocks: int, *,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048):
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, attention: str | None = None):
         if num_blocks < 1:
             raise ServeError(f"the pool holds {num_blocks} blocks of {layout.bytes_per_block} B: give it more memory "
                              f"(pool_gb) or fewer layers")
@@ -45,7 +46,13 @@ class ServingEngine:
         self.pool = make_pool(fmt, loaded.spec, num_blocks, layout.block_size, dtype, loaded.device)
         self.allocator = BlockAllocator(num_blocks)
         self.scheduler = Scheduler(layout, self.allocator, max_num_seqs, max_num_batched_tokens)
-        self.runner = PagedForward(model, self.pool, layout.block_size)
+        if attention is None:  # the paged kernel where it runs compiled: CUDA, a dense pool
+            attention = "triton" if str(loaded.device).startswith("cuda") and fmt is None else "reference"
+        if attention not in ATTENTION or (attention == "triton" and fmt is not None):
+            raise ServeError(f"attention={attention!r}: use 'reference' (any store) or 'triton' (the paged kernel, "
+                             f"dense pools: full and snapkv)")
+        self.attention = attention
+        self.runner = PagedForward(model, self.pool, layout.block_size, attention)
         self.max_model_len = min(loaded.spec.max_context, num_blocks * layout.block_size)
         self.eos_id = getattr(self.tokenizer, "eos_token_id", None)
         self.seqs: dict[str, Sequence] = {}
@@ -85,12 +92,16 @@ class ServingEngine:
                 "slots_filled": sum(s.stored for s in self.scheduler.running)}
 
     def step(self) -> list[TokenEvent]:
+        began = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch:
             return []
         now = time.perf_counter()
         chunks = [self.chunk(seq, n, now) for seq, n in batch]
         logits = self.runner.forward(chunks)
+        if logits.is_cuda:  # the forward's own time, not its launches (the tokens below wait for it anyway)
+            torch.cuda.synchronize(logits.device)
+        forward_s = time.perf_counter() - now  # the rest of the step is bookkeeping (and the eviction)
         events = []
         for (seq, n), chunk, row in zip(batch, chunks, logits, strict=True):
             seq.fed += n
@@ -101,8 +112,9 @@ class ServingEngine:
                 self.evict(seq, chunk)
             if seq.fed == len(seq.tokens):
                 events.append(self.emit(seq, int(row.argmax())))
-        self.timeline.append({"time_s": time.perf_counter(), **self.stats(),
-                              "tokens": sum(n for _, n in batch)})
+        ended = time.perf_counter()
+        self.timeline.append({"time_s": ended, **self.stats(), "tokens": sum(n for _, n in batch),
+                              "step_s": ended - began, "forward_s": forward_s})
         return events
 
     # -- inside a step ----------------------------------------------------------------------------

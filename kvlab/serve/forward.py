@@ -38,11 +38,16 @@ class Chunk:
 class PagedForward:
     """``forward(chunks) -> logits [len(chunks), V]`` of each chunk's last token."""
 
-    def __init__(self, model, pool, block_size: int):
+    def __init__(self, model, pool, block_size: int, attention: str = "reference"):
         self.step = LlamaFamilyStep(model)  # fused q/k/v and gate/up views of the model's own weights
         self.pool = pool
         self.block_size = block_size
         self.device = next(model.parameters()).device
+        self.decode_kernel = None
+        if attention == "triton":  # decode tokens batched through the paged kernel (dense pools)
+            from kvlab.serve.paged_triton import paged_decode
+
+            self.decode_kernel = paged_decode
 
     @torch.no_grad()
     def forward(self, chunks: list[Chunk]) -> torch.Tensor:
@@ -53,15 +58,31 @@ class PagedForward:
         bounds = torch.tensor([0] + [len(c.tokens) for c in chunks]).cumsum(0).tolist()
         slots = [(slots_of(c.blocks, c.stored, c.stored + len(c.tokens), self.block_size),
                   slots_of(c.blocks, 0, c.stored + len(c.tokens), self.block_size)) for c in chunks]
+        batched = [j for j, c in enumerate(chunks) if len(c.tokens) == 1 and c.observe_from is None]
+        batched = batched if self.decode_kernel is not None else []
+        if batched:
+            width = max(len(chunks[j].blocks) for j in batched)
+            tables = torch.tensor([chunks[j].blocks + [0] * (width - len(chunks[j].blocks)) for j in batched],
+                                  dtype=torch.int32, device=self.device)
+            lengths = torch.tensor([chunks[j].stored + 1 for j in batched], dtype=torch.int32, device=self.device)
+            rows = torch.tensor([bounds[j] for j in batched], device=self.device)
         for i, layer in enumerate(s.layers):
             eps_in, eps_post = s.eps[i]
             q, k, v = attention_inputs(hidden, layer.input_layernorm.weight, eps_in, *s.qkv[i], cos, sin, s.heads)
-            out = []
-            for c, (new, held), lo, hi in zip(chunks, slots, bounds, bounds[1:], strict=False):
+            for (new, _), lo, hi in zip(slots, bounds, bounds[1:], strict=False):
                 self.pool.write(i, new, k[lo:hi, :, 0], v[lo:hi, :, 0])
+            out = [None] * len(chunks)
+            if batched:
+                got = self.decode_kernel(q[rows, :, 0], self.pool.k[i], self.pool.v[i], tables, lengths,
+                                         self.block_size, s.scaling)
+                for r, j in enumerate(batched):
+                    out[j] = got[r:r + 1]
+            for j, (c, (_, held), lo, hi) in enumerate(zip(chunks, slots, bounds, bounds[1:], strict=False)):
+                if out[j] is not None:
+                    continue
                 keys, values = self.pool.read(i, held)  # [Hkv, n_held, D]
                 qc = q[lo:hi, :, 0].transpose(0, 1)  # [Hq, n, D]
-                out.append(attend(qc, keys, values, s.scaling).transpose(0, 1))
+                out[j] = attend(qc, keys, values, s.scaling).transpose(0, 1)
                 if c.observe_from is not None:
                     c.queries.append(qc[:, c.observe_from:])
             attn = layer.self_attn
@@ -70,6 +91,18 @@ class PagedForward:
                                   layer.mlp.down_proj.weight, layer.mlp.down_proj.bias, s.act)
         last = hidden[torch.tensor(bounds[1:], device=self.device) - 1, -1]  # [len(chunks), H]
         return s.lm_head(rms_norm(s.norm, last))
+
+
+def paged_decode_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
+                           lengths: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
+    """What the Triton paged kernel computes, one request at a time: ``q [B, Hq, D]`` (one token
+    each) over the slots its row of ``tables`` holds (``lengths`` of them) -> ``[B, Hq, D]``."""
+    out = []
+    for row, n in zip(tables.tolist(), lengths.tolist(), strict=True):
+        slots = slots_of(row, 0, n, block_size).to(k_pool.device)
+        out.append(attend(q[len(out)].unsqueeze(1), k_pool[slots].transpose(0, 1), v_pool[slots].transpose(0, 1),
+                          scale)[:, 0])
+    return torch.stack(out)
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:

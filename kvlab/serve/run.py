@@ -24,6 +24,25 @@ def cpu_seconds() -> float:
     return time.process_time()
 
 
+def energy_counter(device: str):
+    """``(read, unit)``: NVML's cumulative energy counter in joules for a CUDA device it can read,
+    else this process's CPU seconds (``"cpu_s"``, the CPU-time equivalent)."""
+    if str(device).startswith("cuda"):
+        try:
+            import pynvml  # from the nvidia-ml-py distribution
+
+            from kvlab.energy.device import find_handle, torch_device_uuid
+
+            pynvml.nvmlInit()
+            handle = find_handle(pynvml, torch_device_uuid(str(device)))
+            if handle is not None:
+                pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
+                return (lambda: pynvml.nvmlDeviceGetTotalEnergyConsumption(handle) / 1000.0), "J"
+        except Exception:  # no NVML or no counter: the CPU-time equivalent, and the unit says so
+            pass
+    return cpu_seconds, "cpu_s"
+
+
 class RunLog:
     """The run's files: ``run.json`` (status, metrics), ``requests.jsonl``, ``timeline.jsonl``."""
 
@@ -52,9 +71,11 @@ class RunLog:
 
 
 def run_workload(engine: ServingEngine, workload: Workload, out_dir=None, *, slo: dict | None = None,
-                 counter=cpu_seconds, meta: dict | None = None, on_event=None) -> dict:
+                 counter=None, meta: dict | None = None, on_event=None) -> dict:
     """Run every request of ``workload``; returns ``{"status", "records", "metrics", "timeline"}``.
-    Record times are seconds from the run's start."""
+    Record times are seconds from the run's start. ``counter``: ``(read, unit)`` of a cumulative
+    energy counter (default :func:`energy_counter` of the engine's device); read after every step."""
+    counter, energy_unit = counter or energy_counter(engine.loaded.device)
     predicted = predicted_concurrency(engine.layout, engine.allocator.total,
                                       [(len(it.prompt_ids), it.output_len) for it in workload.items])
     log = RunLog(out_dir, {"model": engine.model_name, "method": engine.layout.method,
@@ -92,23 +113,25 @@ def run_workload(engine: ServingEngine, workload: Workload, out_dir=None, *, slo
                 rec = live[ev.request_id]
                 rec["token_times"].append(ev.time_s - start)
                 rec["token_ids"].append(ev.token_id)
-                if on_event:
-                    on_event(ev)
                 if ev.finished:
                     records.append(finish(rec, engine.finished.get(ev.request_id, {}), start, ev.finish_reason))
                     log.request(records[-1])
                     del live[ev.request_id]
                     if closed:
                         send(closed.pop(0), ev.time_s - start)
+                if on_event:  # after the event is recorded
+                    on_event(ev)
             counter_log.append((time.perf_counter() - start, counter()))
         status = "complete"
     finally:
         duration = time.perf_counter() - start
         peak_running = max((row["running"] for row in engine.timeline), default=0)
         metrics = run_metrics(records, duration, slo=slo, batch=peak_running, counter=counter_log)
-        metrics.update(peak_running=peak_running, predicted_peak=predicted, preemptions_total=engine.scheduler.preemptions_total,
+        metrics.update(peak_running=peak_running, predicted_peak=predicted, energy_unit=energy_unit, preemptions_total=engine.scheduler.preemptions_total,
                        unfinished=len(live) + len(open_loop) + len(closed))
         timeline = [{**row, "time_s": row["time_s"] - start} for row in engine.timeline]
+        step_s = sum(row["step_s"] for row in timeline)
+        metrics["bookkeeping_share"] = (step_s - sum(row["forward_s"] for row in timeline)) / step_s if step_s else None
         log.write_status(status, metrics, timeline)
     return {"status": status, "records": records, "metrics": metrics, "timeline": timeline}
 
