@@ -51,6 +51,7 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = Path(log_path) if log_path else None
         self.proc: subprocess.Popen | None = None
+        self._log = None
         self.started_s: float | None = None
 
     @property
@@ -65,10 +66,10 @@ class ServerProcess:
             return False
 
     def __enter__(self) -> str:
-        log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        self._log = open(self.log_path, "wb") if self.log_path else None  # noqa: SIM115 (closed in __exit__)
         t0 = time.monotonic()
-        self.proc = subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(self.argv, env=self.env, stdout=self._log or subprocess.DEVNULL,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
         while time.monotonic() - t0 < self.start_timeout_s:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.argv[:4]} exited with {self.proc.returncode} before answering "
@@ -81,14 +82,15 @@ class ServerProcess:
         raise TimeoutError(f"{self.argv[:4]} did not answer /health in {self.start_timeout_s:.0f} s (log: {self.log_path})")
 
     def __exit__(self, *exc) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        if self._log is not None:
+            self._log.close()
 
 
 def vllm_server(model_dir: str | Path, *, name: str = "smol", port: int | None = None, max_model_len: int = 2048,
