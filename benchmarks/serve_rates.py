@@ -2,6 +2,10 @@
 
     python benchmarks/serve_rates.py params/serve-cpu.yaml -o out/serve-cpu
     python benchmarks/serve_rates.py params/h100-serve-sharegpt.yaml -o $OUT/serve-sharegpt
+    python benchmarks/serve_rates.py params/serve-cpu.yaml --set traffic.target=http://127.0.0.1:8000 -o out/t
+
+With ``traffic.target`` set, the traffic goes to that running server through kvlab's load
+generator (kvlab.loadgen.sweep) instead of an in-process engine.
 
 Per run: a folder with ``run.json`` (status, metrics), ``requests.jsonl`` (one record per finished
 request), ``timeline.jsonl`` (running, waiting, blocks used per step); one row per run in
@@ -33,7 +37,12 @@ def main(argv=None) -> int:
         params = load_params(args.params, args.set)
         if params.traffic is None:
             raise UserError(f"{args.params}: no traffic: block; add one (kvlab.serve.traffic)")
-        rows = run_serving_sweep(params, args.out)
+        if params.traffic.target:  # a running server: kvlab's load generator sends the traffic there
+            from kvlab.loadgen.sweep import run_target_sweep
+
+            rows = run_target_sweep(params, args.out)
+        else:
+            rows = run_serving_sweep(params, args.out)
     except UserError as err:
         print(f"serve_rates: error: {err}", file=sys.stderr)
         return 2

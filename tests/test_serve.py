@@ -235,8 +235,11 @@ def test_the_serving_sweep_runs_every_method_and_rate_and_records_them(tmp_path,
     for fig in (figures.latency_throughput(df), figures.goodput_vs_rate(df),
                 figures.blocks_timeline(tmp_path / rows[-1]["run"])):
         assert fig.data and all(len(trace.x) for trace in fig.data)
-    # 4 requests leave no steady window (ML.ENERGY's needs more than twice the batch): no energy, no trace
-    assert df["energy_per_request"].isna().all() and not figures.energy_vs_rate(df).data
+    # ML.ENERGY's steady window needs more than twice the peak batch: with 4 requests, energy exists
+    # exactly in the runs whose peak was 1 (how the arrivals overlapped depends on the machine's speed)
+    windowed = df["peak_running"] == 1
+    assert (df["energy_per_request"].notna() == windowed).all()
+    assert bool(figures.energy_vs_rate(df).data) == bool(windowed.any())
 
 
 def test_crossover_is_the_lowest_rate_from_which_a_method_stays_at_or_below_full():

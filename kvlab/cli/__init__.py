@@ -30,6 +30,8 @@ COMMANDS = {
     "anatomy": "kvlab.cli.anatomy_cmd",
     "policies": "kvlab.cli.policies_cmd",
     "generate": "kvlab.cli.generate_cmd",
+    "serve": "kvlab.cli.serve_cmd",
+    "loadgen": "kvlab.cli.loadgen_cmd",
 }
 
 

@@ -15,7 +15,8 @@ input tokens, output tokens), ``{kind: sharegpt}`` (:mod:`kvlab.serve.sharegpt`)
 small model's context).
 
 ``server`` sets the engine (pool size, block size, scheduler limits); ``slo`` (``ttft``, ``tpot``,
-``e2el`` in seconds) defines goodput.
+``e2el`` in seconds) defines goodput. ``target`` (a URL) sends the traffic to a running
+OpenAI-compatible server (``kvlab serve``, vLLM, ...) through kvlab's load generator.
 """
 
 from __future__ import annotations
@@ -116,6 +117,15 @@ class TrafficSpec(StrictModel):
     lengths: Lengths
     server: Server = Field(default_factory=Server)
     slo: SLO | None = None
+    target: str | None = Field(None, description="an OpenAI-compatible server's URL: kvlab's load generator "
+                                                 "replays the traffic there (kvlab.loadgen) instead of in-process")
+
+    @field_validator("target")
+    @classmethod
+    def _url(cls, value):
+        if value is not None and not value.startswith(("http://", "https://")):
+            raise ValueError(f"target {value!r}: a server's base URL, e.g. http://127.0.0.1:8000")
+        return value
 
     @field_validator("rate", mode="before")
     @classmethod
