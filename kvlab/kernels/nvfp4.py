@@ -29,6 +29,8 @@ reference only: dequantize, then attend.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 BLOCK = 16  # values per E4M3 scale
@@ -36,17 +38,23 @@ E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitudes of codes 0..7
 E4M3_MAX = 448.0
 
 
-def e2m1_values() -> torch.Tensor:
+def e2m1_values(device="cpu") -> torch.Tensor:
     """The 16 code values (codes 8..15 negative), float32."""
-    grid = torch.tensor(E2M1_GRID)
-    return torch.cat([grid, -grid])
+    return grid_tables(str(device))[0]
+
+
+@functools.lru_cache(maxsize=None)
+def grid_tables(device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the 16 code values, the 8 magnitudes, the 7 midpoints between them) on ``device``, made once per
+    device, so a step (and a captured CUDA graph) only reads them."""
+    grid = torch.tensor(E2M1_GRID, device=device)
+    return torch.cat([grid, -grid]), grid, (grid[1:] + grid[:-1]) / 2
 
 
 def e2m1_round(a: torch.Tensor) -> torch.Tensor:
     """Codes (uint8, 0..15) of the E2M1 points nearest to ``a`` (ties to the even code), saturating at +-6."""
-    grid = torch.tensor(E2M1_GRID, device=a.device)
+    _, _, mids = grid_tables(str(a.device))
     mag = a.abs().float().clamp(max=6.0).contiguous()
-    mids = (grid[1:] + grid[:-1]) / 2
     idx = torch.bucketize(mag, mids)  # a tie lands on the lower point ...
     upper = idx.clamp(max=len(mids) - 1)
     tie = (mag == mids[upper]) & (idx == upper) & (upper % 2 == 1)  # ... and moves up when the upper code is even
@@ -69,7 +77,7 @@ def block_codes(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, tor
     times the second level), and the squared error of each block's reconstruction."""
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     codes = e2m1_round(x / safe)
-    recon = e2m1_values().to(x.device)[codes.long()] * scale
+    recon = e2m1_values(x.device)[codes.long()] * scale
     return codes, (recon - x).square().sum(-1, keepdim=True)
 
 
@@ -100,7 +108,7 @@ def quantize(x: torch.Tensor, four_over_six: bool = False) -> tuple[torch.Tensor
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
     """float32 ``[..., D]`` from :func:`quantize`'s three tensors."""
-    values = e2m1_values().to(codes.device)[unpack_nibbles(codes).long()]
+    values = e2m1_values(codes.device)[unpack_nibbles(codes).long()]
     *lead, d = values.shape
     block = scales.view(torch.float8_e4m3fn).float().unsqueeze(-1) * second.unsqueeze(-1)
     return (values.reshape(*lead, d // BLOCK, BLOCK) * block).reshape(*lead, d)

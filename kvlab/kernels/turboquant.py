@@ -30,6 +30,7 @@ back (``R^T``) once per step.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -60,6 +61,14 @@ def lloyd_max_gaussian(bits: int, iterations: int = 500) -> tuple[torch.Tensor, 
         cents = [(_phi(a) - _phi(b)) / (_cdf(b) - _cdf(a)) for a, b in zip(edges[:-1], edges[1:], strict=True)]
     bounds = [(a + b) / 2 for a, b in zip(cents[:-1], cents[1:], strict=True)]
     return torch.tensor(cents, dtype=torch.float32), torch.tensor(bounds, dtype=torch.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def codebook_tables(bits: int, d: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(centroids, boundaries) of :func:`lloyd_max_gaussian` scaled to N(0, 1/d), on ``device``: fitted once
+    per (bits, d, device), so a step (and a captured CUDA graph) only reads them."""
+    cents, bounds = lloyd_max_gaussian(bits)
+    return cents.to(device) / math.sqrt(d), bounds.to(device) / math.sqrt(d)
 
 
 def hadamard(d: int) -> torch.Tensor:
@@ -105,8 +114,7 @@ class Codebook:
     norm_correction: bool = True
 
     def tables(self, d: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        cents, bounds = lloyd_max_gaussian(self.bits)
-        return cents.to(device) / math.sqrt(d), bounds.to(device) / math.sqrt(d)
+        return codebook_tables(self.bits, d, str(device))
 
     def encode(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated ``y [..., D]`` -> (packed codes ``[..., D bits / 8]``, float32 norms ``[..., 1]``)."""
