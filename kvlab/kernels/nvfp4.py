@@ -43,7 +43,7 @@ def e2m1_values(device="cpu") -> torch.Tensor:
     return grid_tables(str(device))[0]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def grid_tables(device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(the 16 code values, the 8 magnitudes, the 7 midpoints between them) on ``device``, made once per
     device, so a step (and a captured CUDA graph) only reads them."""

@@ -63,7 +63,7 @@ def lloyd_max_gaussian(bits: int, iterations: int = 500) -> tuple[torch.Tensor, 
     return torch.tensor(cents, dtype=torch.float32), torch.tensor(bounds, dtype=torch.float32)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def codebook_tables(bits: int, d: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(centroids, boundaries) of :func:`lloyd_max_gaussian` scaled to N(0, 1/d), on ``device``: fitted once
     per (bits, d, device), so a step (and a captured CUDA graph) only reads them."""
