@@ -103,14 +103,16 @@ def out_of_basis(y: torch.Tensor, rot: torch.Tensor | None) -> torch.Tensor:
 
 
 class CodecStore(SlotStore):
-    """fast half: per layer the codec tensors of K and V at capacity ``[B, Hkv, C, ...]``; decode then
-    attend (SDPA at the model dtype; the rotated basis in float32 with a rotation)."""
+    """fast half: per layer the codec tensors of K and V at capacity ``[B, Hkv, C, ...]``; the storage's
+    fused kernel where it has one for this device and backend (``attention`` 'fused'), else decode then
+    attend ('reference': SDPA at the model dtype; the rotated basis in float32 with a rotation)."""
 
     rewinds = True
-    attention = "reference"
 
-    def __init__(self, storage, layout: Layout, dtype, device, scale: float):
+    def __init__(self, storage, layout: Layout, dtype, device, scale: float, backend: str = "auto"):
         self.storage, self.layout, self.dtype, self.scale = storage, layout, dtype, scale
+        self.fused = storage.fused_decode(backend, device)
+        self.attention = "reference" if self.fused is None else "fused"
         self.kv_format = storage.kv_format
         b, h, d = layout.batch, layout.kv_heads, layout.head_dim
         self.rot = storage.rotation(h, d, device)
@@ -146,6 +148,8 @@ class CodecStore(SlotStore):
                          (self.values[layer], vcodec.encode(in_basis(v, self.rot)))):
             for buf, part in zip(dst, src, strict=True):
                 put_slot(buf, slot, part)
+        if self.fused is not None:
+            return self.fused(q, self.keys[layer], self.values[layer], slot + 1, self.rot, self.scale).to(q.dtype)
         keys, values = kcodec.decode(*self.keys[layer]), vcodec.decode(*self.values[layer])
         if self.rot is None:
             return sdpa_decode(q, keys.to(self.dtype), values.to(self.dtype), slot + 1, self.scale)
@@ -173,6 +177,11 @@ class CodecStorage:
     def rotation(self, kv_heads: int, head_dim: int, device) -> torch.Tensor | None:
         return None
 
+    def fused_decode(self, backend: str, device):
+        """A fused decode ``(q, key_parts, value_parts, used, rot, scale) -> [B, Hq, D]`` for the fast
+        store, or None: the torch reference (``backend``: StoreOptions.backend)."""
+        return None
+
     def check(self, shape: ModelShape, cuda: bool) -> None:
         shape.check_full_attention(f"{self.name} stores")
 
@@ -187,7 +196,7 @@ class CodecStorage:
         return paged_layout(self.token_bytes(kv_heads, head_dim), block_tokens)
 
     def store(self, layout: Layout, options: StoreOptions):
-        return CodecStore(self, layout, options.dtype, options.device, options.scale)
+        return CodecStore(self, layout, options.dtype, options.device, options.scale, options.backend)
 
     def prefill_cache(self, store, rows: slice | None, model):
         return dense_prefill_cache(model)

@@ -5,11 +5,14 @@ presets (``variant``: k8v4, 4bit, k3v4, 3bit). Sources, every choice copied and 
 
 Both engines run the torch reference. ``fast`` attends in the rotated basis (query rotated once per step,
 the weighted sum of values rotated back once); ``hf`` hands transformers the decoded K/V rotated back.
-A fused decode kernel (codes read and looked up in the codebook inside the CUDA graph) is not here.
+The fast store reads the codes with the fused Triton kernel (:mod:`kvlab.kernels.turboquant_triton`)
+where the KIVI and Quest kernels run (CUDA; ``backend='triton'`` on CPU: the interpreter), for the
+codebook presets; k8v4's FP8 keys stay on the torch reference.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -18,6 +21,7 @@ from kvlab.errors import PolicyError
 from kvlab.kernels import turboquant as tq
 from kvlab.storage.base import ModelShape, check_int
 from kvlab.storage.codec import CodecStorage
+from kvlab.storage.slots import uses_kernel
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,14 @@ class TurboQuantStorage(CodecStorage):
 
     def rotation(self, kv_heads: int, head_dim: int, device) -> torch.Tensor:
         return tq.rotations(kv_heads, head_dim, self.seed).to(device)
+
+    def fused_decode(self, backend: str, device):
+        keys, values = self.codecs()
+        if not uses_kernel(backend, device) or not isinstance(keys, tq.Codebook):
+            return None
+        from kvlab.kernels.turboquant_triton import fused_rotated_decode
+
+        return functools.partial(fused_rotated_decode, key_book=keys, value_book=values)
 
     def check(self, shape: ModelShape, cuda: bool) -> None:
         super().check(shape, cuda)
