@@ -50,6 +50,9 @@ METHODS = {
     "pyramidkv10": ("pyramidkv", {"keep": 0.1}),
     "quanto4": ("quanto", {"nbits": 4}),
     "fp8": ("fp8", {}),
+    "kvq4": ("kvq-int4", {}),
+    "kivi": ("kivi", {}),
+    "quest": ("quest", {}),
 }
 
 

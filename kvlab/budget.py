@@ -164,6 +164,29 @@ def cache_bytes(
     return batch * ((tokens - recent) * packed + recent * full)
 
 
+def kivi_cache_bytes(spec: ModelSpec, ctx: int, batch: int = 1, bits: int = 2, key_bits: int | None = None,
+                     group: int = 32, residual: int = 128, value_group: int = 32, new_tokens: int = 0) -> float:
+    """A KIVI-style cache (:mod:`kvlab.kernels.kivi`) holding ``ctx + new_tokens`` tokens per sequence:
+    the first ``group * ((n - residual) // group)`` as codes (keys ``key_bits`` per element plus a
+    float16 scale and zero per channel per ``group`` tokens; values ``bits`` plus a float16 scale and
+    zero per ``value_group`` elements of each token), the ring of ``residual + group`` tokens in bf16
+    (allocated whole, so counted whole)."""
+    check_positive("batch", batch)
+    key_bits = key_bits or bits
+    for name, b in (("bits", bits), ("key_bits", key_bits)):
+        if b not in (2, 4):
+            raise BudgetError(f"KIVI {name}: {b} is not stored; use 2 or 4")
+    if residual < 0 or group < 1 or value_group < 1 or spec.head_dim % value_group:
+        raise BudgetError(f"KIVI group {group}, residual {residual}, value_group {value_group}: need group >= 1, "
+                          f"residual >= 0 and a value_group dividing head_dim {spec.head_dim}")
+    n = ctx + new_tokens
+    quantized = group * max(0, (n - residual) // group)
+    d, heads = spec.head_dim, spec.num_layers * spec.num_kv_heads
+    per_token = d * (key_bits + bits) / 8 + 2 * 2 * d / group + 2 * 2 * d / value_group
+    ring = 2 * (residual + group) * d * 2
+    return batch * heads * (quantized * per_token + ring)
+
+
 def compression_ratio(spec: ModelSpec, ctx: int, **kwargs) -> float:
     """Full-precision cache bytes over compressed cache bytes at the same context."""
     full_kwargs = {k: v for k, v in kwargs.items() if k in ("batch", "new_tokens")}
@@ -248,16 +271,27 @@ class DecodeBytes:
 
 
 def bandwidth_fields(nbytes: float, kernel_ms: float, copy_ms: float | None = None,
-                     copy_gbps: float | None = None) -> dict[str, float]:
-    """A kernel's bandwidth against a device-to-device copy, for benchmark rows.
+                     copy_gbps: float | None = None, read_ms: float | None = None,
+                     read_gbps: float | None = None) -> dict[str, float]:
+    """A kernel's bandwidth against a read-only stream and a device-to-device copy, for benchmark rows.
 
-    ``nbytes``: what the kernel reads in ``kernel_ms``; ``copy_ms``: a copy of the same ``nbytes`` (read
-    and written) timed in the same run; ``copy_gbps``: a large copy's GB/s, read + write counted.
-    ``kernel_GBps``: bytes read per second. ``copy_same_bytes_GBps``: the copy's read + write per second.
-    ``of_copy_same_bytes``: the first over the second (1.0: the kernel reads at copy bandwidth).
-    ``floor_ms``: the bytes read at that bandwidth (half the copy); ``x_floor``: the kernel's time over
-    it. ``of_copy_bw``: ``kernel_GBps`` over ``copy_gbps``."""
+    ``nbytes``: what the kernel reads in ``kernel_ms``. ``read_ms``: a read-only stream (a reduction)
+    over the same ``nbytes`` timed in the same run, the honest floor of a kernel that only reads;
+    ``read_gbps``: a large read-only stream's GB/s. ``copy_ms``: a copy of the same ``nbytes`` (read
+    and written); ``copy_gbps``: a large copy's GB/s, read + write counted. A copy writes as much as
+    it reads, so a read-only kernel's fraction of it flatters the kernel; both are kept side by side.
+    ``kernel_GBps``: bytes read per second. ``of_read_same_bytes``: it over the stream's GB/s (1.0:
+    the kernel reads as fast as a reduction); ``x_read_floor``: the kernel's time over the stream's.
+    ``copy_same_bytes_GBps``: the copy's read + write per second; ``of_copy_same_bytes``: the kernel's
+    GB/s over it. ``floor_ms``: the bytes read at copy bandwidth (half the copy); ``x_floor``: the
+    kernel's time over it. ``of_read_bw`` / ``of_copy_bw``: ``kernel_GBps`` over the large figures."""
     out = {"kernel_GBps": nbytes / (kernel_ms * 1e-3) / 1e9}
+    if read_ms:
+        stream = nbytes / (read_ms * 1e-3) / 1e9
+        out.update(read_same_bytes_ms=read_ms, read_same_bytes_GBps=stream,
+                   of_read_same_bytes=out["kernel_GBps"] / stream, x_read_floor=kernel_ms / read_ms)
+    if read_gbps:
+        out["of_read_bw"] = out["kernel_GBps"] / read_gbps
     if copy_ms:
         same = 2 * nbytes / (copy_ms * 1e-3) / 1e9
         out.update(copy_same_bytes_ms=copy_ms, copy_same_bytes_GBps=same, of_copy_same_bytes=out["kernel_GBps"] / same,

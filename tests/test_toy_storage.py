@@ -21,9 +21,9 @@ from kvlab.models import get_spec
 from kvlab.policies import POLICIES, PolicyError, cache_stats, make_policy
 from kvlab.policies.stored import storage_policy
 from kvlab.records import read_jsonl
-from kvlab.storage.base import StoredLengthMixin, check_int, paged_layout, storage_blocks, storage_bytes
+from kvlab.storage.base import StoredLengthMixin, check_int, storage_blocks, storage_bytes
+from kvlab.storage.loading import PromptStorage
 from kvlab.storage.slots import SlotStore, StepSlots, sdpa_decode
-from kvlab.storage.store_cache import dense_prefill_cache, kept_tokens, load_prefilled
 from kvlab.sweep.driver import run_sweep
 from kvlab.sweep.params import parse_params
 
@@ -101,8 +101,9 @@ class ToyStore(SlotStore):
 
 
 @dataclass(frozen=True)
-class ToyStorage:
-    """The storage module a new format would be: its knobs, check, bytes, both halves."""
+class ToyStorage(PromptStorage):
+    """The storage module a new format would be: its knobs, check, bytes, both halves (the loading of
+    a prefilled cache and the paged layout are :class:`PromptStorage`'s defaults)."""
 
     name = "toy-scaled"
     summary = "toy: bf16 codes with one scale per sequence and KV head"
@@ -131,20 +132,8 @@ class ToyStorage:
     def token_bytes(self, kv_heads: int, head_dim: int, element_size: int = 2) -> float:
         return 2 * kv_heads * head_dim * CODE.itemsize
 
-    def paged(self, kv_heads: int, head_dim: int, block_tokens: int = 16, element_size: int = 2):
-        return paged_layout(self.token_bytes(kv_heads, head_dim), block_tokens)
-
     def store(self, layout, options):
         return ToyStore(layout, options.dtype, options.device, options.scale, self.floor)
-
-    def prefill_cache(self, store, rows, model):
-        return dense_prefill_cache(model)
-
-    def load(self, store, cache, rows=None) -> None:
-        load_prefilled(store, cache, rows)
-
-    def kept(self, cache) -> tuple[int, tuple[int, ...]]:
-        return kept_tokens(cache)
 
 
 @pytest.fixture

@@ -101,9 +101,8 @@ def release_memory(device) -> None:
 
 class EngineSet:
     """A loaded model's engines, each made once. A run's peak memory must be its own, so
-    :meth:`get` first releases every other engine's held memory: in the H200 campaign of 2026-12-03c
-    the fast engine kept the other methods' stores for reuse, which put them into every later run's
-    peak (hf full at batch 16: 120.5 GB) and ran the full cache out of memory. ``options``: per engine
+    :meth:`get` first releases every other engine's held memory: when the fast engine kept the other methods' stores for reuse, they entered every later run's peak (hf full at
+    batch 16 on the H200: 120.5 GB) and ran the full cache out of memory. ``options``: per engine
     name, the keywords of :func:`make_engine`; by default the fast engine keeps one decoder at a time
     (rebuilding one, buffers and graph, happens before a run's window opens)."""
 

@@ -41,7 +41,7 @@ CAPTURE_WARMUP_STEPS = 3
 # How the step is compiled by default, per device type (:data:`kvlab.engine.llama.STEP_COMPILE`).
 # On the H200 (Llama-3.1-8B shape, 16k, batch 1) the compiled layers inside kvlab's own graph took
 # 5.60 ms/step against 6.71 eager-in-graph and 10.10 for mode="reduce-overhead" over the whole step
-# (reports/h200-2026-12-03b); compiling costs ~7 s once per engine. CPU steps stay eager (the
+# (reports/); compiling costs ~7 s once per engine. CPU steps stay eager (the
 # reference the tests compare with transformers).
 DEFAULT_COMPILE = {"cuda": "layers"}
 
@@ -125,10 +125,7 @@ class FastDecoder:
         """Move the prefilled cache's kept K/V into the static buffers (a copy, inside prefill):
         into batch rows ``rows`` when the cache holds a group of the batch's sequences. A cache that
         wrote into the store already is only checked."""
-        try:
-            self.storage.load(self.store, cache, rows)
-        except ValueError as err:
-            raise EngineError(str(err)) from None
+        self.storage.load(self.store, cache, rows)
         self.logical_tokens = int(cache.get_seq_length())
         self.fed = 0
 
@@ -292,8 +289,8 @@ class FastEngine:
         self._decoders: OrderedDict[tuple, FastDecoder] = OrderedDict()
 
     def storage_policy(self, policy):
-        """The policy whose transformers cache the prefill fills (and whose warm-up runs): the
-        policy's unquantized prefill policy; the store holds the quantized format."""
+        """The policy whose transformers cache the prefill fills (and whose warm-up runs): its storage's
+        prefill policy (an evicting policy, unquantized), else ``full`` (the prompt enters whole)."""
         return policy.storage().prefill or FullPolicy()
 
     def layout(self, policy, batch: int, ctx: int, new_tokens: int) -> Layout:
@@ -327,7 +324,7 @@ class FastEngine:
             self._decoders.popitem(last=False)
         if self.max_kept_bytes is not None:
             # the new store counts too: at batch 16 and 16k a full store (34 GB) beside the kept stores of
-            # the other methods and its own prefill cache ran out of the H200's memory (2026-12-03c)
+            # the other methods and its own prefill cache ran out of the H200's memory
             new = layout.dense_bytes(self.dtype.itemsize)
             while self._decoders and sum(d.store.bytes_allocated() for d in self._decoders.values()) + new \
                     > self.max_kept_bytes:

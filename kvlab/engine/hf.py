@@ -26,7 +26,7 @@ class HFDecoder:
     ``stepwise`` (one forward per token, as the fast engine feeds). Same storage and the same codes
     for everything before the fed tokens; only the float rounding of the fed tokens' own K/V differs.
     In a quantized store that rounding moves codes across rounding boundaries and the difference
-    grows layer by layer (issue #28), so ``stepwise`` against ``batched`` is the yardstick of the
+    grows layer by layer, so ``stepwise`` against ``batched`` is the yardstick of the
     noise any two implementations of one format show (``benchmarks/quality_engines.py``'s ``hf1``).
     """
 

@@ -99,7 +99,7 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     (the first maximal index on ties), in two stages.
 
     Why: torch's argmax over a row of 128,256 logits runs one thread block per row, 36 µs of a 5.65 ms
-    step on the H200 at batch 1 and 16 alike (reports/h200-2026-12-03f/minimal_step.json), and
+    step on the H200 at batch 1 and 16 alike (the minimal step's measurement, reports/), and
     inductor does not split arg-reductions. Each chunk's first maximum (``max`` returns the first
     index on ties), then the first chunk holding the row's maximum, give the row's first maximum:
     the same token, from ``B x chunks`` parallel reductions. The logits stay in the model dtype."""

@@ -1,4 +1,4 @@
-"""Quantized KV storage and the decode attention that reads it (issue 13).
+"""Quantized KV storage and the decode attention that reads it.
 
 - :mod:`kvlab.kernels.formats`: storage formats (``bf16``, ``fp8``, ``int4``, ``int2``) as objects:
   static-buffer ``alloc``/``write``, a pure-torch ``quantize``/``dequantize`` reference, their name

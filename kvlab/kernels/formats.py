@@ -88,21 +88,21 @@ class LaunchConfig:
 # ``launch_config``, read when a decode workspace is made without a config. The int formats read by
 # the fold kernel (scales and zeros folded into the operands): on the H200 at the Llama-3.1-8B
 # attention shape and 16k it took 0.42-0.67x split's time for int4 (g32/64/128) and int2-g64 at batch
-# 1, 16 and 32, with the default geometry (reports/h200-2026-12-03b/quant_attention.json). fp8 and
+# 1, 16 and 32, with the default geometry (benchmarks/quant_attention.py). fp8 and
 # int4-g64 carry the winners of `quant_attention.py --tune --tune-formats int4-g64 fp8`
-# (reports/h200-2026-12-03e/kernels/tune.json, best geometric mean over batch 1/16/32): 128 slots per
+# (best geometric mean over batch 1/16/32): 128 slots per
 # block, 3 stages, 2 programs per SM; against the default geometry int4-g64 0.66x/0.61x/0.81x the time
 # at batch 1/16/32 and fp8 (now fold, was split) 0.73x/0.74x/0.77x. The other int formats keep the
-# default geometry (not tuned). Since 2026-12-05 fp8 and int4-g64 run the ``warp_asm`` kernel
+# default geometry (not tuned). fp8 runs the ``warp_asm`` kernel (int4-g64 ran it before ``warp2_asm``)
 # (:mod:`kvlab.kernels.decode_warp`: each warp its own split, 16-bit code words) at that geometry: on
 # an H100 at the default geometry it took 0.71-0.94x fold_asm's time for int4-g64 and 0.79-0.86x
 # fold's for fp8 at batch 1/16/32, and in the fast engine at batch 16 (the tuned geometry) its
-# attention kernels read at 0.71x (int4-g64) and 0.94x (fp8) a copy of the same bytes
-# (reports/h100-2026-12-05). int4-g32 (slower) and int4-g128 (slower at batch 1) stay on fold_asm.
-# Since 2026-12-06 int4-g64 runs ``warp2_asm`` (int4 quarters unpacked in place as float16 subnormals):
+# attention kernels read at 0.71x (int4-g64) and 0.94x (fp8) a copy of the same bytes.
+# int4-g32 (slower) and int4-g128 (slower at batch 1) stay on fold_asm.
+# int4-g64 runs ``warp2_asm`` (int4 quarters unpacked in place as float16 subnormals):
 # on an H100 at this geometry it read at 0.87x / 0.74x copy bandwidth at batch 16 / 32 against
 # warp_asm's 0.71x / 0.59x, with warp_asm's error (1.7e-3), and the int4 cache took 0.484x the full
-# cache's decode J/token at batch 16 in the fast engine (reports/h100-2026-12-06b).
+# cache's decode J/token at batch 16 in the fast engine.
 TUNED_CONFIGS: dict[str, LaunchConfig] = {
     **{f"int4-g{g}": LaunchConfig(variant="fold_asm") for g in (32, 128)},
     "int4-g64": LaunchConfig(block_n=128, num_warps=4, num_stages=3, programs_per_sm=2, variant="warp2_asm"),

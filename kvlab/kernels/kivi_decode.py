@@ -7,7 +7,7 @@ torch reference (:func:`kvlab.kernels.kivi.attend`) elsewhere.
 Two variants of one kernel (``kivi_triton.kivi_decode_kernel``) read the codes (:data:`VARIANTS`):
 ``split`` (:mod:`kvlab.kernels.kivi_triton`) and ``warp``/``warp_asm`` (:mod:`kvlab.kernels.kivi_warp`:
 a split per warp, the query folded per key group; ``warp_asm`` the default, 3.1-3.4x split's speed at
-batch 16 on the H200 with the same error, reports/h200-2026-12-05), picked by
+batch 16 on the H200 with the same error), picked by
 ``make_kivi_workspace(variant=...)``, ``kivi_decode_attention(variant=...)``
 or :data:`DEFAULT_VARIANT`.
 

@@ -24,7 +24,7 @@ from kvlab.kernels.formats import FormatError
 PROGRAMS_PER_SM = 4
 # Tokens the sparse kernel gathers per iteration (a page at least). One page of 16 is best: on an H100
 # at 16k, Quest 2048, 64 tokens took 1.16x 16's time at batch 16 and 0.97x at batch 1 (the call's
-# 0.02 ms; benchmarks/kivi_quest.py --quest-tokens-per-iter, reports/h100-2026-12-06b).
+# 0.02 ms; benchmarks/kivi_quest.py --quest-tokens-per-iter).
 TOKENS_PER_ITER = 16
 BACKENDS = ("auto", "triton", "reference")
 

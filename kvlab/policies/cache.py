@@ -37,7 +37,7 @@ from kvlab.policies.base import PolicyError
 from kvlab.storage import attention
 from kvlab.storage.base import StorageLayer, cache_stats, layer_tensors, tensor_bytes
 
-__all__ = ["EvictingLayer", "EvictionCache", "EvictionError", "EvictionMixin", "LogicalLengthMixin", "cache_stats",
+__all__ = ["EvictingLayer", "EvictionCache", "EvictionError", "EvictingPerTensor", "EvictingQuantized", "EvictionMixin", "LogicalLengthMixin", "cache_stats",
            "evicting_quantized_class", "kept_positions", "layer_tensors", "profiler_scopes", "tensor_bytes"]
 
 
@@ -252,21 +252,17 @@ class EvictingLayer(EvictionMixin, DynamicLayer):
         self.physical_length += tokens_to_remove
 
 
-class _EvictingQuantized(EvictionMixin):
-    """Mixed in front of a transformers quantized layer class (see :func:`evicting_quantized_class`)."""
+class EvictingQuantized(EvictionMixin):
+    """Mixed in front of a transformers groupwise quantized layer class (quanto, hqq: see
+    :func:`evicting_quantized_class`): the kept K/V quantized along the layer's axes."""
 
     def __init__(self, policy, layer_idx: int, num_layers: int, **quant_kwargs):
         super().__init__(**quant_kwargs)
         self._init_eviction(policy, layer_idx, num_layers)
 
     def _store(self, keys, values) -> None:
-        fp8 = not hasattr(self, "residual_length")
-        if fp8:
-            self._quantized_keys = self._quantize(keys.contiguous())
-            self._quantized_values = self._quantize(values.contiguous())
-        else:
-            self._quantized_keys = self._quantize(keys.contiguous(), axis=self.axis_key)
-            self._quantized_values = self._quantize(values.contiguous(), axis=self.axis_value)
+        self._quantized_keys = self._quantize(keys.contiguous(), axis=self.axis_key)
+        self._quantized_values = self._quantize(values.contiguous(), axis=self.axis_value)
         self.cumulative_length = self.logical_length  # the base update keeps counting from here
 
     def _append(self, keys, values, *args, **kwargs):
@@ -277,10 +273,19 @@ class _EvictingQuantized(EvictionMixin):
         raise EvictionError("a quantized cache cannot be cropped: build a fresh cache for each question")
 
 
+class EvictingPerTensor(EvictingQuantized):
+    """In front of transformers' per-tensor fp8 layer: the kept K/V quantized with no axis."""
+
+    def _store(self, keys, values) -> None:
+        self._quantized_keys = self._quantize(keys.contiguous())
+        self._quantized_values = self._quantize(values.contiguous())
+        self.cumulative_length = self.logical_length
+
+
 @cache
-def evicting_quantized_class(base: type) -> type:
-    """``Evicting<Base>``: eviction at prefill, then the stock quantized layer behaviour."""
-    return type(f"Evicting{base.__name__}", (_EvictingQuantized, base), {})
+def evicting_quantized_class(base: type, mixin: type = EvictingQuantized) -> type:
+    """``Evicting<Base>``: eviction at prefill (``mixin``), then the stock quantized layer behaviour."""
+    return type(f"Evicting{base.__name__}", (mixin, base), {})
 
 
 class EvictionCache(Cache):

@@ -207,7 +207,7 @@ def reconstruction_forward(base_model, cache, repeat: torch.Tensor, start: int, 
     attention, which :func:`kvlab.storage.attention.lower_right_chunks` runs with no mask. Without
     it transformers builds a ``[B, 1, q, n + q]`` mask, repeats every K/V head per query head (SDPA
     takes grouped heads only without a mask on CUDA) and keeps SDPA off flash (efficient or math on
-    CUDA; "No available kernel" under a flash pin, H200 2026-12-03f). The other backends stay open
+    CUDA; "No available kernel" under a flash pin on the H200). The other backends stay open
     for inputs flash cannot take (float32 on CUDA)."""
     positions = torch.arange(start, start + repeat.shape[1], device=repeat.device).expand(repeat.shape[0], -1)
     with torch.no_grad(), sdpa_kernel(RECONSTRUCTION_BACKENDS), attention.lower_right_chunks(base_model):

@@ -179,7 +179,9 @@ class Storage(Protocol):
         is on a CUDA device, where the kernels run)."""
 
     def make_cache(self, num_layers: int):
-        """The ``hf`` half: a fresh transformers cache of this storage's layers."""
+        """The ``hf`` half: a fresh transformers cache of this storage's layers (a storage with a
+        ``prefill`` policy is held on ``hf`` by that policy's cache: eviction over a dense, kvq or
+        head-padded layer)."""
 
     def token_bytes(self, kv_heads: int, head_dim: int, element_size: int = 2) -> float:
         """Bytes of one stored token in one layer (K and V, every KV head, scales included;

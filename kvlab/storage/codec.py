@@ -20,15 +20,13 @@ it attends, itself included; nothing is kept unquantized.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from kvlab.kernels.turboquant import rotate, rotated_decode, unrotate
-from kvlab.storage.base import ModelShape, StoredLengthMixin, StoreOptions, paged_layout, tensor_bytes
+from kvlab.storage.base import ModelShape, StoredLengthMixin, StoreOptions, tensor_bytes
+from kvlab.storage.loading import PromptStorage
 from kvlab.storage.slots import Layout, SlotStore, StepSlots, sdpa_decode
-from kvlab.storage.store_cache import dense_prefill_cache, kept_tokens, load_prefilled
 
 
 class CodecLayer(StoredLengthMixin, DynamicLayer):
@@ -163,12 +161,11 @@ def put_slot(buf: torch.Tensor, slot: torch.Tensor, part: torch.Tensor) -> None:
     buf.index_copy_(2, slot, part)
 
 
-class CodecStorage:
+class CodecStorage(PromptStorage):
     """The storage protocol for a family of codecs; a subclass (a frozen dataclass of its parameters)
     gives ``codecs() -> (key codec, value codec)``, ``rotation(kv_heads, D, device)`` (None: none),
-    ``kv_format`` and its own ``check``."""
+    ``kv_format`` and its own ``check`` (paged layout, prefill cache, load and kept: PromptStorage's)."""
 
-    prefill: Any = None
     attends_own_queries = False
 
     def codecs(self):
@@ -192,17 +189,5 @@ class CodecStorage:
         kcodec, vcodec = self.codecs()
         return kv_heads * (kcodec.token_bytes(head_dim) + vcodec.token_bytes(head_dim))
 
-    def paged(self, kv_heads: int, head_dim: int, block_tokens: int = 16, element_size: int = 2):
-        return paged_layout(self.token_bytes(kv_heads, head_dim), block_tokens)
-
     def store(self, layout: Layout, options: StoreOptions):
         return CodecStore(self, layout, options.dtype, options.device, options.scale, options.backend)
-
-    def prefill_cache(self, store, rows: slice | None, model):
-        return dense_prefill_cache(model)
-
-    def load(self, store, cache, rows: slice | None = None) -> None:
-        load_prefilled(store, cache, rows)
-
-    def kept(self, cache) -> tuple[int, tuple[int, ...]]:
-        return kept_tokens(cache)

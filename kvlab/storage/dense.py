@@ -18,8 +18,9 @@ from typing import Any
 import torch
 
 from kvlab.errors import EngineError
-from kvlab.storage.base import ModelShape, StoreOptions, paged_layout
+from kvlab.storage.base import ModelShape, StoreOptions
 from kvlab.storage.kvq import QuantizedStore
+from kvlab.storage.loading import PromptStorage
 from kvlab.storage.slots import (
     DENSE_ATTENTION,
     Layout,
@@ -31,7 +32,7 @@ from kvlab.storage.slots import (
     flash_decode,
     sdpa_decode,
 )
-from kvlab.storage.store_cache import StoreCache, kept_tokens, load_prefilled
+from kvlab.storage.store_cache import StoreCache
 
 
 class DenseStore(ModelDtypeStore):
@@ -100,7 +101,7 @@ class DenseStore(ModelDtypeStore):
 
 
 @dataclass(frozen=True)
-class DenseStorage:
+class DenseStorage(PromptStorage):
     """The model dtype, every kept token. ``prefill``: the evicting policy whose cache the prefill
     fills (None: the prompt is written whole, straight into the fast engine's store)."""
 
@@ -118,9 +119,6 @@ class DenseStorage:
     def token_bytes(self, kv_heads: int, head_dim: int, element_size: int = 2) -> float:
         return 2 * kv_heads * head_dim * element_size
 
-    def paged(self, kv_heads: int, head_dim: int, block_tokens: int = 16, element_size: int = 2):
-        return paged_layout(self.token_bytes(kv_heads, head_dim, element_size), block_tokens)
-
     def store(self, layout: Layout, options: StoreOptions):
         if options.attention == "triton":  # bf16 read by kvlab's split-K kernel
             if options.dtype != torch.bfloat16:
@@ -133,8 +131,4 @@ class DenseStorage:
     def prefill_cache(self, store, rows: slice | None, model):
         return StoreCache(store, rows) if self.prefill is None else self.prefill.make_cache(model)
 
-    def load(self, store, cache, rows: slice | None = None) -> None:
-        load_prefilled(store, cache, rows)
 
-    def kept(self, cache) -> tuple[int, tuple[int, ...]]:
-        return kept_tokens(cache)

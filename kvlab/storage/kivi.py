@@ -30,15 +30,13 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from kvlab.budget import BudgetError, check_positive
 from kvlab.errors import PolicyError
 from kvlab.kernels import kivi
 from kvlab.kernels.kivi_decode import kernel_problem, kivi_append, kivi_decode_attention, make_kivi_workspace
-from kvlab.models import ModelSpec
 from kvlab.storage import attention
-from kvlab.storage.base import ModelShape, StoredLengthMixin, StoreOptions, check_int, paged_layout
+from kvlab.storage.base import ModelShape, StoredLengthMixin, StoreOptions, check_int
+from kvlab.storage.loading import PromptStorage
 from kvlab.storage.slots import Layout, SlotStore, StepSlots, uses_kernel
-from kvlab.storage.store_cache import dense_prefill_cache, kept_tokens, load_prefilled
 
 GROUPS = (16, 32, 64, 128)
 
@@ -199,7 +197,7 @@ class KiviSlotStore(SlotStore):
 
 
 @dataclass(frozen=True)
-class KiviStorage:
+class KiviStorage(PromptStorage):
     """KIVI's knobs; its label, bits, checks, and both engines' halves."""
 
     name = "kivi"
@@ -261,40 +259,5 @@ class KiviStorage:
         """A quantized token's bytes (codes and scales; the bf16 ring is a fixed extra per sequence)."""
         return kv_heads * self.spec.token_bytes(head_dim)
 
-    def paged(self, kv_heads: int, head_dim: int, block_tokens: int = 16, element_size: int = 2):
-        return paged_layout(self.token_bytes(kv_heads, head_dim), block_tokens)
-
     def store(self, layout: Layout, options: StoreOptions):
         return KiviSlotStore(layout, self.spec, options.num_heads, options.device, options.scale, options.backend)
-
-    def prefill_cache(self, store, rows: slice | None, model):
-        return dense_prefill_cache(model)
-
-    def load(self, store, cache, rows: slice | None = None) -> None:
-        load_prefilled(store, cache, rows)
-
-    def kept(self, cache) -> tuple[int, tuple[int, ...]]:
-        return kept_tokens(cache)
-
-
-def kivi_cache_bytes(spec: ModelSpec, ctx: int, batch: int = 1, bits: int = 2, key_bits: int | None = None,
-                     group: int = 32, residual: int = 128, value_group: int = 32, new_tokens: int = 0) -> float:
-    """A KIVI-style cache (:mod:`kvlab.kernels.kivi`) holding ``ctx + new_tokens`` tokens per sequence:
-    the first ``group * ((n - residual) // group)`` as codes (keys ``key_bits`` per element plus a
-    float16 scale and zero per channel per ``group`` tokens; values ``bits`` plus a float16 scale and
-    zero per ``value_group`` elements of each token), the ring of ``residual + group`` tokens in bf16
-    (allocated whole, so counted whole)."""
-    check_positive("batch", batch)
-    key_bits = key_bits or bits
-    for name, b in (("bits", bits), ("key_bits", key_bits)):
-        if b not in (2, 4):
-            raise BudgetError(f"KIVI {name}: {b} is not stored; use 2 or 4")
-    if residual < 0 or group < 1 or value_group < 1 or spec.head_dim % value_group:
-        raise BudgetError(f"KIVI group {group}, residual {residual}, value_group {value_group}: need group >= 1, "
-                          f"residual >= 0 and a value_group dividing head_dim {spec.head_dim}")
-    n = ctx + new_tokens
-    quantized = group * max(0, (n - residual) // group)
-    d, heads = spec.head_dim, spec.num_layers * spec.num_kv_heads
-    per_token = d * (key_bits + bits) / 8 + 2 * 2 * d / group + 2 * 2 * d / value_group
-    ring = 2 * (residual + group) * d * 2
-    return batch * heads * (quantized * per_token + ring)

@@ -42,9 +42,10 @@ from transformers.cache_utils import Cache, DynamicLayer
 from kvlab.errors import PolicyError
 from kvlab.kernels import KVStore, decode_attention, make_workspace, parse_format, quantize_write
 from kvlab.kernels.formats import FormatError
-from kvlab.storage.base import ModelShape, StoredLengthMixin, StoreOptions, paged_layout, tensor_bytes
+from kvlab.storage.base import ModelShape, StoredLengthMixin, StoreOptions, tensor_bytes
+from kvlab.storage.loading import PromptStorage
 from kvlab.storage.slots import Layout, SlotStore, StepSlots, sdpa_decode
-from kvlab.storage.store_cache import StoreCache, kept_tokens, load_prefilled
+from kvlab.storage.store_cache import StoreCache
 
 
 def _cat(a: KVStore | None, b: KVStore) -> KVStore:
@@ -213,7 +214,7 @@ class QuantizedStore(SlotStore):
 
 
 @dataclass(frozen=True)
-class KVQStorage:
+class KVQStorage(PromptStorage):
     """K/V in the kvlab format ``kv_format`` (``fp8``, ``int4-g64``, ...). ``prefill``: the evicting
     policy whose cache the prefill fills (None: the prompt is quantized straight into the store)."""
 
@@ -236,9 +237,6 @@ class KVQStorage:
     def token_bytes(self, kv_heads: int, head_dim: int, element_size: int = 2) -> float:
         return 2 * parse_format(self.format).bytes_per_token(kv_heads, head_dim)
 
-    def paged(self, kv_heads: int, head_dim: int, block_tokens: int = 16, element_size: int = 2):
-        return paged_layout(self.token_bytes(kv_heads, head_dim), block_tokens)
-
     def store(self, layout: Layout, options: StoreOptions):
         return QuantizedStore(layout, self.format, options.num_heads, options.dtype, options.device, options.scale,
                               options.quant_attention)
@@ -246,8 +244,4 @@ class KVQStorage:
     def prefill_cache(self, store, rows: slice | None, model):
         return StoreCache(store, rows) if self.prefill is None else self.prefill.make_cache(model)
 
-    def load(self, store, cache, rows: slice | None = None) -> None:
-        load_prefilled(store, cache, rows)
 
-    def kept(self, cache) -> tuple[int, tuple[int, ...]]:
-        return kept_tokens(cache)

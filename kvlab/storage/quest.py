@@ -34,10 +34,10 @@ from kvlab.errors import PolicyError
 from kvlab.kernels import quest
 from kvlab.kernels.quest_decode import kernel_problem, make_quest_workspace, quest_decode_attention
 from kvlab.storage import attention
-from kvlab.storage.base import ModelShape, StorageLayer, StoreOptions, check_int, paged_layout
+from kvlab.storage.base import ModelShape, StorageLayer, StoreOptions, check_int
 from kvlab.storage.dense import DenseStore
+from kvlab.storage.loading import PromptStorage
 from kvlab.storage.slots import Layout, uses_kernel
-from kvlab.storage.store_cache import dense_prefill_cache, kept_tokens, load_prefilled
 
 GROUP_REDUCE = ("max", "sum")
 
@@ -194,7 +194,7 @@ class QuestStore(DenseStore):
 
 
 @dataclass(frozen=True)
-class QuestStorage:
+class QuestStorage(PromptStorage):
     """Quest's knobs; its label, checks, and both engines' halves."""
 
     name = "quest"
@@ -257,19 +257,10 @@ class QuestStorage:
         """K/V at the model dtype plus each page's key min and max, per token."""
         return 2 * kv_heads * head_dim * element_size * (1 + 1 / self.page)
 
-    def paged(self, kv_heads: int, head_dim: int, block_tokens: int = 16, element_size: int = 2):
-        return paged_layout(self.token_bytes(kv_heads, head_dim, element_size), block_tokens)
-
     def store(self, layout: Layout, options: StoreOptions):
         attention = "auto" if options.attention == "triton" else options.attention
         return QuestStore(layout, self.read, options.num_heads, options.dtype, options.device, options.scale,
                           attention, options.backend)
 
-    def prefill_cache(self, store, rows: slice | None, model):
-        return dense_prefill_cache(model)
 
-    def load(self, store, cache, rows: slice | None = None) -> None:
-        load_prefilled(store, cache, rows)
 
-    def kept(self, cache) -> tuple[int, tuple[int, ...]]:
-        return kept_tokens(cache)

@@ -12,8 +12,8 @@ sequence of its own (one KV head, the GQA group's query heads; ``seqused_k`` per
 is either that kernel (``flash``, CUDA) or SDPA with a length mask (``sdpa``, any device, the CPU
 reference). Why segments: handed ``[B, C, Hkv, D]`` with ``B > 1``, the kernel's own GQA transpose
 of the queries is not a view, and torch copies q before it and the output (twice) after it: three
-copy kernels per layer, 96 per step and 0.25 ms of 13.2 at batch 16 on the H200
-(reports/h200-2026-12-03f/minimal_step.json); with one KV head per sequence they are views.
+copy kernels per layer, 96 per step and 0.25 ms of 13.2 at batch 16 on the H200 (the minimal step's
+measurement); with one KV head per sequence they are views.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def cudnn_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias
 
     Why beside flash: the minimal step's cuDNN kernel (``enable_gqa``, the same K/V bytes) read 16k
     slots in 0.74 ms per step at batch 1 where flash's split-KV kernel and its combine pass took 0.99
-    (reports/h200-2026-12-03f). One bias serves every row (all rows hold the same length), and the
+    (on the H200). One bias serves every row (all rows hold the same length), and the
     shapes are fixed, so cuDNN builds one plan per layout, not one per length. SDPA is pinned to
     cuDNN (:func:`cudnn_pin`): a call it cannot take fails instead of falling back."""
     bsz, n_heads, _, dim = q.shape

@@ -1,16 +1,19 @@
 """A transformers cache whose layers write the prefill's K/V straight into the fast engine's static
-store (no second copy of the prompt's K/V beside the store at the peak), and the loading of a
-prefilled cache into a store that every family with one length per layer shares.
+store (``fast`` would otherwise hold the whole prefill cache beside the store, one extra cache at peak).
 
     cache = StoreCache(store, rows)        # rows: the batch rows this prefill fills (None: all)
     generation.prefill(model, ids, cache)  # every layer's K/V lands in the store's slots 0..n
-    load_prefilled(store, cache, rows)     # nothing to copy: only the lengths are checked
+    # nothing to load: the store holds the prompt; cache.get_seq_length() is the prompt length
 
-Only for storages that take the prompt whole into a store that can take its writes (dense, kvq):
-an evicting policy needs the whole prompt's K/V before it selects, so it prefills into its own
-cache and :func:`load_prefilled` copies what it kept. What each layer's attention sees is the
-store's ``write_prefill``: a dense store's slots ``[0, end)`` (views); a quantized store's exact K/V
-on the first forward, the stored codes dequantized on later chunks (as ``hf``'s layer does).
+Only for storages that keep every prompt token in a store that takes the writes (dense, kvq, with
+no prefill policy): an evicting policy needs the whole prompt's K/V before it selects, so it still
+prefills into its own cache and :func:`kvlab.storage.loading.load_prefilled` copies what it kept.
+
+What each layer's attention sees, as on ``hf`` (the store's ``write_prefill``):
+- a dense store (model dtype): the store's slots ``[0, end)`` (views; nothing copied);
+- a quantized store: the first forward (one-shot prefill or first chunk) attends its exact K/V, as
+  :class:`~kvlab.storage.kvq.KVQLayer` does; later chunks attend the stored codes
+  dequantized (a transient of one layer), as ``KVQLayer`` does.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from kvlab.storage.base import StoredLengthMixin, hf_model, layer_tensors
+from kvlab.storage.base import StoredLengthMixin
 from kvlab.storage.slots import row_slice
 
 
@@ -55,30 +58,3 @@ class StoreCache(Cache):
         super().__init__(layers=[StoreLayer(store, i, rows) for i in range(len(store.layout.kept))])
         self.store = store
 
-
-def load_prefilled(store, cache, rows: slice | None = None) -> None:
-    """A prefilled cache's K/V into ``store``: a :class:`StoreCache` of this store already wrote them
-    (its lengths are checked), any other cache's plain K/V are copied (:func:`layer_tensors`)."""
-    if isinstance(cache, StoreCache):
-        if cache.store is not store:
-            raise ValueError("this StoreCache writes into another decoder's store")
-        got = [layer.get_seq_length() for layer in cache.layers]
-        if got != list(store.layout.kept):
-            raise ValueError(f"the prefill wrote {got[0]} tokens per layer, the store was sized for "
-                             f"{store.layout.kept[0]}")
-        store.step.zero_()
-    else:
-        store.load(layer_tensors(cache), rows)
-
-
-def kept_tokens(cache) -> tuple[int, tuple[int, ...]]:
-    """(batch, stored tokens per layer) of a prefilled cache of plain K/V."""
-    kv = layer_tensors(cache)
-    return kv[0][0].shape[0], tuple(k.shape[-2] for k, _ in kv)
-
-
-def dense_prefill_cache(model):
-    """A plain transformers cache for the prefill of a store that loads the prompt's K/V from it."""
-    from transformers import DynamicCache
-
-    return DynamicCache(config=hf_model(model).config)

@@ -20,7 +20,7 @@ from packaging.version import Version
 
 from kvlab.kernels.formats import GROUPS, FormatError, format_label, parse_format
 from kvlab.policies.base import ModelShape, PolicyError, check_int, hf_model, model_shape
-from kvlab.policies.cache import EvictionError, EvictionMixin, evicting_quantized_class
+from kvlab.policies.cache import EvictingPerTensor, EvictionError, EvictionMixin, evicting_quantized_class
 from kvlab.storage.kvq import KVQLayer, KVQStorage
 
 FP8_MIN_TRANSFORMERS = "5.21"
@@ -199,6 +199,9 @@ class FP8Backend(QuantBackend):
 
     def layer_kwargs(self, spec: QuantSpec) -> dict[str, int]:
         return {}
+
+    def evicting_layer_class(self, spec: QuantSpec) -> type:
+        return evicting_quantized_class(self.layer_class(), EvictingPerTensor)
 
     def make_cache(self, spec: QuantSpec, model):
         cache = super().make_cache(spec, model)
@@ -401,7 +404,7 @@ class QuantSpec:
             from tqdm import tqdm  # prints above a live progress bar
 
             tqdm.write("kvlab: optimum-quanto compiles its C++ extension for the CPU once per install (about "
-                       "2.5 minutes on 2 busy cores, 2026-12-03); later runs load it", file=sys.stderr)
+                       "2.5 minutes on 2 busy cores); later runs load it", file=sys.stderr)
         layer = self.layer_class()(**self.layer_kwargs())
         x = torch.randn(1, 1, 4, shape.head_dim, device=param.device, dtype=param.dtype)
         layer.update(x, x)
@@ -431,7 +434,7 @@ def saturating_fp8_layer_class() -> type | None:
     Why: the layer freezes its per-tensor scale on the prefill and casts later tokens with
     ``.to(float8_e4m3fn)``; a token whose keys exceed the prefill's amplitude then overflows.
     Out-of-range casts saturate to +-448 on the CPU (torch >= 2.12, pytorch#178817) but can give
-    NaN on CUDA: on the H200 (torch 2.11, 2026-12-02) every SmolLM2 answer under fp8 came out empty
+    NaN on CUDA: on the H200 (torch 2.11) every SmolLM2 answer under fp8 came out empty
     with non-finite logits while the CPU answered. Clamping first makes both devices saturate.
     """
     from transformers import cache_utils
