@@ -173,9 +173,11 @@ def test_smollm2_generates_through_hf_and_fast(smollm2, method, params):
     outs = [generate_text(smollm2, ids, make_policy(method, **params), 8, engine=engine)
             for engine in (None, FastEngine(smollm2))]
     # the rotated stores attend in another basis on each engine (hf: K/V rotated back; fast: q rotated),
-    # so float rounding may move a later token's codes and the greedy paths part after a few tokens
-    # (kvq-rot int4-g64 here: after 4 equal tokens); the first ones must agree, with full's too
+    # so float rounding may move a later token's codes and the greedy paths may part after a few tokens
+    # (kvq-rot int4-g64: after 4 equal tokens); the first ones must agree. The first token comes from
+    # the exact prefill, so it is full's too (turboquant k3v4 then leaves full's path at the second:
+    # " the visible spectrum, which includes all wavelengths" against full's " the primary colors of light: red,")
     hf, fast = (o.tokens[0, :4].tolist() for o in outs)
-    assert hf == fast == full.tokens[0, :4].tolist(), (outs[0].text, outs[1].text, full.text)
+    assert hf == fast and hf[0] == full.tokens[0, 0].item(), (outs[0].text, outs[1].text, full.text)
     if method == "nvfp4":  # no rotation: the same arithmetic on both engines
         assert torch.equal(outs[0].tokens, outs[1].tokens)
