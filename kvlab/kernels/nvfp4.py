@@ -17,9 +17,14 @@ Values above the grid after the E4M3 rounding of their scale saturate at +-6.
 
 ``four_over_six``: per block, also try scaling its amax to 4 instead of 6 (the grid near the top is
 then 3, 4 rather than 4, 6) and keep whichever reconstructs the block with the smaller squared error
-("Four Over Six" adaptive block scaling). The second level is then ``amax / (4 * 448)`` so that the
-scale-to-4 choice never overflows E4M3. Cost: one more quantization per block at write time, no
-bytes.
+(Cook et al., "Four Over Six: More Accurate NVFP4 Quantization with Adaptive Block Scaling",
+arXiv:2512.02010: evaluate both scales per block, keep the one with the lower error). Here the error is
+the block's squared error, and the second level becomes ``amax / (4 * 448)`` so that the scale-to-4
+choice never overflows E4M3; the paper's own second-level rule was not read. Cost: one more
+quantization per block at write time, no bytes.
+
+Serving engines' NVFP4 KV (e.g. vLLM's pull request #37192) keep the second level per tensor, loaded
+from a checkpoint or derived dynamically; the per-token choice here is the difference.
 
 Hardware: on Hopper a decode kernel reads these bytes and decodes in registers (E2M1 lookup times the
 E4M3 scale), then does bf16 math: the bytes read are NVFP4's, the math is not. Blackwell's tensor cores
