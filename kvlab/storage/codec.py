@@ -10,7 +10,7 @@ token's codes into its slot.
 With a rotation ``R`` (``[Hkv, D, D]``, orthogonal) K and V are rotated on append and stored in the
 rotated basis. The ``fast`` store attends there: the query is rotated once per step, the softmax
 weights the rotated values, and that sum is rotated back once
-(:func:`kvlab.kernels.turboquant.rotated_decode`). The ``hf`` layer hands transformers the decoded
+(:func:`kvlab.kernels.turboquant.rotated_decode`, or the storage's fused kernel). The ``hf`` layer hands transformers the decoded
 K/V rotated back (dequantize, then attend): equal scores and outputs up to float rounding, since
 ``q R . k R = q . k``.
 
@@ -128,16 +128,13 @@ class CodecStore(SlotStore):
     def bytes_per_slot(self) -> int:
         return self.storage.token_bytes(self.layout.kv_heads, self.layout.head_dim)
 
-    def _write(self, layer: int, rows: slice, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _load_layer(self, layer: int, rows: slice, k: torch.Tensor, v: torch.Tensor) -> None:
         kcodec, vcodec = self.storage.codecs()
         n = k.shape[-2]
         for dst, src in ((self.keys[layer], kcodec.encode(in_basis(k, self.rot))),
                          (self.values[layer], vcodec.encode(in_basis(v, self.rot)))):
             for buf, part in zip(dst, src, strict=True):
-                buf[rows, :, start:start + n] = part
-
-    def _load_layer(self, layer: int, rows: slice, k: torch.Tensor, v: torch.Tensor) -> None:
-        self._write(layer, rows, 0, k, v)
+                buf[rows, :, :n] = part
 
     def _attend(self, layer: int, q, k, v) -> torch.Tensor:
         slot = self.slots.slot(layer)
