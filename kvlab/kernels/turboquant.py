@@ -15,7 +15,8 @@ Sources, and what is copied from each:
   quality through softmax); "norm correction" (the ``_nc`` dtypes: the looked-up centroid vector is
   renormalized to unit norm before the stored norm multiplies it, :func:`decode`); the four presets
   ``turboquant_k8v4`` (FP8 keys, 4-bit values), ``turboquant_4bit_nc``, ``turboquant_k3v4_nc`` and
-  ``turboquant_3bit_nc`` (:data:`VARIANTS`). Differences: vLLM's #40194 dropped the random signs
+  ``turboquant_3bit_nc`` (:data:`VARIANTS`; k8v4's name has no ``_nc``, so its 4-bit values are decoded
+without norm correction here, the other presets' codes with it). Differences: vLLM's #40194 dropped the random signs
   (one plain Hadamard matrix for every layer and head); here the rotation is a seeded randomized
   Hadamard per KV head (random signs, then the normalized Sylvester Hadamard), as the paper's random
   rotation asks. vLLM keeps the first/last layers in fp16 (``kv_cache_dtype_skip_layers``); here
