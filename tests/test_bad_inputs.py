@@ -405,6 +405,17 @@ CASES = [
      "budget=32 tokens must hold two pages of 32"),
     ("params-quest-group-reduce", SWEEP, params_file({"methods": [{"method": "quest", "group_reduce": "head"}]}),
      "group_reduce='head'"),
+    # --- codec storages (nvfp4, turboquant, kvq-rot) ---------------------------------------------------
+    ("params-nvfp4-four-over-six-not-bool", SWEEP,
+     params_file({"methods": [{"method": "nvfp4", "four_over_six": 3}]}), "four_over_six must be true or false"),
+    ("params-turboquant-variant", SWEEP, params_file({"methods": [{"method": "turboquant", "variant": "2bit"}]}),
+     "variant='2bit' is not a turboquant preset: use one of k8v4, 4bit, k3v4, 3bit"),
+    ("params-turboquant-seed-negative", SWEEP, params_file({"methods": [{"method": "turboquant", "seed": -1}]}),
+     "seed must be >= 0"),
+    ("params-kvq-rot-format", SWEEP, params_file({"methods": [{"method": "kvq-rot", "format": "int3-g64"}]}),
+     "format='int3-g64' is not a kvq-rot format"),
+    ("params-kvq-rot-group-above-head-dim", SWEEP, params_file({"methods": [{"method": "kvq-rot", "format": "int4-g64"}]}),
+     "kvq-rot format='int4-g64' groups do not divide tiny-llama's head_dim 16: use one of fp8"),
     # --- issue #27's methods: each parameter refused with its name and range ----------------------------
     ("params-ea-future-zero", SWEEP, params_file({"methods": [{"method": "expected_attention", "n_future_positions": 0}]}),
      "n_future_positions must be >= 1, got 0"),

@@ -14,6 +14,7 @@ from kvlab.engine.engines import make_engine
 from kvlab.engine.generation import fork_cache, forward_at
 from kvlab.policies import POLICIES, QuantizedPolicy, make_policy
 from kvlab.policies.base import Policy
+from kvlab.policies.stored import StoredPolicy
 from kvlab.quality import TaskSpec, summarize
 from kvlab.quality.continuation import continuation_items, stdlib_text
 from kvlab.quality.items import run_item, segments
@@ -308,7 +309,7 @@ def _every_method():
             out.append(make_policy(name, target=256, interval=16, score_params={"window_size": 16}))
         elif name == "quest":  # a budget below the 512-token items, so the read is sparse
             out.append(make_policy(name, budget=128))
-        elif issubclass(POLICIES[name], QuantizedPolicy) or name == "kivi":  # fp8, kvq-*, kivi: their defaults
+        elif issubclass(POLICIES[name], (QuantizedPolicy, StoredPolicy)):  # fp8, kvq-*, stores alone: defaults
             out.append(make_policy(name))
         else:
             out.append(make_policy(name, keep=0.25))

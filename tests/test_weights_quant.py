@@ -109,7 +109,7 @@ def run_every_policy(model: str, knobs: dict, skip: tuple = ()) -> list[str]:
     return ran
 
 
-KVQ = ("kvq-int4", "kvq-int2")  # groups of 32-128 elements: tiny-llama's head dim is 16
+KVQ = ("kvq-int4", "kvq-int2", "kvq-rot")  # groups of 32-128 elements: tiny-llama's head dim is 16
 
 
 def test_int4_weights_run_under_every_cache_policy_on_the_tiny_model():

@@ -42,4 +42,6 @@ def registry_kwargs(name: str, pyramid_beta: int | None = None) -> dict:
             kw["beta"] = pyramid_beta
     elif issubclass(cls, QuantizedPolicy) and "q_group_size" in knobs:
         kw["q_group_size"] = 32
+    elif name == "kvq-rot":  # its format's groups must divide head_dim 32
+        kw["format"] = "int4-g32"
     return kw

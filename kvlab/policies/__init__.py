@@ -49,7 +49,10 @@ from kvlab.policies.stored import storage_policies
 from kvlab.policies.streamingllm import StreamingLLMPolicy
 from kvlab.policies.tova import TOVAPolicy
 from kvlab.storage.kivi import KiviStorage
+from kvlab.storage.nvfp4 import Nvfp4Storage
 from kvlab.storage.quest import QuestStorage
+from kvlab.storage.rotated_kvq import RotatedKVQStorage
+from kvlab.storage.turboquant import TurboQuantStorage
 
 POLICIES: dict[str, type[Policy]] = {
     cls.name: cls
@@ -57,7 +60,7 @@ POLICIES: dict[str, type[Policy]] = {
                 RandomPolicy, QuantoPolicy, HQQPolicy, FP8Policy, KVQFp8Policy, KVQInt4Policy, KVQInt2Policy,
                 DecodingPolicy, ExpectedAttentionPolicy, KVzipPolicy, AdaKVPolicy)
 }
-POLICIES.update(storage_policies(KiviStorage, QuestStorage))  # methods that are a storage alone
+POLICIES.update(storage_policies(KiviStorage, QuestStorage, Nvfp4Storage, TurboQuantStorage, RotatedKVQStorage))  # methods that are a storage alone
 
 
 def make_policy(method: str, **params: Any) -> Policy:
