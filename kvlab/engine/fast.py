@@ -36,6 +36,7 @@ from kvlab.engine.kvstore_ragged import RaggedStore, per_head_budget
 from kvlab.engine.kvstore_reads import read_store
 from kvlab.engine.llama import LlamaFamilyStep, check_model
 from kvlab.engine.store_cache import StoreCache
+from kvlab.kernels.key_offset import OffsetKeysFormat
 from kvlab.policies.base import hf_model
 from kvlab.policies.cache import layer_tensors
 from kvlab.policies.full import FullPolicy
@@ -371,7 +372,7 @@ class FastEngine:
                 raise EngineError(f"attention={self.attention!r} reads one length per layer; per-KV-head budgets "
                                   "(adakv) need the ragged store: use attention auto, flash or sdpa")
             return RaggedStore(layout, self.dtype, self.device, self.step.scaling, self.attention)
-        if not isinstance(kv_format, str):  # issue 29's reads: a KIVI spec or a Quest read
+        if not isinstance(kv_format, (str, OffsetKeysFormat)):  # issue 29's reads: a KIVI spec or a Quest read
             return read_store(layout, kv_format, self.step.num_heads, self.dtype, self.device, self.step.scaling,
                               "auto" if self.attention == "triton" else self.attention)
         if kv_format == "model" and self.attention == "triton":  # bf16 read by kvlab's split-K kernel

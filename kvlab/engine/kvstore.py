@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kvlab.kernels import decode_attention, make_workspace, parse_format, quantize_write
+from kvlab.kernels.key_offset import OffsetKeysFormat, split_format
 
 ATTENTION = ("auto", "flash", "sdpa")
 DENSE_ATTENTION = (*ATTENTION, "cudnn")  # the dense store's: cuDNN's attention over a length bias too
@@ -347,40 +348,68 @@ class QuantizedStore(SlotStore):
     the float32 reference on CPU) or ``dequantize``: the whole store converted to the model dtype,
     then masked SDPA, i.e. what an implementation without a fused kernel does (``hf``'s arithmetic),
     kept as the explicit baseline.
+
+    With an :class:`~kvlab.kernels.key_offset.OffsetKeysFormat` the keys are written minus a per-layer
+    ``[B, Hkv, D]`` float32 offset (``key_offsets``), fitted on each row's prompt keys when they are
+    loaded and subtracted inside the write kernel for every later token; attention reads the codes
+    as they are (the offset shifts every score of a query by the same amount).
     """
 
-    def __init__(self, layout: Layout, kv_format: str, num_heads: int, dtype, device, scale: float,
-                 attention: str = "auto"):
+    def __init__(self, layout: Layout, kv_format: str | OffsetKeysFormat, num_heads: int, dtype, device,
+                 scale: float, attention: str = "auto"):
         if attention not in QUANT_ATTENTION:
             raise ValueError(f"attention={attention!r} for a quantized store: use one of {', '.join(QUANT_ATTENTION)}")
-        self.fmt = parse_format(kv_format)
-        self.kv_format = self.fmt.label
+        name, self.offset_rule = split_format(kv_format)
+        self.fmt = parse_format(name)
+        self.kv_format = kv_format.label if isinstance(kv_format, OffsetKeysFormat) else self.fmt.label
         self.attention = "fused" if attention == "auto" else attention
         self.layout, self.scale, self.dtype = layout, scale, dtype
         b, h, d = layout.batch, layout.kv_heads, layout.head_dim
         self.keys = [self.fmt.alloc(b, h, c, d, device) for c in layout.capacity]
         self.values = [self.fmt.alloc(b, h, c, d, device) for c in layout.capacity]
+        self.key_offsets = [torch.zeros(b, h, d, dtype=torch.float32, device=device)
+                            if self.offset_rule.subtracts else None for _ in layout.capacity]
         cuda = torch.device(device).type == "cuda"
         self.workspaces = [make_workspace(num_heads, k) if cuda else None for k in self.keys]
         self.slots = StepSlots(layout.kept, layout.batch, device)
 
     def bytes_allocated(self) -> int:
-        return sum(s.nbytes() for s in self.keys + self.values)
+        offsets = sum(t.numel() * t.element_size() for t in self.key_offsets if t is not None)
+        return sum(s.nbytes() for s in self.keys + self.values) + offsets
 
     def buffers(self) -> list[torch.Tensor]:
-        return [t for s in self.keys + self.values for t in s.tensors()] + list(self.slots.tensors())
+        offsets = [t for t in self.key_offsets if t is not None]
+        return [t for s in self.keys + self.values for t in s.tensors()] + offsets + list(self.slots.tensors())
 
     def bytes_per_slot(self) -> int:
         return 2 * self.fmt.bytes_per_token(self.layout.kv_heads, self.layout.head_dim)
 
+    def held_bytes(self, held: list[int]) -> int:
+        """The slots' bytes plus the key offsets' (``head_dim`` float32 per row, KV head and layer)."""
+        offsets = sum(t.numel() * t.element_size() for t in self.key_offsets if t is not None)
+        return super().held_bytes(held) + offsets
+
+    def key_offset(self, layer: int, rows: slice = slice(None)) -> torch.Tensor | None:
+        """Layer ``layer``'s key offset of batch rows ``rows`` (a view), None without one."""
+        offset = self.key_offsets[layer]
+        return None if offset is None else offset[rows]
+
+    def fit_key_offset(self, layer: int, rows: slice, keys: torch.Tensor) -> torch.Tensor | None:
+        """Fit rows ``rows``' key offset of layer ``layer`` on their prompt ``keys`` (``[b, Hkv, n, D]``)."""
+        offset = self.key_offset(layer, rows)
+        if offset is not None:
+            offset.copy_(self.offset_rule.fit(keys))
+        return offset
+
     def _load_layer(self, layer: int, rows: slice, k: torch.Tensor, v: torch.Tensor) -> None:
         slots = torch.arange(k.shape[-2], device=k.device)
-        quantize_write(self.keys[layer].rows(rows), k.contiguous(), slots)
+        offset = self.fit_key_offset(layer, rows, k)
+        quantize_write(self.keys[layer].rows(rows), k.contiguous(), slots, offset=offset)
         quantize_write(self.values[layer].rows(rows), v.contiguous(), slots)
 
     def _attend(self, layer: int, q, k, v) -> torch.Tensor:
         slot = self.slots.slot(layer)
-        quantize_write(self.keys[layer], k, slot)
+        quantize_write(self.keys[layer], k, slot, offset=self.key_offsets[layer])
         quantize_write(self.values[layer], v, slot)
         bsz, n_heads, _, dim = q.shape
         if self.attention == "fused":

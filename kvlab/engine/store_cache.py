@@ -12,8 +12,9 @@ prefills into its own cache and :meth:`~kvlab.engine.fast.FastDecoder.load` copi
 What each layer's attention sees, as on ``hf``:
 - a dense store (model dtype): the store's slots ``[0, end)`` (views; nothing copied);
 - a quantized store: the first forward (one-shot prefill or first chunk) attends its exact K/V, as
-  :class:`~kvlab.policies.quantized.kvq_layers.KVQLayer` does; later chunks attend the stored codes
-  dequantized (a transient of one layer), as ``KVQLayer`` does.
+  :class:`~kvlab.policies.quantized.kvq_layers.KVQLayer` does, and fixes the store's key offset, if
+  it has one; later chunks attend the stored codes dequantized (a transient of one layer; keys minus
+  the offset, which attention does not see), as ``KVQLayer`` does.
 """
 
 from __future__ import annotations
@@ -51,7 +52,9 @@ class StoreLayer(StoredLengthMixin, DynamicLayer):
             return keys[:, :, :end], values[:, :, :end]
         slots = torch.arange(start, end, device=key_states.device)
         kstore, vstore = self.store.keys[self.layer].rows(rows), self.store.values[self.layer].rows(rows)
-        quantize_write(kstore, key_states.contiguous(), slots)
+        offset = (self.store.fit_key_offset(self.layer, rows, key_states) if start == 0  # fixed by the first chunk
+                  else self.store.key_offset(self.layer, rows))
+        quantize_write(kstore, key_states.contiguous(), slots, offset=offset)
         quantize_write(vstore, value_states.contiguous(), slots)
         if start == 0:  # the prefill attends exactly
             return key_states, value_states

@@ -357,7 +357,8 @@ def _layer_bytes(layer) -> int:
         return layer.nbytes()
     seen: set = set()
     return sum(tensor_bytes(getattr(layer, name, None), seen)
-               for name in ("keys", "values", "_quantized_keys", "_quantized_values", "key_store", "value_store"))
+               for name in ("keys", "values", "_quantized_keys", "_quantized_values", "key_store", "value_store",
+                            "key_offset"))
 
 
 def cache_stats(cache) -> dict[str, Any]:

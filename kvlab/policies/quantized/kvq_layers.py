@@ -13,7 +13,9 @@ On the ``fast`` engine the same formats are stored in static buffers and read by
 Format semantics, the same on both engines (issue #28, reports/cpu-quality-engines-2026-12-05): the
 prompt is quantized after its own prefill attention (exact K/V); every later token (a question, a
 gold answer, a reply) is quantized before it attends, itself included; no token is kept unquantized
-(no residual window). Codes, scales (int: float16 scale and zero per group, the zero rounded down
+(no residual window). Keys are stored minus the layer's key offset (:mod:`kvlab.kernels.key_offset`:
+``prompt-mean`` fits it on the first keys stored, ``none`` stores keys as they are); dequantized keys
+stay shifted, which attention does not see (``q . m`` is the same for every key). Codes, scales (int: float16 scale and zero per group, the zero rounded down
 and the scale up; fp8: a float32 scale per token) and rounding (``floor(v + 0.5)``) are the format
 object's (``fast``'s CUDA write kernel repeats its steps); on CPU the prompt's stored bits are equal
 on both engines. Only attention's arithmetic differs: here the codes are dequantized in float32,
@@ -37,6 +39,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from kvlab.kernels import KVStore, parse_format
+from kvlab.kernels.key_offset import KEY_OFFSETS, shifted
 from kvlab.policies.cache import EvictionError, EvictionMixin, StoredLengthMixin
 
 
@@ -62,12 +65,14 @@ class KVQLayer(StoredLengthMixin, DynamicLayer):
 
     is_croppable = True
 
-    def __init__(self, kv_format: str = "int4-g64", **kwargs):
+    def __init__(self, kv_format: str = "int4-g64", key_offset: str = "none", **kwargs):
         super().__init__()
         self.kv_format = kv_format
         self.fmt = parse_format(kv_format)
+        self.offset_rule = KEY_OFFSETS[key_offset]
         self.key_store: KVStore | None = None
         self.value_store: KVStore | None = None
+        self.key_offset: torch.Tensor | None = None  # [B, Hkv, D] float32, fitted on the first keys stored
         self.dtype: torch.dtype | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -76,8 +81,10 @@ class KVQLayer(StoredLengthMixin, DynamicLayer):
 
     # -- storage -------------------------------------------------------------------------------
     def _add(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Quantize ``[B, Hkv, n, D]`` K/V and append them to the stores."""
-        self.key_store = _cat(self.key_store, self.fmt.quantize(keys))
+        """Quantize ``[B, Hkv, n, D]`` K/V (keys minus the key offset) and append them to the stores."""
+        if self.key_store is None:
+            self.key_offset = self.offset_rule.fit(keys)
+        self.key_store = _cat(self.key_store, self.fmt.quantize(shifted(keys, self.key_offset)))
         self.value_store = _cat(self.value_store, self.fmt.quantize(values))
 
     def _dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,11 +115,13 @@ class KVQLayer(StoredLengthMixin, DynamicLayer):
 
     def reset(self) -> None:
         super().reset()
-        self.key_store = self.value_store = None
+        self.key_store = self.value_store = self.key_offset = None
 
     def _map_batch(self, fn) -> None:
         self.key_store = _map(self.key_store, fn)
         self.value_store = _map(self.value_store, fn)
+        if self.key_offset is not None:
+            self.key_offset = fn(self.key_offset)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.key_store is not None:
@@ -137,13 +146,14 @@ class EvictingKVQLayer(EvictionMixin, KVQLayer):
     """Evict at prefill (``policy.budget(n)`` positions per KV head), store the kept K/V in
     ``kv_format``; later tokens are quantized and appended as in :class:`KVQLayer`."""
 
-    def __init__(self, policy, layer_idx: int, num_layers: int, kv_format: str = "int4-g64"):
-        KVQLayer.__init__(self, kv_format)
+    def __init__(self, policy, layer_idx: int, num_layers: int, kv_format: str = "int4-g64",
+                 key_offset: str = "none"):
+        KVQLayer.__init__(self, kv_format, key_offset)
         self._init_eviction(policy, layer_idx, num_layers)
 
     def _store(self, keys, values) -> None:
         self.dtype = keys.dtype
-        self.key_store = self.value_store = None
+        self.key_store = self.value_store = self.key_offset = None
         self._add(keys, values)
 
     def _append(self, keys, values, *args, **kwargs):

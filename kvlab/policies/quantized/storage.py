@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 from packaging.version import Version
 
 from kvlab.kernels.formats import GROUPS, FormatError, format_label, parse_format
+from kvlab.kernels.key_offset import DEFAULT_KEY_OFFSET, KEY_OFFSETS, OffsetKeysFormat
 from kvlab.policies.base import ModelShape, PolicyError, check_int, hf_model, model_shape
 from kvlab.policies.cache import evicting_quantized_class
 from kvlab.policies.quantized.kvq_layers import EvictingKVQLayer, KVQLayer
@@ -45,6 +46,8 @@ class QuantBackend:
     default_nbits: ClassVar[int]
     axes: ClassVar[tuple[int, ...]] = ()  # grouping axes it accepts for keys/values
     install: ClassVar[str]
+    key_offsets: ClassVar[tuple[str, ...]] = ("none",)  # key offsets it can subtract (kernels.key_offset)
+    default_key_offset: ClassVar[str] = "none"
 
     def check_installed(self) -> None:
         """Raise :class:`PolicyError` naming the install command when the backend cannot run here."""
@@ -217,6 +220,8 @@ class KVQBackend(QuantBackend):
     nbits = (2, 4, 8)
     default_nbits = 4
     install = "nothing to install (pure torch; Triton kernels on CUDA)"
+    key_offsets = tuple(KEY_OFFSETS)
+    default_key_offset = DEFAULT_KEY_OFFSET
 
     def check_installed(self) -> None:
         pass
@@ -237,11 +242,15 @@ class KVQBackend(QuantBackend):
         return format_label("fp8") if spec.nbits == 8 else format_label(f"int{spec.nbits}", spec.q_group_size)
 
     def label(self, spec: QuantSpec) -> str:
-        return f"kvq {self.format_label(spec)}"
+        offset = "" if spec.key_offset == "none" else f" (keys - {spec.key_offset})"
+        return f"kvq {self.format_label(spec)}{offset}"
 
     def params(self, spec: QuantSpec) -> dict[str, Any]:
+        """The storage's record params; ``key_offset`` only when one is subtracted, so the runs of the
+        layout without it keep their ids."""
+        offset = {} if spec.key_offset == "none" else {"key_offset": spec.key_offset}
         return {"backend": self.name, "nbits": spec.nbits,
-                "q_group_size": None if spec.nbits == 8 else spec.q_group_size}
+                "q_group_size": None if spec.nbits == 8 else spec.q_group_size, **offset}
 
     def check(self, spec: QuantSpec, shape: ModelShape) -> None:
         try:
@@ -253,7 +262,7 @@ class KVQBackend(QuantBackend):
         return KVQLayer
 
     def layer_kwargs(self, spec: QuantSpec) -> dict[str, Any]:
-        return {"kv_format": self.format_label(spec)}
+        return {"kv_format": self.format_label(spec), "key_offset": spec.key_offset}
 
     def make_cache(self, spec: QuantSpec, model):
         from transformers.cache_utils import Cache
@@ -264,9 +273,11 @@ class KVQBackend(QuantBackend):
     def evicting_layer_class(self, spec: QuantSpec) -> type:
         return EvictingKVQLayer
 
-    def fast_format(self, spec: QuantSpec) -> str:
-        """The same format: both engines hold the same codes."""
-        return self.format_label(spec)
+    def fast_format(self, spec: QuantSpec) -> str | OffsetKeysFormat:
+        """The same format (and key offset): both engines hold the same codes."""
+        if spec.key_offset == "none":
+            return self.format_label(spec)
+        return OffsetKeysFormat(self.format_label(spec), spec.key_offset)
 
 
 BACKENDS: dict[str, QuantBackend] = {b.name: b for b in (QuantoBackend(), HQQBackend(), FP8Backend(), KVQBackend())}
@@ -289,6 +300,7 @@ class QuantSpec:
     residual_length: int = 128
     axis_key: int = 0
     axis_value: int = 0
+    key_offset: str | None = None  # the backend's default (kvq: prompt-mean; others: none)
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -300,6 +312,11 @@ class QuantSpec:
         if self.nbits not in backend.nbits:
             raise PolicyError(f"nbits={self.nbits} is not supported by the {self.backend} backend: "
                               f"use one of {', '.join(map(str, backend.nbits))}")
+        if self.key_offset is None:
+            object.__setattr__(self, "key_offset", backend.default_key_offset)
+        if self.key_offset not in backend.key_offsets:
+            raise PolicyError(f"key_offset={self.key_offset!r} is not supported by the {self.backend} backend: "
+                              f"use one of {', '.join(backend.key_offsets)}")
         backend.check_knobs(self)
         backend.check_installed()
 
