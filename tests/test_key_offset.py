@@ -110,3 +110,28 @@ def test_write_kernel_subtracts_the_offset_as_the_reference_does(name, group):
     quantize_write(part_want.rows(slice(1, 3)), k[1:], slots, backend="reference", offset=m[1:])
     quantize_write(part_got.rows(slice(1, 3)), k[1:], slots, backend="triton", offset=m[1:])
     assert sum(int((a != b).sum()) for a, b in zip(part_got.tensors(), part_want.tensors(), strict=True)) <= allowed
+
+
+def test_per_token_key_stores_warn_on_a_model_with_outlier_key_channels():
+    """The weights tell: a large k_proj.bias (Qwen2's 354) warns for a store without a key offset."""
+    from types import SimpleNamespace
+
+    from kvlab.policies import make_policy
+    from kvlab.policies.quantized.key_outliers import (
+        OutlierKeysWarning,
+        key_bias_outliers,
+        warn_per_token_keys,
+    )
+
+    def layer(bias):
+        return SimpleNamespace(self_attn=SimpleNamespace(k_proj=SimpleNamespace(bias=bias)))
+    model = SimpleNamespace(model=SimpleNamespace(layers=[layer(torch.tensor([-354.0, 2.0])), layer(None),
+                                                          layer(torch.tensor([5.0, 43.0]))]))
+    assert key_bias_outliers(model) == {0: 354.0, 2: 43.0}
+    assert key_bias_outliers(SimpleNamespace(model=SimpleNamespace(layers=[layer(None)]))) == {}
+    with pytest.warns(OutlierKeysWarning, match=r"up to 354, layers 0, 2\) and kvq int4-g64 quantizes keys per token"):
+        assert warn_per_token_keys(model, "kvq int4-g64")
+    specs = {m: make_policy(m, **kw).spec for m, kw in (("kvq-int4", {}), ("kvq-fp8", {"key_offset": "none"}),
+                                                         ("quanto", {}))}
+    assert {m: s.impl.per_token_keys(s) for m, s in specs.items()} == {"kvq-int4": False, "kvq-fp8": True,
+                                                                       "quanto": True}

@@ -31,7 +31,7 @@ from kvlab.sweep.params import DTYPES
 EVICTION_FLAGS = {"keep": "keep", "window_size": "window_size", "kernel_size": "kernel_size",
                   "n_sink": "n_sink", "beta": "beta", "policy_seed": "seed"}
 QUANT_FLAGS = {"bits": "nbits", "group_size": "q_group_size", "residual": "residual_length",
-               "axis_key": "axis_key", "axis_value": "axis_value"}
+               "axis_key": "axis_key", "axis_value": "axis_value", "key_offset": "key_offset"}
 DECODING_FLAGS = {"target": "target", "interval": "interval", "score": "score"}
 READ_FLAGS = {"key_bits": "key_bits", "value_group": "value_group", "page": "page", "token_budget": "budget",
               "group_reduce": "group_reduce", "dense_layers": "dense_layers"}  # kivi, quest

@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 from kvlab.kernels.key_offset import DEFAULT_KEY_OFFSET, KEY_OFFSETS
 from kvlab.policies.base import Policy, model_shape
 from kvlab.policies.full import FullPolicy
+from kvlab.policies.quantized.key_outliers import warn_per_token_keys
 from kvlab.policies.quantized.storage import FP8_MIN_TRANSFORMERS, QuantSpec
 
 
@@ -45,6 +46,8 @@ class QuantizedPolicy(Policy):
 
     def check(self, model) -> None:
         self.spec.check(model_shape(model))
+        if self.spec.impl.per_token_keys(self.spec):
+            warn_per_token_keys(model, self.label)
 
     def warmup(self, model) -> None:
         self.spec.warmup(model)

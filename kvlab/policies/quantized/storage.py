@@ -67,6 +67,10 @@ class QuantBackend:
     def check(self, spec: QuantSpec, shape: ModelShape) -> None:
         """Model-dependent checks (after the full-attention check every backend shares)."""
 
+    def per_token_keys(self, spec: QuantSpec) -> bool:
+        """Whether each token's keys share one range with no key offset (outlier key channels break it)."""
+        return spec.axis_key == 0 and spec.key_offset == "none"
+
     def layer_class(self) -> type | None:
         raise NotImplementedError
 
@@ -140,6 +144,16 @@ class QuantoBackend(GroupwiseBackend):
     package = "optimum-quanto"
     min_version = "0.2.5"
     install = "pip install 'optimum-quanto>=0.2.5'"
+
+    def check_knobs(self, spec: QuantSpec) -> None:
+        """Axis -1 (per channel) is refused: quanto groups along the flattened batch x heads x tokens
+        and raises unless that product is a multiple of q_group_size (a 4-token warm-up, most prompts),
+        and its groups then straddle heads."""
+        super().check_knobs(spec)
+        if -1 in (spec.axis_key, spec.axis_value):
+            raise PolicyError("quanto's per-channel axis (-1) groups along batch x heads x tokens and fails unless "
+                              "their product is a multiple of q_group_size: use axis 0, or --method kivi for "
+                              "per-channel keys")
 
     def layer_class(self) -> type:
         from transformers import cache_utils
