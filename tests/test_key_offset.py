@@ -135,3 +135,18 @@ def test_per_token_key_stores_warn_on_a_model_with_outlier_key_channels():
                                                          ("quanto", {}))}
     assert {m: s.impl.per_token_keys(s) for m, s in specs.items()} == {"kvq-int4": False, "kvq-fp8": True,
                                                                        "quanto": True}
+
+
+def test_reply_kl_is_zero_for_the_full_cache_and_flags_a_collapse():
+    from tiny_models import load_tiny_d32
+
+    from kvlab.policies import make_policy
+    from kvlab.quality.reply import reply_kl, reply_verdict
+
+    lm = load_tiny_d32()
+    prompt = torch.randint(3, 500, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    reply = [5, 9, 17, 3, 44]
+    assert reply_kl(lm, make_policy("full"), prompt, reply) == pytest.approx(0.0, abs=1e-6)
+    assert reply_kl(lm, make_policy("kvq-int2", q_group_size=32), prompt, reply) > 0
+    assert reply_kl(lm, make_policy("full"), prompt, reply[:1]) is None
+    assert reply_verdict(7.25).startswith("FIDELITY COLLAPSES: KL 7.25") and reply_verdict(0.02).startswith("KL 0.020")

@@ -61,6 +61,9 @@ def register(sub) -> None:
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="prefill the prompt this many tokens at a time, compressing as it streams in")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--no-fidelity-check", action="store_true",
+                   help="skip the check that a compressed cache still answers (the reply teacher-forced through "
+                        "the full cache and this one: two more prefills)")
     p.set_defaults(func=run)
 
 

@@ -168,6 +168,11 @@ def generate(args) -> int:
         "cache_after_prefill": result.cache_after_prefill,
         "cache_final": result.cache_final,
     }
+    if policy.name != "full" and loaded.weights == "real" and not args.no_fidelity_check:
+        from kvlab.quality.reply import reply_kl, reply_verdict
+
+        kl = reply_kl(loaded, policy, ids[0].tolist(), result.tokens[0].tolist())
+        out.update(reply_kl=kl, fidelity=reply_verdict(kl))
     print(json.dumps(out) if args.json else format_text(out))
     return 0
 
@@ -187,4 +192,5 @@ def format_text(out: dict) -> str:
         f"answer  {answer}",
         f"cache after prefill  {_size(out['cache_after_prefill'])}",
         f"cache at the end     {_size(out['cache_final'])}",
+        *([f"fidelity  {out['fidelity']}"] if "fidelity" in out else []),
     ])
