@@ -3,8 +3,8 @@ over a reply it generated (teacher-forced), the check ``kvlab generate`` prints 
 
 Both caches prefill the same prompt, then read the reply's tokens one forward each way; the KL is
 averaged over the reply's positions after the first (nats per token, as the continuation task's).
-A cache whose KL exceeds :data:`kvlab.reporting.fidelity.COLLAPSE_KL`-like 1 nat answers from a
-different distribution: its reply is not the model's.
+Above :data:`COLLAPSE_KL` (the report's collapse line too) the cache answers from a different
+distribution: its reply is not the model's.
 """
 
 from __future__ import annotations
