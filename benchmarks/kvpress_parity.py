@@ -77,8 +77,8 @@ def worker(spec_path: str, out_dir: str) -> None:
             return super().prepare(model, tokenizer, *args, **kwargs)
 
         def compress_post(self, model):
+            super().compress_post(model)  # 0.5.5 protects the sinks here, on score_val itself
             self.captured_scores = self.score_val.clone()
-            super().compress_post(model)
 
     def masked_to_kept(n):
         kept = torch.ones(len(layers), model.config.num_key_value_heads, n, dtype=torch.bool)
