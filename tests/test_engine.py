@@ -319,7 +319,8 @@ def test_labels_on_fast_name_the_store_that_runs():
              (make_policy("fp8"), "fp8", "kvq fp8 (asked: fp8)"),
              (make_policy("snapkv", keep=0.1, quant={"backend": "quanto"}), "snapkv 10% + quanto int4",
               "snapkv 10% + kvq int4-g64 (asked: snapkv 10% + quanto int4)"),
-             (make_policy("kvq-int4"), "kvq int4-g64", "kvq int4-g64"),
+             (make_policy("kvq-int4"), "kvq int4-g64 (keys - prompt-mean)", "kvq int4-g64 (keys - prompt-mean)"),
+             (make_policy("kvq-int4", key_offset="none"), "kvq int4-g64", "kvq int4-g64"),
              (make_policy("snapkv", keep=0.1), "snapkv 10%", "snapkv 10%")]
     for policy, hf_label, fast_label in cases:
         assert policy_columns(policy)["label"] == policy_columns(policy, "hf")["label"] == hf_label

@@ -124,3 +124,4 @@ def test_generate_smollm2_prompt_file(capsys, tmp_path):
                             "--prompt-file", str(prompt), "--chat", "--max-new-tokens", "8", "--json"])
     assert "paris" in out["answer"].lower()
     assert out["weights"] == "real" and out["cache_after_prefill"]["physical_tokens"] == out["prompt_tokens"]
+    assert 0 <= out["reply_kl"] < 1 and out["fidelity"].startswith("KL ")  # the reply checked against full

@@ -63,9 +63,10 @@ def test_cache_stats_count_codes_and_scales(lm, fmt):
     g = generate_text(lm, prompt(batch=2), p, 6)
     per_token = parse_format(fmt).bytes_per_token(lm.spec.num_kv_heads, lm.spec.head_dim)
     layers = lm.spec.num_layers
+    offsets = layers * 2 * lm.spec.num_kv_heads * lm.spec.head_dim * 4  # the key offsets: float32 per channel
     for stats, tokens in ((g.cache_after_prefill, N), (g.cache_final, N + 5)):
         assert stats["logical_tokens"] == stats["physical_tokens"] == tokens
-        assert stats["bytes"] == 2 * layers * 2 * per_token * tokens  # K and V, 2 layers, batch 2
+        assert stats["bytes"] == 2 * layers * 2 * per_token * tokens + offsets  # K and V, 2 layers, batch 2
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -79,9 +80,9 @@ def test_transformers_generate_matches_kvlabs_loop(lm, fmt):
 
 def test_evict_then_kvq_keeps_snapkvs_positions_and_stores_them_quantized(lm):
     combined = make_policy("snapkv", keep=0.25, window_size=8, quant={"backend": "kvq", "nbits": 4,
-                                                                        "q_group_size": 32})
+                                                                        "q_group_size": 32, "key_offset": "none"})
     alone = make_policy("snapkv", keep=0.25, window_size=8)
-    assert combined.storage() == KVQStorage("int4-g32", alone)
+    assert combined.storage() == KVQStorage("int4-g32", alone, "none")
     with combined.attach(lm, warm=False):
         cache, ref = combined.make_cache(lm.model), alone.make_cache(lm.model)
         assert all(type(layer) is EvictingKVQLayer for layer in cache.layers)
@@ -127,6 +128,7 @@ def _both_engines(lm, policy, ids, n_new):
 
 @pytest.mark.parametrize("method,params", [
     ("kvq-fp8", {}), ("kvq-int4", {"q_group_size": 32}), ("kvq-int2", {"q_group_size": 32}),
+    ("kvq-int4", {"q_group_size": 32, "key_offset": "none"}),
     ("snapkv", {"keep": 0.25, "window_size": 8, "quant": {"backend": "kvq", "nbits": 4, "q_group_size": 32}}),
 ])
 def test_fast_equals_hf_token_for_token(lm, method, params):
@@ -151,7 +153,11 @@ def test_fast_and_hf_report_the_same_bytes(lm):
 
 @pytest.mark.parametrize("make,match", [
     (lambda: make_policy("kvq-int4", q_group_size=48), "q_group_size=48 is not supported: use one of 32, 64, 128"),
-    (lambda: make_policy("kvq-fp8", q_group_size=32), "kvq-fp8 takes no parameters"),
+    (lambda: make_policy("kvq-fp8", q_group_size=32), "unknown parameter"),
+    (lambda: make_policy("kvq-int4", key_offset="bias"), "key_offset='bias' is not supported by the kvq backend: "
+                                                         "use one of prompt-mean, none"),
+    (lambda: make_policy("snapkv", quant={"backend": "quanto", "key_offset": "prompt-mean"}),
+     "not supported by the quanto backend: use one of none"),
     (lambda: make_policy("kvq-int4", nbits=2), "unknown parameter"),
     (lambda: make_policy("snapkv", quant={"backend": "kvq", "nbits": 8, "q_group_size": 32}), "does not apply"),
     (lambda: make_policy("snapkv", quant={"backend": "kvq", "residual_length": 32}), "do not apply"),
@@ -164,11 +170,20 @@ def test_bad_knobs_name_the_fix(make, match):
 
 
 def test_params_labels_and_fast_formats():
-    assert make_policy("kvq-int4", q_group_size=32).params() == {
+    # the layout without a key offset keeps its params (and so its run ids) and labels
+    assert make_policy("kvq-int4", q_group_size=32, key_offset="none").params() == {
         "method": "kvq-int4", "backend": "kvq", "nbits": 4, "q_group_size": 32, "keep": 1.0, "bits": 4}
+    assert make_policy("kvq-int4", q_group_size=32).params() == {
+        "method": "kvq-int4", "backend": "kvq", "nbits": 4, "q_group_size": 32, "key_offset": "prompt-mean",
+        "keep": 1.0, "bits": 4}
     assert make_policy("kvq-fp8").params()["q_group_size"] is None
-    assert make_policy("kvq-fp8").label == "kvq fp8"
-    assert make_policy("snapkv", keep=0.25, quant={"backend": "kvq"}).label == "snapkv 25% + kvq int4-g64"
-    assert [make_policy(m).storage().format for m in ("kvq-fp8", "kvq-int4", "kvq-int2")] == \
+    assert make_policy("kvq-fp8", key_offset="none").label == "kvq fp8"
+    assert make_policy("kvq-fp8").label == "kvq fp8 (keys - prompt-mean)"
+    assert make_policy("snapkv", keep=0.25, quant={"backend": "kvq", "key_offset": "none"}).label == \
+        "snapkv 25% + kvq int4-g64"
+    assert [make_policy(m, key_offset="none").storage().format for m in ("kvq-fp8", "kvq-int4", "kvq-int2")] == \
         ["fp8", "int4-g64", "int2-g64"]
+    assert [(make_policy(m).storage().format, make_policy(m).storage().key_offset) for m in ("kvq-fp8", "kvq-int4")] \
+        == [("fp8", "prompt-mean"), ("int4-g64", "prompt-mean")]
+    assert make_policy("kvq-int4").storage().kv_format == "int4-g64, keys - prompt-mean"
     make_policy("kvq-fp8").check(get_spec("tiny-llama"))  # fp8 needs only head_dim % 16 == 0

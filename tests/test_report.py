@@ -564,14 +564,14 @@ def test_compression_pays_per_cell():
     assert int4["itl_median_ms_ratio"] == pytest.approx(1.4) and int4["tokens_per_s_ratio"] == pytest.approx(0.7)
     assert int4["verdict"] == "costs" and (int4["n"], int4["n_base"]) == (3, 3)
     assert rows[("snapkv 10%", 1)]["j_per_token_ratio"] == pytest.approx(0.8)
-    assert rows[("snapkv 10%", 1)]["verdict"] == "pays"
+    assert rows[("snapkv 10%", 1)]["verdict"] == "pays in cost, but no quality measured: not called a saving"
     assert rows[("quanto int4", 4)]["j_per_token_ratio"] == pytest.approx(1.25)
     assert rows[("quanto int4", 4)]["verdict"] == "no interval (fewer than 3 runs a side)"
     assert rows[("quanto int4", 16)]["verdict"] == "failed: OOM"
     assert rows[("quanto int4", 32)]["verdict"] == "ran where full failed: OOM"
     table = report.pays_table(pays)
     assert list(table.columns) == ["ctx", "batch", "method", "runs (method/full)", "J/token / full",
-                                   "time between tokens / full", "tokens/s / full", "verdict (J/token)"]
+                                   "time between tokens / full", "tokens/s / full", "quality", "verdict (J/token)"]
     first = table.iloc[0]
     assert (first["method"], first["runs (method/full)"], first["J/token / full"]) == ("quanto int4", "3/3",
                                                                                        "1.300 [1.300, 1.300]")
@@ -597,8 +597,9 @@ def test_energy_answer_one_sentence_per_cell():
     lines = report.energy_answer(report.compression_pays(pays_records(), n_boot=200))
     assert lines == [
         "quanto int4 used +30% J/token vs full at 16k, batch 1 (95% Welch-log CI +30% to +30%, 3 vs 3 runs): "
-        "more energy than the full cache",
-        "quanto int4 used +25% J/token vs full at 16k, batch 4 (1 vs 1 runs, no interval below 3 runs a side)",
+        "more energy than the full cache; quality: quality not measured",
+        "quanto int4 used +25% J/token vs full at 16k, batch 4 (1 vs 1 runs, no interval below 3 runs a side); "
+        "quality: quality not measured",
         "quanto int4 at 16k, batch 16: failed: OOM",
         "quanto int4 at 16k, batch 32: ran where full failed: OOM",
     ]
@@ -743,7 +744,7 @@ def test_on_a_cpu_verdicts_read_cpu_time_and_keep_contended_runs():
     rows = {r["label"]: r for r in pays.to_dict("records")}
     int4, snap = rows["kvq-int4"], rows["snapkv 25%"]
     assert int4["cost"] == "cpu_ms_per_token" and (int4["n"], int4["n_base"], int4["n_contended"]) == (3, 3, 4)
-    assert int4["verdict"] == "costs" and snap["verdict"] == "pays"
+    assert int4["verdict"] == "costs" and snap["verdict"] == "pays in cost, but no quality measured: not called a saving"
     assert int4["cpu_ms_per_token_ratio_lo"] > 1.5 and snap["cpu_ms_per_token_ratio_hi"] < 1
     assert int4["itl_median_ms_ratio"] == pytest.approx(1 / 3)  # wall time: the one quiet run of each
     assert math.isnan(int4["itl_median_ms_ratio_lo"])
@@ -754,7 +755,7 @@ def test_on_a_cpu_verdicts_read_cpu_time_and_keep_contended_runs():
     assert report.pays_metric(pays) == ("cpu_ms_per_token", "CPU ms/token")
     (line,) = report.energy_answer(pays, "int4")
     assert line.startswith("kvq-int4 used +78%") and "CPU ms/token vs full at 256, batch 1 (95% Welch-log CI" in line
-    assert line.endswith("3 vs 3 runs): more CPU time than the full cache")
+    assert line.endswith("3 vs 3 runs): more CPU time than the full cache; quality: quality not measured")
 
 
 def test_gpu_cells_keep_energy_as_the_cost():
@@ -814,3 +815,48 @@ def test_old_fast_rows_recorded_as_quanto_or_fp8_are_labelled_by_the_store_that_
     assert report.fill_labels(rows).tolist() == [
         "kvq int4-g64 (asked: quanto int4)", "quanto int4", "kvq fp8 (asked: fp8)",
         "snapkv 10% + kvq int4-g64 (asked: snapkv 10% + quanto int4)", "kvq int4-g64 (asked: quanto int4)"]
+
+
+
+
+def quality_row(model, method, label, task, score=None, kl=None, depth=0.5, sample=0, weights="real"):
+    return {"kind": "quality", "status": "ok", "model": model, "weights": weights, "method": method, "label": label,
+            "task": task, "length": 1024, "depth": depth if task != "continuation" else None, "sample": sample,
+            "score": score, "kl": kl, "top1_agree": None if kl is None else 0.9}
+
+
+def test_verdicts_carry_quality_and_flag_a_collapse():
+    """A saving is called only beside quality on the same model; a collapse (KL > 1, needle lost where
+    full finds it) is flagged whatever the cost; a synthetic model cites a real model's quality."""
+    perf = pays_records()
+    quality = [quality_row("m", "full", "full", "niah_single", score=1.0, depth=d) for d in (0.1, 0.5)]
+    quality += [quality_row("m", "full", "full", "continuation", kl=0.0),
+                quality_row("m", "snapkv", "snapkv 10%", "continuation", kl=0.02),
+                quality_row("m", "quanto", "quanto int4", "continuation", kl=7.25)]
+    quality += [quality_row("m", "snapkv", "snapkv 10%", "niah_single", score=s, depth=d) for d, s in ((0.1, 1.0),
+                                                                                                       (0.5, 1.0))]
+    pays = report.compression_pays(pd.concat([perf, pd.DataFrame(quality)], ignore_index=True), n_boot=50)
+    rows = {(r["label"], r["batch"]): r for r in pays.to_dict("records")}
+    snap = rows[("snapkv 10%", 1)]
+    assert snap["verdict"] == "pays" and snap["collapse"] == ""
+    assert snap["quality"] == "needle 2/2 where full finds it, continuation KL 0.020 (top-1 0.90, 1 items) (same model)"
+    int4 = rows[("quanto int4", 1)]
+    assert int4["collapse"] == "continuation KL 7.25 > 1"
+    assert int4["verdict"] == "costs; not a saving: FIDELITY COLLAPSES (continuation KL 7.25 > 1; same model)"
+    lost = pd.DataFrame(quality[:2] + [quality_row("m", "snapkv", "snapkv 10%", "niah_single", score=0.0, depth=d)
+                                       for d in (0.1, 0.5)])
+    pays = report.compression_pays(pd.concat([perf, lost], ignore_index=True), n_boot=50)
+    snap = pays[(pays["label"] == "snapkv 10%")].iloc[0]
+    assert snap["collapse"] == "needle lost on 2 of 2 items the full cache finds"
+    assert snap["verdict"].startswith("pays; not a saving: FIDELITY COLLAPSES")
+    assert "FIDELITY COLLAPSES" in report.energy_answer(pays, "snapkv")[0]
+    # synthetic weights: the quality of the same label on a real model, named as a different model
+    synthetic = perf.assign(model="llama-3.1-8b", weights="synthetic")
+    real = pd.DataFrame([quality_row("smollm2-135m", "snapkv", "snapkv 10%", "continuation", kl=0.05)])
+    pays = report.compression_pays(pd.concat([synthetic, real], ignore_index=True), n_boot=50)
+    snap = pays[(pays["label"] == "snapkv 10%")].iloc[0]
+    assert snap["quality"].endswith("(on smollm2-135m, a different model)") and snap["verdict"] == "pays"
+    table = report.methods_display(report.methods_table(pd.concat([perf, pd.DataFrame(quality)], ignore_index=True),
+                                                        n_boot=50))
+    flags = dict(zip(table["method"], table["fidelity"], strict=True))
+    assert flags["quanto int4"] == "COLLAPSES (KL 7.25 > 1)" and flags["snapkv 10%"] == ""

@@ -28,6 +28,8 @@ def register(sub) -> None:
     q.add_argument("--residual", type=int, help="recent tokens kept at full precision (default 128)")
     q.add_argument("--axis-key", type=int)
     q.add_argument("--axis-value", type=int)
+    q.add_argument("--key-offset", help="kvq: per-channel key offset subtracted before quantizing, prompt-mean "
+                                        "(default) or none (the per-token layout without it)")
     d = p.add_argument_group("decode-time compression (--method decoding)")
     d.add_argument("--target", type=int, help="rows per layer and KV head kept at each compression (default 2048)")
     d.add_argument("--interval", type=int, help="tokens appended after the prompt between compressions (default 512)")
@@ -59,6 +61,9 @@ def register(sub) -> None:
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="prefill the prompt this many tokens at a time, compressing as it streams in")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--no-fidelity-check", action="store_true",
+                   help="skip the check that a compressed cache still answers (the reply teacher-forced through "
+                        "the full cache and this one: two more prefills)")
     p.set_defaults(func=run)
 
 

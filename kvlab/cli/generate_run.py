@@ -30,7 +30,7 @@ from kvlab.yamlfile import load_yaml
 EVICTION_FLAGS = {"keep": "keep", "window_size": "window_size", "kernel_size": "kernel_size",
                   "n_sink": "n_sink", "beta": "beta", "policy_seed": "seed"}
 QUANT_FLAGS = {"bits": "nbits", "group_size": "q_group_size", "residual": "residual_length",
-               "axis_key": "axis_key", "axis_value": "axis_value"}
+               "axis_key": "axis_key", "axis_value": "axis_value", "key_offset": "key_offset"}
 DECODING_FLAGS = {"target": "target", "interval": "interval", "score": "score"}
 READ_FLAGS = {"key_bits": "key_bits", "value_group": "value_group", "page": "page", "token_budget": "budget",
               "group_reduce": "group_reduce", "dense_layers": "dense_layers"}  # storages' own knobs
@@ -169,6 +169,11 @@ def generate(args) -> int:
         "cache_after_prefill": result.cache_after_prefill,
         "cache_final": result.cache_final,
     }
+    if policy.name != "full" and loaded.weights == "real" and not args.no_fidelity_check:
+        from kvlab.quality.reply import reply_kl, reply_verdict
+
+        kl = reply_kl(loaded, policy, ids[0].tolist(), result.tokens[0].tolist())
+        out.update(reply_kl=kl, fidelity=reply_verdict(kl))
     print(json.dumps(out) if args.json else format_text(out))
     return 0
 
@@ -188,4 +193,5 @@ def format_text(out: dict) -> str:
         f"answer  {answer}",
         f"cache after prefill  {_size(out['cache_after_prefill'])}",
         f"cache at the end     {_size(out['cache_final'])}",
+        *([f"fidelity  {out['fidelity']}"] if "fidelity" in out else []),
     ])

@@ -2,7 +2,8 @@
 
 One launch per store instead of the dozen small torch ops of ``KVFormat.write``: program ``i`` of
 the grid ``(B * Hkv * n,)`` quantizes one token of one KV head and writes its codes, scale and zero
-into slot ``positions[b, t]`` (``pos_sb = 0`` when one slot list serves every row). The arithmetic
+into slot ``positions[b, t]`` (``pos_sb = 0`` when one slot list serves every row), after
+subtracting the row's and head's key offset when ``OFFSET`` is set. The arithmetic
 repeats :mod:`kvlab.kernels.formats` step by step (IEEE divisions through ``div_rn``, zeros rounded
 down and scales rounded up to float16 by stepping their bits, codes as ``floor(v + 0.5)``, bf16 and
 fp8 rounding in integer arithmetic), so the interpreter reproduces the torch reference bit for bit;
@@ -59,10 +60,10 @@ def _e4m3_bits(c):
 
 @triton.jit(do_not_specialize=["Hkv", "n", "T", "x_sb", "x_sh", "x_st", "pos_sb"])
 def quantize_write_kernel(
-    x_ptr, pos_ptr, codes_ptr, scale_ptr, zero_ptr,
+    x_ptr, pos_ptr, codes_ptr, scale_ptr, zero_ptr, offset_ptr,
     Hkv, n, T, x_sb, x_sh, x_st, pos_sb,
     D: tl.constexpr, FMT: tl.constexpr, BITS: tl.constexpr, PACK: tl.constexpr, QGROUP: tl.constexpr,
-    SCALE_F16: tl.constexpr,
+    SCALE_F16: tl.constexpr, OFFSET: tl.constexpr,
 ):
     pid = tl.program_id(0)
     t = pid % n
@@ -73,6 +74,8 @@ def quantize_write_kernel(
     row = bh.to(tl.int64) * T + slot
     offs_d = tl.arange(0, D)
     x = tl.load(x_ptr + b.to(tl.int64) * x_sb + h * x_sh + t * x_st + offs_d).to(tl.float32)
+    if OFFSET:  # a key offset [B, Hkv, D] float32 (kvlab.kernels.key_offset), subtracted in float32
+        x = x - tl.load(offset_ptr + bh.to(tl.int64) * D + offs_d)
 
     if FMT == FMT_BF16:
         tl.store(codes_ptr + row * D + offs_d, bf16_bits(x))

@@ -1,5 +1,5 @@
 """KVzip: query-agnostic scores from how much the model attends to each context position when it is
-asked to repeat the context (kvpress ``KVzipPress`` at 0.5.4, arXiv 2505.23416).
+asked to repeat the context (kvpress ``KVzipPress`` at 0.5.5, arXiv 2505.23416).
 
 Rule: after the prompt's prefill (kept whole), the context is cut into chunks of ``chunk_size``
 tokens; for each chunk the model runs a forward over ``repeat prompt + chat suffix + chunk`` on top
@@ -7,7 +7,9 @@ of the cached context (positions continue after the prompt; these K/V are droppe
 every layer the repeat queries (post-RoPE) attend, softmax over [the ``n_sink`` first keys, the
 chunk's keys in the cache, the repeat keys causally], scaled by 1/sqrt(head_dim); a context
 position's score is the max of that attention over the repeat queries and the query heads of its
-KV group. The first ``n_sink`` positions score 1 (above any attention weight). Chunk ``i > 0``'s
+KV group. Once every chunk is scored, the first ``n_sink`` positions score the largest score over
+every layer, row and head plus 1 (kvpress 0.5.5's ``compress_post``), above any attention weight, so
+chunk 0's attention never demotes them. Chunk ``i > 0``'s
 prompt is "Repeat the part of the previous context exactly, starting with" + the previous
 chunk's last ``prev_postfix_size`` tokens; chunk 0's is "Repeat the previous context exactly.".
 The strings and the chat suffix come from the model's tokenizer (found at
@@ -167,7 +169,10 @@ class ReconstructionMixin:
     def begin_scoring(self) -> None:
         bsz, heads = self._batch_heads
         self.kvzip_scores = torch.zeros(bsz, heads, self.prompt_length, device=self.keys.device)
-        self.kvzip_scores[..., : self.policy.n_sink] = 1.0
+
+    def protect_sinks(self, top: torch.Tensor) -> None:
+        """The first ``n_sink`` positions score ``top + 1`` (``top``: the largest score of every layer)."""
+        self.kvzip_scores[..., : self.policy.n_sink] = top + 1.0
 
     def update(self, key_states, value_states, *args, **kwargs):
         if self._span is None:
@@ -239,6 +244,9 @@ def score_by_reconstruction(base_model, cache, ids: torch.Tensor, policy, cache_
     finally:
         for layer in layers:
             layer._span = None
+    top = torch.stack([layer.kvzip_scores.amax() for layer in layers]).amax()
+    for layer in layers:
+        layer.protect_sinks(top)
     plan = getattr(cache, "plan_heads", None)
     if plan is not None:  # budgets across layers (adakv scope='model'): every layer's scores are in
         plan(layers)

@@ -22,6 +22,7 @@ from typing import Any
 import pandas as pd
 
 from kvlab.reporting import ReportError
+from kvlab.reporting.fidelity import COLLAPSE_KL, FOUND
 from kvlab.reporting.frames import contended_mask, fill_labels
 from kvlab.reporting.stats import ratio_ci, reading_order
 from kvlab.reporting.text import fmt_ctx
@@ -238,7 +239,19 @@ def methods_display(table: pd.DataFrame) -> pd.DataFrame:
     out["top-1 agree"] = table["top1_agree"].map(lambda v: _fmt(v, ".2f"))
     out["KV freed (quality items)"] = table["kv_freed_quality"].map(lambda v: _fmt(v, ".0%"))
     out["quality at"] = table["quality_at"].fillna("")
+    out["fidelity"] = [fidelity_flag(kl, needle) for kl, needle in zip(table["kl"].astype(float),
+                                                                       table["needle"].astype(float), strict=True)]
     return out
+
+
+def fidelity_flag(kl: float, needle: float) -> str:
+    """A collapse flag for the methods table: continuation KL above :data:`COLLAPSE_KL`, or the needle
+    found on fewer than half the items."""
+    if not math.isnan(kl) and kl > COLLAPSE_KL:
+        return f"COLLAPSES (KL {kl:.2f} > {COLLAPSE_KL:g})"
+    if not math.isnan(needle) and needle < FOUND:
+        return f"COLLAPSES (needle {needle:.2f})"
+    return ""
 
 
 def methods_lines(table: pd.DataFrame, parity_path: str | Path | None = None,

@@ -10,6 +10,7 @@ from typing import Any
 import pandas as pd
 
 from kvlab.intervals import mean_interval
+from kvlab.reporting.fidelity import add_quality
 from kvlab.reporting.frames import (
     DEFAULT_CTX,
     all_perf_records,
@@ -342,7 +343,9 @@ def compression_pays(records: pd.DataFrame, baseline: str = "full", metrics: Seq
     while other work took the CPU: :func:`kvlab.hostload.contention`) are counted in ``n_contended``
     and left out of the wall-clock ratios (:data:`WALL_METRICS`) and of J/token; CPU time keeps them
     (the time the process ran, which a neighbour does not add to), so ``n`` and ``n_base`` count the
-    runs behind the verdict."""
+    runs behind the verdict. Each row also carries the method's ``quality`` on the same model (or, for
+    a model without quality records such as synthetic weights, on a real model, named as another) and
+    ``collapse``; the verdict is qualified by it (:func:`kvlab.reporting.fidelity.qualified_verdict`)."""
     perf = all_perf_records(records)
     metrics = [m for m in (metrics or PAYS_METRICS) if m in perf.columns or m == "j_per_token"]
     within = [c for c in CELL if c in perf.columns]
@@ -390,7 +393,7 @@ def compression_pays(records: pd.DataFrame, baseline: str = "full", metrics: Seq
                                               row.get(f"{cost}_ratio_lo", math.nan),
                                               row.get(f"{cost}_ratio_hi", math.nan), COSTS[cost])
             rows.append(row)
-    return reading_order(pd.DataFrame(rows, columns=cols))
+    return add_quality(reading_order(pd.DataFrame(rows, columns=cols)), records, baseline)
 
 
 def pays_table(pays: pd.DataFrame, metrics: dict[str, str] | None = None) -> pd.DataFrame:
@@ -412,6 +415,8 @@ def pays_table(pays: pd.DataFrame, metrics: dict[str, str] | None = None) -> pd.
     if "n_contended" in pays.columns and pays["n_contended"].fillna(0).astype(int).gt(0).any():
         head = "contended runs (out of wall-time ratios)" if cpu else "contended runs left out"
         out[head] = pays["n_contended"].fillna(0).astype(int).to_numpy()
+    if "quality" in pays.columns:
+        out["quality"] = pays["quality"].to_numpy()
     costs = list(dict.fromkeys(pays["cost"])) if "cost" in pays.columns else ["j_per_token"]
     if len(costs) == 1:
         out[f"verdict ({COSTS.get(costs[0], costs[0])})"] = pays["verdict"].to_numpy()
@@ -443,8 +448,12 @@ def energy_answer(pays: pd.DataFrame, pattern: str = "int4", baseline: str = "fu
         ci = (f"95% Welch-log CI {(lo - 1) * 100:+.0f}% to {(hi - 1) * 100:+.0f}%, {runs}" if not math.isnan(lo)
               else f"{runs}, no interval below 3 runs a side")
         words = VERDICT_WORDS.get(r["verdict"], "").format(what=COST_WORDS.get(cost, title))
+        if not words and r["verdict"] != "no interval (fewer than 3 runs a side)":
+            words = r["verdict"]  # a verdict qualified by quality says so itself
         tail = f": {words}" if words else ""
-        lines.append(f"{r['label']} used {(ratio - 1) * 100:+.0f}% {title} vs {baseline} {where} ({ci}){tail}")
+        quality = f"; quality: {r['quality']}" if isinstance(r.get("quality"), str) else ""
+        lines.append(f"{r['label']} used {(ratio - 1) * 100:+.0f}% {title} vs {baseline} {where} ({ci}){tail}"
+                     f"{quality}")
     return lines
 
 

@@ -43,7 +43,7 @@ class ServingEngine:
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.spec.name
         dtype = next(model.parameters()).dtype
-        self.pool = make_pool(fmt, loaded.spec, num_blocks, layout.block_size, dtype, loaded.device)
+        self.pool = make_pool(policy, fmt, loaded.spec, num_blocks, layout.block_size, dtype, loaded.device)
         self.allocator = BlockAllocator(num_blocks)
         self.scheduler = Scheduler(layout, self.allocator, max_num_seqs, max_num_batched_tokens)
         if attention is None:  # the paged kernel where it runs compiled: CUDA, a dense pool

@@ -69,8 +69,8 @@ class PagedForward:
         for i, layer in enumerate(s.layers):
             eps_in, eps_post = s.eps[i]
             q, k, v = attention_inputs(hidden, layer.input_layernorm.weight, eps_in, *s.qkv[i], cos, sin, s.heads)
-            for (new, _), lo, hi in zip(slots, bounds, bounds[1:], strict=False):
-                self.pool.write(i, new, k[lo:hi, :, 0], v[lo:hi, :, 0])
+            for c, (new, _), lo, hi in zip(chunks, slots, bounds, bounds[1:], strict=False):
+                self.pool.write(i, new, k[lo:hi, :, 0], v[lo:hi, :, 0], owner=c.blocks[0], first=c.stored == 0)
             out = [None] * len(chunks)
             if batched:
                 got = self.decode_kernel(q[rows, :, 0], self.pool.k[i], self.pool.v[i], tables, lengths,

@@ -34,10 +34,10 @@ def layout_for(policy, spec: ModelSpec, dtype: torch.dtype, block_size: int) -> 
     """``(layout, format or None)``: a kvq method stores its format, the others the model dtype."""
     if block_size < 1:
         raise ServeError(f"block_size={block_size} must be a positive number of tokens (16 is vLLM's default)")
-    storage = policy.storage().kv_format  # "model dtype", or a kvlab format's label
+    storage = policy.storage()
     dtype_name = str(dtype).removeprefix("torch.")
-    if storage != "model dtype":
-        fmt = parse_format(storage)
+    if storage.kv_format != "model dtype":
+        fmt = parse_format(storage.format)
         fmt.check_head_dim(spec.head_dim)
         return BlockLayout(policy.name, block_size, format_token_bytes(spec, fmt) * block_size, fmt.label), fmt
     keep = getattr(policy, "keep", 1.0)
@@ -46,8 +46,9 @@ def layout_for(policy, spec: ModelSpec, dtype: torch.dtype, block_size: int) -> 
                        keep=keep, window=window), None
 
 
-def make_pool(fmt, spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype, device):
+def make_pool(policy, fmt, spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype, device):
+    """The pool of ``policy``'s blocks: the model dtype, or its kvq format with its key offset."""
     shape = (spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
     if fmt is None:
         return DensePool(*shape, dtype=dtype, device=device)
-    return FormatPool(fmt, *shape, dtype=dtype, device=device)
+    return FormatPool(fmt, *shape, dtype=dtype, device=device, key_offset=policy.storage().key_offset)

@@ -5,6 +5,12 @@ slots, ``read`` returns a request's K/V ``[Hkv, n, D]`` in the order of the slot
 (its block table expanded to its stored length). A dense pool holds the model dtype; a format
 pool holds a ``kvlab.kernels`` format's codes and scales and dequantizes on read, so a quantized
 request attends over exactly the bits its blocks store.
+
+``write(layer, slots, k, v, owner, first)``: ``owner`` names the request (its first block id, unique
+while it holds blocks) and ``first`` marks its first prefill chunk. A format pool with a key offset
+(:mod:`kvlab.kernels.key_offset`) fits the request's per-channel offset ``[Hkv, D]`` on that chunk's
+keys and stores every later key of the request minus it; reads return the shifted keys, which
+attention does not see (``q . m`` is the same for every key of a request).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from collections import deque
 import torch
 
 from kvlab.kernels.formats import KVStore
+from kvlab.kernels.key_offset import KEY_OFFSETS, shifted
 
 
 class BlockAllocator:
@@ -57,8 +64,9 @@ class DensePool:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.dtype = dtype
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """``k``/``v`` ``[n, Hkv, D]`` into ``slots [n]``."""
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, owner: int = 0,
+              first: bool = False) -> None:
+        """``k``/``v`` ``[n, Hkv, D]`` into ``slots [n]`` (a dense pool keeps no key offset)."""
         self.k[layer, slots] = k.to(self.dtype)
         self.v[layer, slots] = v.to(self.dtype)
 
@@ -71,15 +79,22 @@ class FormatPool:
     is the pool's slots; each token is quantized on its own (its scales are per token)."""
 
     def __init__(self, fmt, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device):
+                 dtype: torch.dtype, device, key_offset: str = "none"):
         self.fmt, self.dtype, self.head_dim = fmt, dtype, head_dim
+        self.offset_rule = KEY_OFFSETS[key_offset]
+        self.key_offsets: list[dict[int, torch.Tensor | None]] = [{} for _ in range(num_layers)]  # per owner
         slots = num_blocks * block_size
         self.k = [fmt.empty(1, kv_heads, slots, head_dim, device) for _ in range(num_layers)]
         self.v = [fmt.empty(1, kv_heads, slots, head_dim, device) for _ in range(num_layers)]
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        for store, x in ((self.k[layer], k), (self.v[layer], v)):
-            codes = self.fmt.quantize(x.transpose(0, 1).unsqueeze(0).float())
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, owner: int = 0,
+              first: bool = False) -> None:
+        keys = k.transpose(0, 1).unsqueeze(0).float()  # [1, Hkv, n, D]
+        if first:
+            self.key_offsets[layer][owner] = self.offset_rule.fit(keys)
+        keys = shifted(keys, self.key_offsets[layer].get(owner))
+        for store, x in ((self.k[layer], keys), (self.v[layer], v.transpose(0, 1).unsqueeze(0).float())):
+            codes = self.fmt.quantize(x)
             for dst, src in zip(store.tensors(), codes.tensors(), strict=True):
                 dst[:, :, slots] = src
 

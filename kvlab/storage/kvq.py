@@ -13,7 +13,9 @@ read by the fused kernels; both engines dequantize the same codes.
 Format semantics, the same on both engines: the
 prompt is quantized after its own prefill attention (exact K/V); every later token (a question, a
 gold answer, a reply) is quantized before it attends, itself included; no token is kept unquantized
-(no residual window). Codes, scales (int: float16 scale and zero per group, the zero rounded down
+(no residual window). Keys are stored minus the layer's key offset (:mod:`kvlab.kernels.key_offset`:
+``prompt-mean`` fits it on the first keys stored, ``none`` stores keys as they are); dequantized keys
+stay shifted, which attention does not see (``q . m`` is the same for every key). Codes, scales (int: float16 scale and zero per group, the zero rounded down
 and the scale up; fp8: a float32 scale per token) and rounding (``floor(v + 0.5)``) are the format
 object's (``fast``'s CUDA write kernel repeats its steps); on CPU the prompt's stored bits are equal
 on both engines. Only attention's arithmetic differs: here the codes are dequantized in float32,
@@ -42,6 +44,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from kvlab.errors import PolicyError
 from kvlab.kernels import KVStore, decode_attention, make_workspace, parse_format, quantize_write
 from kvlab.kernels.formats import FormatError
+from kvlab.kernels.key_offset import KEY_OFFSETS, shifted
 from kvlab.storage.base import ModelShape, StoredLengthMixin, StoreOptions, tensor_bytes
 from kvlab.storage.loading import PromptStorage
 from kvlab.storage.slots import Layout, SlotStore, StepSlots, sdpa_decode
@@ -70,12 +73,14 @@ class KVQLayer(StoredLengthMixin, DynamicLayer):
 
     is_croppable = True
 
-    def __init__(self, kv_format: str = "int4-g64", **kwargs):
+    def __init__(self, kv_format: str = "int4-g64", key_offset: str = "none", **kwargs):
         super().__init__()
         self.kv_format = kv_format
         self.fmt = parse_format(kv_format)
+        self.offset_rule = KEY_OFFSETS[key_offset]
         self.key_store: KVStore | None = None
         self.value_store: KVStore | None = None
+        self.key_offset: torch.Tensor | None = None  # [B, Hkv, D] float32, fitted on the first keys stored
         self.dtype: torch.dtype | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -84,8 +89,10 @@ class KVQLayer(StoredLengthMixin, DynamicLayer):
 
     # -- storage -------------------------------------------------------------------------------
     def _add(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Quantize ``[B, Hkv, n, D]`` K/V and append them to the stores."""
-        self.key_store = _cat(self.key_store, self.fmt.quantize(keys))
+        """Quantize ``[B, Hkv, n, D]`` K/V (keys minus the key offset) and append them to the stores."""
+        if self.key_store is None:
+            self.key_offset = self.offset_rule.fit(keys)
+        self.key_store = _cat(self.key_store, self.fmt.quantize(shifted(keys, self.key_offset)))
         self.value_store = _cat(self.value_store, self.fmt.quantize(values))
 
     def _dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,14 +123,16 @@ class KVQLayer(StoredLengthMixin, DynamicLayer):
 
     def reset(self) -> None:
         super().reset()
-        self.key_store = self.value_store = None
+        self.key_store = self.value_store = self.key_offset = None
 
     def nbytes(self) -> int:
-        return tensor_bytes((self.key_store, self.value_store))
+        return tensor_bytes((self.key_store, self.value_store, self.key_offset))
 
     def _map_batch(self, fn) -> None:
         self.key_store = _map(self.key_store, fn)
         self.value_store = _map(self.value_store, fn)
+        if self.key_offset is not None:
+            self.key_offset = fn(self.key_offset)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.key_store is not None:
@@ -156,44 +165,75 @@ class QuantizedStore(SlotStore):
     the float32 reference on CPU) or ``dequantize``: the whole store converted to the model dtype,
     then masked SDPA, i.e. what an implementation without a fused kernel does (``hf``'s arithmetic),
     kept as the explicit baseline.
+
+    With a ``key_offset`` that subtracts (:mod:`kvlab.kernels.key_offset`) the keys are written minus
+    a per-layer ``[B, Hkv, D]`` float32 offset (``key_offsets``), fitted on each row's prompt keys
+    when they are loaded or prefilled and subtracted inside the write kernel for every later token;
+    attention reads the codes as they are (the offset shifts every score of a query by the same amount).
     """
 
     def __init__(self, layout: Layout, kv_format: str, num_heads: int, dtype, device, scale: float,
-                 attention: str = "auto"):
+                 attention: str = "auto", key_offset: str = "none"):
         if attention not in QUANT_ATTENTION:
             raise ValueError(f"attention={attention!r} for a quantized store: use one of {', '.join(QUANT_ATTENTION)}")
         self.fmt = parse_format(kv_format)
-        self.kv_format = self.fmt.label
+        self.offset_rule = KEY_OFFSETS[key_offset]
+        self.kv_format = offset_label(self.fmt.label, key_offset)
         self.attention = "fused" if attention == "auto" else attention
         self.layout, self.scale, self.dtype = layout, scale, dtype
         b, h, d = layout.batch, layout.kv_heads, layout.head_dim
         self.keys = [self.fmt.alloc(b, h, c, d, device) for c in layout.capacity]
         self.values = [self.fmt.alloc(b, h, c, d, device) for c in layout.capacity]
+        self.key_offsets = [torch.zeros(b, h, d, dtype=torch.float32, device=device)
+                            if self.offset_rule.subtracts else None for _ in layout.capacity]
         cuda = torch.device(device).type == "cuda"
         self.workspaces = [make_workspace(num_heads, k) if cuda else None for k in self.keys]
         self.slots = StepSlots(layout.kept, layout.batch, device)
 
+    def _offset_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.key_offsets if t is not None)
+
     def bytes_allocated(self) -> int:
-        return sum(s.nbytes() for s in self.keys + self.values)
+        return sum(s.nbytes() for s in self.keys + self.values) + self._offset_bytes()
 
     def buffers(self) -> list[torch.Tensor]:
-        return [t for s in self.keys + self.values for t in s.tensors()] + list(self.slots.tensors())
+        offsets = [t for t in self.key_offsets if t is not None]
+        return [t for s in self.keys + self.values for t in s.tensors()] + offsets + list(self.slots.tensors())
 
     def bytes_per_slot(self) -> int:
         return 2 * self.fmt.bytes_per_token(self.layout.kv_heads, self.layout.head_dim)
 
+    def held_bytes(self, held: list[int]) -> int:
+        """The slots' bytes plus the key offsets' (``head_dim`` float32 per row, KV head and layer)."""
+        return super().held_bytes(held) + self._offset_bytes()
+
+    def key_offset(self, layer: int, rows: slice = slice(None)) -> torch.Tensor | None:
+        """Layer ``layer``'s key offset of batch rows ``rows`` (a view), None without one."""
+        offset = self.key_offsets[layer]
+        return None if offset is None else offset[rows]
+
+    def fit_key_offset(self, layer: int, rows: slice, keys: torch.Tensor) -> torch.Tensor | None:
+        """Fit rows ``rows``' key offset of layer ``layer`` on their prompt ``keys`` (``[b, Hkv, n, D]``)."""
+        offset = self.key_offset(layer, rows)
+        if offset is not None:
+            offset.copy_(self.offset_rule.fit(keys))
+        return offset
+
     def _load_layer(self, layer: int, rows: slice, k: torch.Tensor, v: torch.Tensor) -> None:
         slots = torch.arange(k.shape[-2], device=k.device)
-        quantize_write(self.keys[layer].rows(rows), k.contiguous(), slots)
+        offset = self.fit_key_offset(layer, rows, k)
+        quantize_write(self.keys[layer].rows(rows), k.contiguous(), slots, offset=offset)
         quantize_write(self.values[layer].rows(rows), v.contiguous(), slots)
 
     def write_prefill(self, layer: int, rows: slice, start: int, k: torch.Tensor, v: torch.Tensor):
         """A prefill chunk's K/V quantized into slots ``start..`` of batch rows ``rows`` (:class:`StoreCache`);
-        what its attention reads: the exact K/V on the first chunk, the stored codes dequantized after."""
+        the first chunk fixes the rows' key offset. What its attention reads: the exact K/V on the first
+        chunk, the stored codes dequantized after (keys minus the offset, which attention does not see)."""
         end = start + k.shape[-2]
         slots = torch.arange(start, end, device=k.device)
         kstore, vstore = self.keys[layer].rows(rows), self.values[layer].rows(rows)
-        quantize_write(kstore, k.contiguous(), slots)
+        offset = self.fit_key_offset(layer, rows, k) if start == 0 else self.key_offset(layer, rows)
+        quantize_write(kstore, k.contiguous(), slots, offset=offset)
         quantize_write(vstore, v.contiguous(), slots)
         if start == 0:  # the prefill attends exactly
             return k, v
@@ -201,7 +241,7 @@ class QuantizedStore(SlotStore):
 
     def _attend(self, layer: int, q, k, v) -> torch.Tensor:
         slot = self.slots.slot(layer)
-        quantize_write(self.keys[layer], k, slot)
+        quantize_write(self.keys[layer], k, slot, offset=self.key_offsets[layer])
         quantize_write(self.values[layer], v, slot)
         bsz, n_heads, _, dim = q.shape
         if self.attention == "fused":
@@ -213,6 +253,11 @@ class QuantizedStore(SlotStore):
         return sdpa_decode(q, keys, values, slot + 1, self.scale)
 
 
+def offset_label(label: str, key_offset: str) -> str:
+    """A kvq store's ``kv_format`` column: the format's label, with the key offset it subtracts."""
+    return label if key_offset == "none" else f"{label}, keys - {key_offset}"
+
+
 @dataclass(frozen=True)
 class KVQStorage(PromptStorage):
     """K/V in the kvlab format ``kv_format`` (``fp8``, ``int4-g64``, ...). ``prefill``: the evicting
@@ -220,10 +265,11 @@ class KVQStorage(PromptStorage):
 
     format: str = "int4-g64"
     prefill: Any = None
+    key_offset: str = "none"
 
     @property
     def kv_format(self) -> str:
-        return parse_format(self.format).label
+        return offset_label(parse_format(self.format).label, self.key_offset)
 
     def check(self, shape: ModelShape, cuda: bool) -> None:
         try:
@@ -232,14 +278,14 @@ class KVQStorage(PromptStorage):
             raise PolicyError(f"kvq {self.format} cannot store {shape.name}: {err}") from None
 
     def make_cache(self, num_layers: int):
-        return Cache(layers=[KVQLayer(self.format) for _ in range(num_layers)])
+        return Cache(layers=[KVQLayer(self.format, self.key_offset) for _ in range(num_layers)])
 
     def token_bytes(self, kv_heads: int, head_dim: int, element_size: int = 2) -> float:
         return 2 * parse_format(self.format).bytes_per_token(kv_heads, head_dim)
 
     def store(self, layout: Layout, options: StoreOptions):
         return QuantizedStore(layout, self.format, options.num_heads, options.dtype, options.device, options.scale,
-                              options.quant_attention)
+                              options.quant_attention, self.key_offset)
 
     def prefill_cache(self, store, rows: slice | None, model):
         return StoreCache(store, rows) if self.prefill is None else self.prefill.make_cache(model)

@@ -7,7 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from kvlab.kernels.key_offset import DEFAULT_KEY_OFFSET, KEY_OFFSETS
 from kvlab.policies.base import Policy, model_shape
+from kvlab.policies.quantized.key_outliers import warn_per_token_keys
 from kvlab.policies.quantized.storage import FP8_MIN_TRANSFORMERS, QuantSpec
 
 
@@ -46,6 +48,8 @@ class QuantizedPolicy(Policy):
 
     def check(self, model) -> None:
         self.spec.check(model_shape(model))
+        if self.spec.impl.per_token_keys(self.spec):
+            warn_per_token_keys(model, self.label)
 
     def warmup(self, model) -> None:
         self.spec.warmup(model)
@@ -97,9 +101,12 @@ class KVQPolicy(QuantizedPolicy):
     (:mod:`kvlab.storage.kvq`); on ``fast``: the fused kernels read the same codes."""
 
     nbits: ClassVar[int] = 4  # fixed per subclass, not a parameter
+    key_offset: str = field(default=DEFAULT_KEY_OFFSET, metadata={
+        "help": f"per-channel key offset subtracted before quantizing ({', '.join(KEY_OFFSETS)}; "
+                "none: the per-token layout without it)"})
 
     def _make_spec(self) -> QuantSpec:
-        return QuantSpec("kvq", type(self).nbits, getattr(self, "q_group_size", 64))
+        return QuantSpec("kvq", type(self).nbits, getattr(self, "q_group_size", 64), key_offset=self.key_offset)
 
 
 @dataclass(frozen=True)
@@ -123,8 +130,9 @@ class KVQIntPolicy(KVQPolicy):
     token is stored quantized from its first step.
 
     Per-token groups cannot isolate a key channel that is an outlier in every token (KIVI quantizes
-    keys per channel for that reason), so models with outlier key channels lose more here than the
-    bit count suggests.
+    keys per channel for that reason): ``key_offset='prompt-mean'`` (the default) subtracts each key
+    channel's prompt mean first, which attention does not see (:mod:`kvlab.kernels.key_offset`);
+    ``key_offset='none'`` is the layout without it.
     """
 
     q_group_size: int = field(default=64, metadata={

@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 from packaging.version import Version
 
 from kvlab.kernels.formats import GROUPS, FormatError, format_label, parse_format
+from kvlab.kernels.key_offset import DEFAULT_KEY_OFFSET, KEY_OFFSETS
 from kvlab.policies.base import ModelShape, PolicyError, check_int, hf_model, model_shape
 from kvlab.policies.cache import EvictingPerTensor, EvictionError, EvictionMixin, evicting_quantized_class
 from kvlab.storage.kvq import KVQLayer, KVQStorage
@@ -45,6 +46,8 @@ class QuantBackend:
     default_nbits: ClassVar[int]
     axes: ClassVar[tuple[int, ...]] = ()  # grouping axes it accepts for keys/values
     install: ClassVar[str]
+    key_offsets: ClassVar[tuple[str, ...]] = ("none",)  # key offsets it can subtract (kernels.key_offset)
+    default_key_offset: ClassVar[str] = "none"
 
     def check_installed(self) -> None:
         """Raise :class:`PolicyError` naming the install command when the backend cannot run here."""
@@ -63,6 +66,10 @@ class QuantBackend:
 
     def check(self, spec: QuantSpec, shape: ModelShape) -> None:
         """Model-dependent checks (after the full-attention check every backend shares)."""
+
+    def per_token_keys(self, spec: QuantSpec) -> bool:
+        """Whether each token's keys share one range with no key offset (outlier key channels break it)."""
+        return spec.axis_key == 0 and spec.key_offset == "none"
 
     def layer_class(self) -> type | None:
         raise NotImplementedError
@@ -137,6 +144,16 @@ class QuantoBackend(GroupwiseBackend):
     package = "optimum-quanto"
     min_version = "0.2.5"
     install = "pip install 'optimum-quanto>=0.2.5'"
+
+    def check_knobs(self, spec: QuantSpec) -> None:
+        """Axis -1 (per channel) is refused: quanto groups along the flattened batch x heads x tokens
+        and raises unless that product is a multiple of q_group_size (a 4-token warm-up, most prompts),
+        and its groups then straddle heads."""
+        super().check_knobs(spec)
+        if -1 in (spec.axis_key, spec.axis_value):
+            raise PolicyError("quanto's per-channel axis (-1) groups along batch x heads x tokens and fails unless "
+                              "their product is a multiple of q_group_size: use axis 0, or --method kivi for "
+                              "per-channel keys")
 
     def layer_class(self) -> type:
         from transformers import cache_utils
@@ -220,6 +237,8 @@ class KVQBackend(QuantBackend):
     nbits = (2, 4, 8)
     default_nbits = 4
     install = "nothing to install (pure torch; Triton kernels on CUDA)"
+    key_offsets = tuple(KEY_OFFSETS)
+    default_key_offset = DEFAULT_KEY_OFFSET
 
     def check_installed(self) -> None:
         pass
@@ -240,11 +259,15 @@ class KVQBackend(QuantBackend):
         return format_label("fp8") if spec.nbits == 8 else format_label(f"int{spec.nbits}", spec.q_group_size)
 
     def label(self, spec: QuantSpec) -> str:
-        return f"kvq {self.format_label(spec)}"
+        offset = "" if spec.key_offset == "none" else f" (keys - {spec.key_offset})"
+        return f"kvq {self.format_label(spec)}{offset}"
 
     def params(self, spec: QuantSpec) -> dict[str, Any]:
+        """The storage's record params; ``key_offset`` only when one is subtracted, so the runs of the
+        layout without it keep their ids."""
+        offset = {} if spec.key_offset == "none" else {"key_offset": spec.key_offset}
         return {"backend": self.name, "nbits": spec.nbits,
-                "q_group_size": None if spec.nbits == 8 else spec.q_group_size}
+                "q_group_size": None if spec.nbits == 8 else spec.q_group_size, **offset}
 
     def check(self, spec: QuantSpec, shape: ModelShape) -> None:
         try:
@@ -256,7 +279,7 @@ class KVQBackend(QuantBackend):
         return KVQLayer
 
     def layer_kwargs(self, spec: QuantSpec) -> dict[str, Any]:
-        return {"kv_format": self.format_label(spec)}
+        return {"kv_format": self.format_label(spec), "key_offset": spec.key_offset}
 
     def make_cache(self, spec: QuantSpec, model):
         from transformers.cache_utils import Cache
@@ -268,7 +291,8 @@ class KVQBackend(QuantBackend):
         return EvictingKVQLayer
 
     def fast_format(self, spec: QuantSpec) -> str:
-        """The same format: both engines hold the same codes."""
+        """The same format (the key offset goes beside it, :meth:`QuantSpec.storage`): both engines
+        hold the same codes."""
         return self.format_label(spec)
 
 
@@ -276,13 +300,14 @@ class EvictingKVQLayer(EvictionMixin, KVQLayer):
     """Evict at prefill (``policy.budget(n)`` positions per KV head), store the kept K/V in
     ``kv_format``; later tokens are quantized and appended as in :class:`KVQLayer`."""
 
-    def __init__(self, policy, layer_idx: int, num_layers: int, kv_format: str = "int4-g64"):
-        KVQLayer.__init__(self, kv_format)
+    def __init__(self, policy, layer_idx: int, num_layers: int, kv_format: str = "int4-g64",
+                 key_offset: str = "none"):
+        KVQLayer.__init__(self, kv_format, key_offset)
         self._init_eviction(policy, layer_idx, num_layers)
 
     def _store(self, keys, values) -> None:
         self.dtype = keys.dtype
-        self.key_store = self.value_store = None
+        self.key_store = self.value_store = self.key_offset = None
         self._add(keys, values)
 
     def _append(self, keys, values, *args, **kwargs):
@@ -319,6 +344,7 @@ class QuantSpec:
     residual_length: int = 128
     axis_key: int = 0
     axis_value: int = 0
+    key_offset: str | None = None  # the backend's default (kvq: prompt-mean; others: none)
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -330,6 +356,11 @@ class QuantSpec:
         if self.nbits not in backend.nbits:
             raise PolicyError(f"nbits={self.nbits} is not supported by the {self.backend} backend: "
                               f"use one of {', '.join(map(str, backend.nbits))}")
+        if self.key_offset is None:
+            object.__setattr__(self, "key_offset", backend.default_key_offset)
+        if self.key_offset not in backend.key_offsets:
+            raise PolicyError(f"key_offset={self.key_offset!r} is not supported by the {self.backend} backend: "
+                              f"use one of {', '.join(backend.key_offsets)}")
         backend.check_knobs(self)
         backend.check_installed()
 
@@ -377,8 +408,8 @@ class QuantSpec:
 
     def storage(self, prefill=None) -> KVQStorage:
         """The kvq storage holding what this spec holds (:meth:`fast_format`); ``prefill``: the evicting
-        policy whose cache the prefill fills (None: the prompt whole)."""
-        return KVQStorage(self.fast_format(), prefill)
+        policy whose cache the prefill fills (None: the prompt whole); kvq's key offset goes with it."""
+        return KVQStorage(self.fast_format(), prefill, self.key_offset)
 
     @property
     def fast_label(self) -> str:
@@ -387,7 +418,8 @@ class QuantSpec:
         layers do not run there). A storage with no fast store (hqq) keeps its own label: the fast
         engine refuses it before any record names it."""
         try:
-            return f"kvq {self.fast_format()}"
+            offset = "" if self.key_offset == "none" else f" (keys - {self.key_offset})"
+            return f"kvq {self.fast_format()}{offset}"
         except PolicyError:
             return self.label
 
