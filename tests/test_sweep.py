@@ -354,6 +354,26 @@ def test_quality_pass_runs_after_perf_once_and_is_keyed_like_perf(tmp_path):
     assert len(read_jsonl(tmp_path / "records.jsonl")) == n  # nothing reran
 
 
+def test_perf_false_runs_the_quality_pass_alone(tmp_path, capsys):
+    """``perf: false``: no perf run, no warm-up, the quality records of every method, and ctx (unused)
+    defaults to the quality lengths; the dry run says 0 runs."""
+    quality = {**QUALITY, "lengths": [480]}
+    params = {**TINY, "methods": ["full", "streamingllm"], "perf": False, "quality": quality}
+    del params["ctx"]
+    p = parse_params(params)
+    assert p.ctx == [480] and expand(p, check_params(p, own_loader=True)) == []
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump({**params, "models": "smollm2-135m", "weights": "real"}))  # a tokenizer
+    assert main(["sweep", str(path), "-o", str(tmp_path / "dry"), "--dry-run"]) == 0
+    assert "0 runs to do" in capsys.readouterr().out
+    s = run_sweep(p, tmp_path / "o", progress=False, loader=toy_loader, log=lambda line: None)
+    assert s.complete and s.total == 0
+    records = read_jsonl(tmp_path / "o" / "records.jsonl")
+    assert {r["kind"] for r in records} == {"quality"}
+    assert {r["label"] for r in records} == {"full", "streamingllm 50%"}
+    assert not read_jsonl(tmp_path / "o" / "warmup.jsonl")
+
+
 def toy_loader(name, **kw):
     import dataclasses
 

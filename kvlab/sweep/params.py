@@ -16,10 +16,19 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from kvlab.errors import UserError
 from kvlab.preflight import read_text_file
+from kvlab.quality import TaskSpec
 from kvlab.records import canonical_json
 from kvlab.workload import CtxDistribution, WorkloadError, parse_distribution
 
@@ -114,6 +123,19 @@ class SweepParams(BaseModel):
     quality: dict[str, Any] | None = Field(
         None, description="a quality pass after the performance runs: kvlab.quality.TaskSpec keys "
                           "(tasks, lengths, depths, samples, ...); needs real weights")
+    perf: bool = Field(True, description="run the performance grid; false: the quality pass alone (ctx then "
+                                         "defaults to quality's lengths)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _quality_alone_ctx(cls, data):
+        """With ``perf: false`` no run reads ``ctx``: it defaults to the quality pass's lengths, which
+        the checks then hold against each model's window and memory."""
+        if isinstance(data, dict) and data.get("perf") is False and data.get("ctx") is None:
+            quality = data.get("quality")
+            lengths = quality.get("lengths") if isinstance(quality, dict) else None
+            data = {**data, "ctx": lengths or TaskSpec.model_fields["lengths"].default_factory()}
+        return data
 
     _lists = field_validator("models", "batch", "keep", "bits", "methods", "engine", "weights_quant",
                              mode="before")(_as_list)
