@@ -10,6 +10,7 @@ with their own weights pass a local folder.
 from __future__ import annotations
 
 import copy
+import json
 import os
 import sys
 from contextlib import contextmanager
@@ -205,7 +206,8 @@ def get_spec(source: str) -> ModelSpec:
     if source in PRESETS:
         return spec_from_config(preset_fields(source), name=source)
     if _is_path(source):
-        return spec_from_config(_local_config(Path(source)), name=str(source))
+        fields = _converted_fields(Path(source))
+        return spec_from_config(fields or _local_config(Path(source)), name=str(source))
     raise ModelError(f"unknown model {source!r}; presets: {', '.join(PRESETS)} (or pass a local folder path)")
 
 
@@ -242,6 +244,16 @@ def preset_gguf(name: str) -> Path:
 
         return join_parts(QWEN_CODER_1_5B, cache_root(), log=lambda line: tqdm.write(line, file=sys.stderr))
     return smollm2_gguf_path()
+
+
+def _converted_fields(path: Path) -> SimpleNamespace | None:
+    """A GGUF folder's config as attributes, read from its converted copy's config.json without
+    importing transformers (about 0.3 s against 10 s, and 45 s for a 1 GB GGUF's own parse), or None."""
+    gguf = _gguf_in(path) if path.exists() else None
+    converted = converted_gguf(gguf, convert=False) if gguf is not None else None
+    if converted is None:
+        return None
+    return SimpleNamespace(**json.loads((converted / "config.json").read_text()))
 
 
 def _local_config(path: Path):
