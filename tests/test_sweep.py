@@ -374,6 +374,22 @@ def test_perf_false_runs_the_quality_pass_alone(tmp_path, capsys):
     assert not read_jsonl(tmp_path / "o" / "warmup.jsonl")
 
 
+def test_quality_items_the_tokenizer_cannot_build_are_refused_before_any_run(tmp_path, monkeypatch):
+    """A sweep builds each model's quality items with its tokenizer alone before the perf runs: a
+    length too short for the task's fixed parts is one error, with no model loaded, no folder written."""
+    from toy_tokenizer import ToyTokenizer
+
+    import kvlab.models
+    from kvlab.errors import UserError
+
+    monkeypatch.setattr(kvlab.models, "load_tokenizer", lambda name: ToyTokenizer())
+    monkeypatch.setattr(kvlab.models, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    p = tiny_params(models="smollm2-135m", weights="real", quality={**QUALITY, "lengths": [40]})
+    with pytest.raises(UserError, match="quality on smollm2-135m: length 40 is too short for task 'niah_single'"):
+        run_sweep(p, tmp_path / "o", progress=False, log=lambda line: None)
+    assert not (tmp_path / "o").exists()
+
+
 def toy_loader(name, **kw):
     import dataclasses
 

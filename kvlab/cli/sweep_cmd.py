@@ -16,7 +16,7 @@ from pathlib import Path
 from kvlab.cli import EXIT_USAGE, STATUS_EXIT
 from kvlab.preflight import check_out_dir
 from kvlab.sweep.lock import SweepLocked
-from kvlab.sweep.params import load_params
+from kvlab.sweep.params import load_params, method_variants
 from kvlab.sweep.plan import count_by, planned_runs
 
 
@@ -50,6 +50,12 @@ def run(args) -> int:
     if args.dry_run:
         check_out_dir(out, flag, create=False)
         todo = planned_runs(params, out if out.is_dir() else None, check_device=False)
+        if not params.perf:
+            quality = params.quality or {}
+            print(f"{out}: 0 runs to do (perf: false); the quality pass runs {len(method_variants(params))} "
+                  f"method variant(s) on {', '.join(params.models)}: {quality.get('tasks', 'default tasks')} at "
+                  f"lengths {quality.get('lengths', 'default')}")
+            return 0
         print(f"{out}: {len(todo)} runs to do ({params.warmup_runs} warm-up(s) per method and shape; "
               f"executor {params.executor})")
         for attr in ("model", "method", "ctx", "batch") + (("weights_quant",) if len(params.weights_quant) > 1 else ()):
