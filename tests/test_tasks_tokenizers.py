@@ -2,6 +2,7 @@
 newline after it (".\\n" as one token, as Qwen2's and Llama-3's vocabularies do)."""
 
 import pytest
+from toy_tokenizer import ToyTokenizer
 
 from kvlab.quality import TaskSpec
 from kvlab.quality.spec import items_problem
@@ -68,6 +69,21 @@ def test_items_problem_is_none_for_a_merging_bpe_and_names_a_too_short_length(me
     assert items_problem(TaskSpec(lengths=[700]), merging_bpe, "fixture") is None
     problem = items_problem(TaskSpec(lengths=[20]), merging_bpe, "fixture")
     assert problem.startswith("quality on fixture: length 20 is too short") and "at least" in problem
+
+
+class TwoTokenNewline(ToyTokenizer):
+    """A byte tokenizer that spends two tokens on every newline (as SentencePiece's "▁" + "<0x0A>")."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [t for i in super().encode(text) for t in ((13, 10) if i == 10 else (i,))]
+
+
+def test_exact_lengths_when_a_newline_takes_two_tokens():
+    enc = Encoder(TwoTokenNewline())
+    assert enc.newline_ids == (13, 10)
+    check_exact_items(enc)
+    for budget in range(0, 120):
+        assert sum(map(len, fill_lines(enc, NOISE_LINE, budget))) == budget
 
 
 @pytest.mark.xdist_group("qwen-wheels")  # one worker joins and converts the 1.1 GB GGUF, once

@@ -68,9 +68,6 @@ class Encoder:
         self.frame = chat_frame(tokenizer, use_chat_template)
         self._encode = lru_cache(maxsize=4096)(self._encode_uncached)
         self.newline_ids = self.encode("\n")
-        if not self.newline_ids:
-            raise TaskError("this tokenizer encodes a newline as no token at all, so the tasks cannot separate "
-                            "lines; use a tokenizer that keeps whitespace")
 
     def _encode_uncached(self, text: str) -> tuple[int, ...]:
         return tuple(self.tokenizer.encode(text, add_special_tokens=False))
@@ -146,12 +143,15 @@ def check_depth(depth: float) -> float:
 
 
 def fill_lines(enc: Encoder, line: str, budget: int) -> list[tuple[int, ...]]:
-    """Noise lines totalling exactly ``budget`` tokens: whole copies of ``line + "\n"`` as the
+    """Noise lines totalling exactly ``budget`` tokens: whole copies of ``line + "\\n"`` as the
     tokenizer encodes them (its last token may merge the newline with the full stop, as Qwen2's and
-    Llama-3's BPE do with ".\n"), then one copy cut short and closed with the newline's own
+    Llama-3's BPE do with ".\\n"), then one copy cut short and closed with the newline's own
     tokens for the remainder (cut without a newline when the remainder is shorter than those)."""
     if budget < 0:
         raise TaskError(f"internal: negative haystack budget {budget}")
+    if not enc.newline_ids:
+        raise TaskError("this tokenizer encodes a newline as no token at all, so the haystack's lines cannot "
+                        "be told apart; use a tokenizer that keeps whitespace")
     full = enc.encode(line + "\n")
     newline = enc.newline_ids
     lines = [full] * (budget // len(full))
