@@ -243,6 +243,8 @@ CASES = [
     ("quality-text-missing", "quality -o {tmp}/q --tasks continuation --text {tmp}/t.txt", None, "t.txt"),
     ("quality-max-new-tokens", "quality -o {tmp}/q --max-new-tokens 0", None, "--max-new-tokens"),
     ("quality-dtype", "quality -o {tmp}/q --dtype float8", None, "--dtype 'float8'"),
+    ("quality-lengths-too-short-for-the-task", "quality -o {tmp}/q --lengths 20", None,
+     "quality on smollm2-135m: length 20 is too short for task 'niah_single'"),
     ("quality-param-no-method-takes-it", "quality -o {tmp}/q --methods full snapkv --param budget=256", None,
      "--param budget: none of --methods full snapkv takes it"),
     ("quality-param-not-key-value", "quality -o {tmp}/q --methods quest --param budget", None, "write KEY=VALUE"),

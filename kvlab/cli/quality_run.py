@@ -18,6 +18,7 @@ from kvlab.policies.base import check_prefill_chunk
 from kvlab.preflight import check_out_dir, device_problem, require, shape_problems, weights_problem
 from kvlab.quality.notes import quality_notes, summarize
 from kvlab.quality.run import run_quality
+from kvlab.quality.spec import items_problem
 from kvlab.records import (
     RECORDS_FILE,
     RecordWriter,
@@ -98,6 +99,7 @@ def check_args(args, spec):
 def quality(args, spec) -> int:
     """``kvlab quality``: checks before the load, then the pass, its summary and notes."""
     spec, policies, out = check_args(args, spec)  # before the model loads
+    require(items_problem(spec, models.load_tokenizer(args.model), args.model))  # the tokenizer alone
     loaded = models.load_model(args.model, weights=args.weights, device=args.device, dtype=args.dtype, seed=args.seed)
     quantize_weights(loaded.model, args.weights_quant)
     manifest = {"kind": "quality", "model": loaded.provenance(), "weights_quant": args.weights_quant,
