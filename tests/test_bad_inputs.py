@@ -103,6 +103,10 @@ CASES = [
      "q_group_size=48 does not divide smollm2-135m's head_dim 64"),
     ("params-unknown-policy-param", SWEEP,
      params_file({"methods": [{"method": "snapkv", "keep": 0.5, "windw": 8}]}), "unknown parameter(s) windw"),
+    ("params-perf-without-quality", SWEEP, params_file({"perf": False}), "perf: false runs the quality pass alone"),
+    ("params-perf-not-a-bool", SWEEP, params_file({"perf": "sometimes"}), "perf"),
+    ("params-perf-false-with-budget", SWEEP, quality_params({"lengths": [64]}, perf=False, budget_gb=1, batch=[1, 2]),
+     "budget_gb: admits sequences by the performance runs' peaks"),
     ("params-quality-typo", SWEEP, quality_params({"lenghts": [64]}), "quality.lenghts"),
     ("params-quality-longbench", SWEEP, quality_params({"longbench": "/no/such/longbench.jsonl"}),
      "longbench path /no/such/longbench.jsonl does not exist"),
@@ -253,6 +257,20 @@ CASES = [
     ("quality-text-missing", "quality -o {tmp}/q --tasks continuation --text {tmp}/t.txt", None, "t.txt"),
     ("quality-max-new-tokens", "quality -o {tmp}/q --max-new-tokens 0", None, "--max-new-tokens"),
     ("quality-dtype", "quality -o {tmp}/q --dtype float8", None, "--dtype 'float8'"),
+    ("quality-lengths-too-short-for-the-task", "quality -o {tmp}/q --lengths 20", None,
+     "quality on smollm2-135m: length 20 is too short for task 'niah_single'"),
+    ("quality-param-no-method-takes-it", "quality -o {tmp}/q --methods full snapkv --param budget=256", None,
+     "--param budget: none of --methods full snapkv takes it"),
+    ("quality-param-not-key-value", "quality -o {tmp}/q --methods quest --param budget", None, "write KEY=VALUE"),
+    ("quality-param-keep", "quality -o {tmp}/q --methods snapkv --param keep=0.5", None, "give keep with --keep"),
+    ("quality-param-quest-budget-zero", "quality -o {tmp}/q --methods quest --param budget=0", None, "budget"),
+    ("quality-methods-entry-bad-yaml", ["quality", "-o", "{tmp}/q", "--methods", "{method: quest"], None,
+     "is not valid YAML"),
+    ("quality-methods-entry-no-method", ["quality", "-o", "{tmp}/q", "--methods", "{budget: 256}"], None,
+     "write a method entry as {method: NAME"),
+    ("quality-methods-entry-unknown-param", ["quality", "-o", "{tmp}/q", "--methods", "{method: quest, budgett: 9}"],
+     None, "unknown parameter(s) budgett for quest"),
+    ("models-folder-missing", "models {tmp}/nope", None, "nope does not exist"),
     ("quality-no-weights", "quality -o {tmp}/q --model qwen2.5-7b", None, "no real weights for 'qwen2.5-7b'"),
     # --- budget ---------------------------------------------------------------------------------
     ("budget-ctx-above-window", "budget --model llama-3.1-8b --ctx 200000", None,
@@ -616,7 +634,8 @@ def test_the_table_is_large_and_its_ids_unique():
 # nearly every row of a command passes count only for a row whose id names them.
 ALWAYS_GIVEN = {("sweep", "--out"), ("generate", "--model"), ("generate", "--prompt"), ("generate", "--prompt-tokens"),
                 ("quality", "--out"), ("budget", "--model"), ("budget", "--ctx")}
-POSITIONAL_ROWS = {("sweep", "params"): "params-missing", ("report", "dir"): "report-missing-folder"}
+POSITIONAL_ROWS = {("sweep", "params"): "params-missing", ("report", "dir"): "report-missing-folder",
+                   ("models", "folders"): "models-folder-missing"}
 # what needs no row, and why
 EXEMPT_KEYS = {
     "quality.task_params": "per-task knobs, checked by each task (kvlab.tasks) at build time; no common schema",

@@ -145,3 +145,28 @@ def test_model_shape_reads_the_same_spec_from_a_loaded_model_its_module_its_conf
     numbers = {(s.head_dim, s.num_layers, s.layer_types) for s in shapes}
     assert numbers == {(tiny.spec.head_dim, tiny.spec.num_layers, ("full_attention",) * tiny.spec.num_layers)}
     assert shapes[0].spec is tiny.spec and shapes[0].name == tiny.spec.name
+
+
+def test_a_gguf_folder_with_a_converted_copy_is_read_from_its_config_json(monkeypatch, tmp_path, capsys):
+    """``kvlab budget`` / ``kvlab models`` on a GGUF folder read the converted copy's config.json (no
+    GGUF parse, no transformers import): this GGUF is not even a GGUF, so a parse would fail."""
+    import dataclasses
+    import json
+
+    from kvlab.cli import main
+    from kvlab.models import PRESETS, get_spec
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    gguf = folder / "qwen.gguf"
+    gguf.write_bytes(b"not a gguf")
+    monkeypatch.setenv("KVLAB_CACHE", str(tmp_path / "cache"))
+    stat = gguf.stat()
+    copy = tmp_path / "cache" / "gguf" / f"qwen-{stat.st_size}-{stat.st_mtime_ns}"
+    copy.mkdir(parents=True)
+    (copy / "model.safetensors").write_bytes(b"")
+    (copy / "config.json").write_text(json.dumps(PRESETS["qwen2.5-coder-1.5b"]))
+    assert get_spec(str(folder)) == dataclasses.replace(get_spec("qwen2.5-coder-1.5b"), name=str(folder))
+    assert main(["models", str(folder)]) == 0
+    row = capsys.readouterr().out.strip().splitlines()[-1].split()
+    assert row[:4] == [str(folder), "28", "2", "128"] and row[-2:] == ["real", "(local)"]

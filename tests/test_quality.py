@@ -274,6 +274,23 @@ def test_cli_expands_methods_like_a_sweep():
     assert labels[1][1] == 0.5 and labels[2][1] == 0.25 and labels[3][2] == 4
 
 
+def test_cli_takes_every_policy_parameter_a_sweep_takes():
+    """``--param`` reaches each listed method whose policy has that parameter (from the registry), and
+    a ``--methods`` item may be a sweep's YAML method entry with its own axis and knobs."""
+    from kvlab.cli import build_parser
+    from kvlab.cli.quality_run import policies_from_args
+
+    args = build_parser().parse_args([
+        "quality", "--methods", "full", "quest", "kivi", "{method: kivi, bits: [4], residual_length: 32}",
+        "--param", "budget=256", "--param", "key_bits=2", "--param", "q_group_size=64", "--bits", "2",
+        "-o", "x"])
+    full, quest, kivi, kivi4 = (p.params() for p in policies_from_args(args))
+    assert full == {"method": "full", "keep": 1.0, "bits": None}
+    assert quest["budget"] == 256
+    assert (kivi["nbits"], kivi["key_bits"], kivi["q_group_size"]) == (2, 2, 64)
+    assert (kivi4["nbits"], kivi4["key_bits"], kivi4["residual_length"], kivi4["q_group_size"]) == (4, 2, 32, 64)
+
+
 def test_cli_refuses_a_model_without_tokenizer(tmp_path, capsys):
     from kvlab.cli import main
 

@@ -355,6 +355,42 @@ def test_quality_pass_runs_after_perf_once_and_is_keyed_like_perf(tmp_path):
     assert len(read_jsonl(tmp_path / "records.jsonl")) == n  # nothing reran
 
 
+def test_perf_false_runs_the_quality_pass_alone(tmp_path, capsys):
+    """``perf: false``: no perf run, no warm-up, the quality records of every method, and ctx (unused)
+    defaults to the quality lengths; the dry run says 0 runs."""
+    quality = {**QUALITY, "lengths": [480]}
+    params = {**TINY, "methods": ["full", "streamingllm"], "perf": False, "quality": quality}
+    del params["ctx"]
+    p = parse_params(params)
+    assert p.ctx == [480] and expand(p, check_params(p, own_loader=True)) == []
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump({**params, "models": "smollm2-135m", "weights": "real"}))  # a tokenizer
+    assert main(["sweep", str(path), "-o", str(tmp_path / "dry"), "--dry-run"]) == 0
+    assert "0 runs to do" in capsys.readouterr().out
+    s = run_sweep(p, tmp_path / "o", progress=False, loader=toy_loader, log=lambda line: None)
+    assert s.complete and s.total == 0
+    records = read_jsonl(tmp_path / "o" / "records.jsonl")
+    assert {r["kind"] for r in records} == {"quality"}
+    assert {r["label"] for r in records} == {"full", "streamingllm 50%"}
+    assert not read_jsonl(tmp_path / "o" / "warmup.jsonl")
+
+
+def test_quality_items_the_tokenizer_cannot_build_are_refused_before_any_run(tmp_path, monkeypatch):
+    """A sweep builds each model's quality items with its tokenizer alone before the perf runs: a
+    length too short for the task's fixed parts is one error, with no model loaded, no folder written."""
+    from toy_tokenizer import ToyTokenizer
+
+    import kvlab.models
+    from kvlab.errors import UserError
+
+    monkeypatch.setattr(kvlab.models, "load_tokenizer", lambda name: ToyTokenizer())
+    monkeypatch.setattr(kvlab.models, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    p = tiny_params(models="smollm2-135m", weights="real", quality={**QUALITY, "lengths": [40]})
+    with pytest.raises(UserError, match="quality on smollm2-135m: length 40 is too short for task 'niah_single'"):
+        run_sweep(p, tmp_path / "o", progress=False, log=lambda line: None)
+    assert not (tmp_path / "o").exists()
+
+
 def toy_loader(name, **kw):
     import dataclasses
 

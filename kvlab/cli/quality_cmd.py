@@ -4,6 +4,12 @@ fidelity) for one model and a set of cache policies; records go to DIR/records.j
     kvlab quality --model smollm2-135m --tasks niah_single --lengths 1024 2048 \\
         --methods full streamingllm snapkv quanto --keep 0.25 --bits 4 -o runs/quality
 
+Any policy parameter a sweep takes: `--param KEY=VALUE` gives it to every listed method that takes it
+(`kvlab policies` lists them), and a method may be a sweep's `methods:` entry in YAML:
+
+    kvlab quality --methods full quest kivi --param budget=256 --param key_bits=2 --bits 2 -o runs/q
+    kvlab quality --methods full '{method: kivi, bits: [2, 4], residual_length: 32}' -o runs/q
+
 Rerunning into the same folder resumes: items recorded ok are not run again. Exit status: 0 when
 every record is ok, 3 when some failed (their errors are in the records), 2 for bad input.
 """
@@ -12,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 
+import yaml
 from pydantic import ValidationError
 
 from kvlab.errors import UserError
@@ -33,7 +40,11 @@ def register(subparsers) -> None:
     p.add_argument("--lengths", nargs="+", type=int, default=[1024, 2048], help="prompt tokens per item")
     p.add_argument("--depths", nargs="+", type=float, default=[0.1, 0.5, 0.9], help="needle depths in [0, 1]")
     p.add_argument("--samples", type=int, default=2, help="items per (task, length, depth)")
-    p.add_argument("--methods", nargs="+", default=["full"], help="policy names (see `kvlab policies`)")
+    p.add_argument("--methods", nargs="+", type=method_arg, default=["full"],
+                   help="policy names (see `kvlab policies`), or a sweep's method entry in YAML, "
+                        "e.g. '{method: quest, budget: 256}'")
+    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                   help="a policy parameter (value parsed as YAML) for every listed method that takes it; repeatable")
     p.add_argument("--keep", nargs="+", type=float, default=None, help="kept fractions for eviction methods")
     p.add_argument("--bits", nargs="+", type=int, default=None, help="bit widths for quantized methods")
     p.add_argument("--query-aware", action="store_true", help="compress the question with the context")
@@ -54,6 +65,19 @@ def register(subparsers) -> None:
                    help="prefill chunk sizes in tokens, each run for every method (none: one shot)")
     p.add_argument("-o", "--out", required=True, help="output folder (records.jsonl, manifest.json, summary)")
     p.set_defaults(func=run)
+
+
+def method_arg(text: str) -> str | dict:
+    """A policy name, or (text starting with ``{``) a sweep ``methods:`` entry as YAML."""
+    if not text.lstrip().startswith("{"):
+        return text
+    try:
+        entry = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise argparse.ArgumentTypeError(f"{text!r} is not valid YAML ({str(err).splitlines()[0]})") from None
+    if not isinstance(entry, dict) or "method" not in entry:
+        raise argparse.ArgumentTypeError(f"{text!r}: write a method entry as {{method: NAME, KEY: VALUE, ...}}")
+    return entry
 
 
 def chunk_arg(text: str) -> int | None:

@@ -5,16 +5,20 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from kvlab import models
 from kvlab.cli import EXIT_FAILED_RUNS, EXIT_OK
+from kvlab.cli.generate_run import param_overrides
 from kvlab.engine import check_model_type
 from kvlab.engine.engines import make_engine
 from kvlab.errors import UserError
-from kvlab.policies import make_policy
+from kvlab.policies import POLICIES, make_policy
 from kvlab.policies.base import check_prefill_chunk
 from kvlab.preflight import check_out_dir, device_problem, require, shape_problems, weights_problem
 from kvlab.quality.notes import quality_notes, summarize
 from kvlab.quality.run import run_quality
+from kvlab.quality.spec import items_problem
 from kvlab.records import (
     RECORDS_FILE,
     RecordWriter,
@@ -23,8 +27,32 @@ from kvlab.records import (
     recorded_run_ids,
     write_manifest,
 )
-from kvlab.sweep.params import DTYPES, SweepParams, method_variants
+from kvlab.sweep.params import DTYPES, SweepParams, method_variants, pydantic_lines
 from kvlab.weights_quant import quantize_weights, weights_quant_problems
+
+
+def method_entries(methods: list, params: dict) -> list:
+    """``--methods`` (names or sweep entries) with each ``--param`` added to every method whose policy
+    takes it (read from the registry); a parameter no listed method takes is an error."""
+    axis = {"keep": "--keep", "nbits": "--bits", "bits": "--bits"}
+    for key in params:
+        if key in axis:
+            raise UserError(f"--param {key}: give {key} with {axis[key]} (every method on that axis gets each value)")
+    entries, used = [], set()
+    for method in methods:
+        entry = dict(method) if isinstance(method, dict) else {"method": method}
+        cls = POLICIES.get(entry["method"])  # an unknown method: make_policy names it
+        takes = {row["name"] for row in cls.describe()} - {"prefill_chunk"} if cls else set()
+        for key in sorted(set(params) & takes - set(entry)):
+            entry[key] = params[key]
+            used.add(key)
+        entries.append(entry)
+    unused = sorted(set(params) - used)
+    if unused:
+        names = [m["method"] if isinstance(m, dict) else m for m in methods]
+        raise UserError(f"--param {', '.join(unused)}: none of --methods {' '.join(names)} takes it "
+                        f"(`kvlab policies` lists each method's parameters)")
+    return entries
 
 
 def policies_from_args(args, spec=None) -> list:
@@ -32,8 +60,12 @@ def policies_from_args(args, spec=None) -> list:
     checked against the model's spec when given)."""
     for chunk in getattr(args, "prefill_chunk", None) or ():
         check_prefill_chunk(chunk)  # one clear line before SweepParams' own validation
-    params = SweepParams(models=[args.model], methods=args.methods, keep=args.keep, bits=args.bits,
-                         ctx=args.lengths, prefill_chunk=getattr(args, "prefill_chunk", None))
+    methods = method_entries(args.methods, param_overrides(getattr(args, "param", None) or []))
+    try:
+        params = SweepParams(models=[args.model], methods=methods, keep=args.keep, bits=args.bits,
+                             ctx=args.lengths, prefill_chunk=getattr(args, "prefill_chunk", None))
+    except ValidationError as err:
+        raise UserError("; ".join(pydantic_lines(err, prefix="--methods: "))) from None
     policies = [make_policy(v.method, **v.kwargs) for _, v in method_variants(params)]
     for policy in policies if spec is not None else ():
         policy.check(spec)
@@ -67,6 +99,7 @@ def check_args(args, spec):
 def quality(args, spec) -> int:
     """``kvlab quality``: checks before the load, then the pass, its summary and notes."""
     spec, policies, out = check_args(args, spec)  # before the model loads
+    require(items_problem(spec, models.load_tokenizer(args.model), args.model))  # the tokenizer alone
     loaded = models.load_model(args.model, weights=args.weights, device=args.device, dtype=args.dtype, seed=args.seed)
     quantize_weights(loaded.model, args.weights_quant)
     manifest = {"kind": "quality", "model": loaded.provenance(), "weights_quant": args.weights_quant,

@@ -18,7 +18,7 @@ from kvlab.cli import EXIT_USAGE, STATUS_EXIT
 from kvlab.preflight import check_out_dir
 from kvlab.sweep.checks import params_notes
 from kvlab.sweep.lock import SweepLocked
-from kvlab.sweep.params import EXECUTORS, load_params
+from kvlab.sweep.params import EXECUTORS, load_params, method_variants
 from kvlab.sweep.plan import count_by, planned_runs
 
 
@@ -58,6 +58,12 @@ def run(args) -> int:
         check_out_dir(out, flag, create=False)
         todo = planned_runs(params, out if out.is_dir() else None, check_device=False)
         print_notes(params)
+        if not params.perf:
+            quality = params.quality or {}
+            print(f"{out}: 0 runs to do (perf: false); the quality pass runs {len(method_variants(params))} "
+                  f"method variant(s) on {', '.join(params.models)}: {quality.get('tasks', 'default tasks')} at "
+                  f"lengths {quality.get('lengths', 'default')}")
+            return 0
         print(f"{out}: {len(todo)} runs to do ({params.warmup_runs} warm-up(s) per method and shape; "
               f"executor {params.executor})")
         for attr in ("model", "method", "ctx", "batch") + (("weights_quant",) if len(params.weights_quant) > 1 else ()):

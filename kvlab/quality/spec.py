@@ -163,3 +163,14 @@ def build_items(spec: TaskSpec, enc: Encoder, max_context: int | None = None) ->
                             f"{max_context} tokens; use shorter lengths")
     return items
 
+
+
+def items_problem(spec: TaskSpec, tokenizer: Any, model: str) -> str | None:
+    """Why ``spec``'s task items cannot be built with ``model``'s tokenizer (a length too short for
+    the fixed parts, a tokenizer the tasks cannot use), or None: tokenizing only, so a sweep learns
+    it before its first run rather than after the last."""
+    try:
+        build_items(spec, Encoder(tokenizer))
+    except TaskError as err:
+        return f"quality on {model}: {err}"
+    return None

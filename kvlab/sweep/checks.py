@@ -225,6 +225,12 @@ def check_params(params: SweepParams, check_device: bool = True,
                                        compressions=compressions(built))
 
     # the quality pass: its own keys
+    if not params.perf and params.quality is None:
+        problems.append("perf: false runs the quality pass alone, and there is no quality block: add "
+                        "quality: {tasks: [...], lengths: [...]} or drop perf: false")
+    if not params.perf and params.budget_gb is not None:
+        problems.append("budget_gb: admits sequences by the performance runs' peaks, and perf: false runs none: "
+                        "drop budget_gb or perf: false")
     if params.quality is not None and params.weights == "synthetic" and not own_loader:
         problems.append("quality: needs a tokenizer, and synthetic weights come without one (the tasks are "
                         "text); set weights: real (or drop quality, or run kvlab quality on a real model)")

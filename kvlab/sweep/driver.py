@@ -33,10 +33,11 @@ from tqdm.auto import tqdm
 from kvlab import env, models
 from kvlab.energy import make_sampler
 from kvlab.engine.engines import release_memory
-from kvlab.errors import StorageError
+from kvlab.errors import StorageError, UserError
 from kvlab.hostload import cpu_threads
 from kvlab.policies import make_policy
 from kvlab.quality import TaskSpec, quality_notes, run_quality
+from kvlab.quality.spec import items_problem
 from kvlab.records import (
     RECORDS_FILE,
     RecordWriter,
@@ -138,6 +139,8 @@ def run_sweep(
     log = log or tqdm.write
     variants = check_params(params, check_device=check_device,  # raises before any model loads
                             own_loader=loader is not None)
+    if params.quality is not None and params.weights != "synthetic" and loader is None:
+        check_quality_items(params, log)
     loader = loader or models.load_model  # looked up per call: tests refuse any load
     sampler_factory = sampler_factory or make_sampler
     threads = pinned_threads(params)
@@ -221,6 +224,19 @@ def run_sweep(
             if not no_room:
                 _write_parquet(out, log)
     return summary
+
+
+def check_quality_items(params: SweepParams, log: Callable[[str], None]) -> None:
+    """Build every model's quality items with its tokenizer alone (no model load, no run): a task the
+    tokenizer cannot build is refused now, not after the perf runs."""
+    spec = TaskSpec(**params.quality)
+    for model_name in params.models:
+        started = time.monotonic()
+        problem = items_problem(spec, models.load_tokenizer(model_name), model_name)
+        if problem:
+            raise UserError(problem)
+        log(f"kvlab sweep: quality items of {model_name} built with its tokenizer "
+            f"({time.monotonic() - started:.1f} s)")
 
 
 def _quality_state(params: SweepParams, manifest: dict[str, Any]) -> tuple[int, int]:

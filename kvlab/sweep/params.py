@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from kvlab.errors import UserError
 from kvlab.preflight import read_text_file
+from kvlab.quality import TaskSpec
 from kvlab.records import canonical_json
 from kvlab.schema import BOOL_PROBLEM, StrictModel, has_bool
 from kvlab.serve.traffic import TrafficError, TrafficSpec, parse_traffic
@@ -122,6 +123,19 @@ class SweepParams(StrictModel):
     quality: dict[str, Any] | None = Field(
         None, description="a quality pass after the performance runs: kvlab.quality.TaskSpec keys "
                           "(tasks, lengths, depths, samples, ...); needs real weights")
+    perf: bool = Field(True, description="run the performance grid; false: the quality pass alone (ctx then "
+                                         "defaults to quality's lengths)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _quality_alone_ctx(cls, data):
+        """With ``perf: false`` no run reads ``ctx``: it defaults to the quality pass's lengths, which
+        the checks then hold against each model's window and memory."""
+        if isinstance(data, dict) and data.get("perf") is False and data.get("ctx") is None:
+            quality = data.get("quality")
+            lengths = quality.get("lengths") if isinstance(quality, dict) else None
+            data = {**data, "ctx": lengths or TaskSpec.model_fields["lengths"].default_factory()}
+        return data
 
     traffic: TrafficSpec | None = Field(
         None, description="serving under traffic: arrivals, rates, lengths, server, slo (kvlab.serve.traffic); "

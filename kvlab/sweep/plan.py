@@ -113,7 +113,9 @@ def block_order(n: int, seed: int, *key: Any) -> list[int]:
 
 def expand(params: SweepParams, variants: list[tuple[int, MethodVariant]]) -> list[RunSpec]:
     """All runs in execution order: model > weights_quant > ctx (or a distribution's draws) > batch >
-    (repeat, prompt) blocks > shuffled (variant, engine) pairs."""
+    (repeat, prompt) blocks > shuffled (variant, engine) pairs; none with ``perf: false``."""
+    if not params.perf:
+        return []
     vs = [(v, engine) for _, v in variants for engine in params.engine]
     runs = []
     for model in params.models:

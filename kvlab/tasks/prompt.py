@@ -67,8 +67,7 @@ class Encoder:
         self.tokenizer = tokenizer
         self.frame = chat_frame(tokenizer, use_chat_template)
         self._encode = lru_cache(maxsize=4096)(self._encode_uncached)
-        newline = self.encode("\n")
-        self.newline_id = newline[0] if len(newline) == 1 else None
+        self.newline_ids = self.encode("\n")
 
     def _encode_uncached(self, text: str) -> tuple[int, ...]:
         return tuple(self.tokenizer.encode(text, add_special_tokens=False))
@@ -144,17 +143,21 @@ def check_depth(depth: float) -> float:
 
 
 def fill_lines(enc: Encoder, line: str, budget: int) -> list[tuple[int, ...]]:
-    """Noise lines totalling exactly ``budget`` tokens: whole copies of ``line`` (ending in a
-    newline), then one copy cut short and closed with a newline for the remainder."""
+    """Noise lines totalling exactly ``budget`` tokens: whole copies of ``line + "\\n"`` as the
+    tokenizer encodes them (its last token may merge the newline with the full stop, as Qwen2's and
+    Llama-3's BPE do with ".\\n"), then one copy cut short and closed with the newline's own
+    tokens for the remainder (cut without a newline when the remainder is shorter than those)."""
     if budget < 0:
         raise TaskError(f"internal: negative haystack budget {budget}")
+    if not enc.newline_ids:
+        raise TaskError("this tokenizer encodes a newline as no token at all, so the haystack's lines cannot "
+                        "be told apart; use a tokenizer that keeps whitespace")
     full = enc.encode(line + "\n")
-    if enc.newline_id is None or full[-1] != enc.newline_id:
-        raise TaskError("this tokenizer does not encode a newline as one token, so exact lengths are not supported")
+    newline = enc.newline_ids
     lines = [full] * (budget // len(full))
     rest = budget - len(full) * len(lines)
     if rest:
-        lines.append(full[: rest - 1] + (enc.newline_id,))
+        lines.append(full[: rest - len(newline)] + newline if rest >= len(newline) else full[:rest])
     return lines
 
 
