@@ -48,10 +48,10 @@ def ratio_fields(ratio: float, lo: float, hi: float, n: int, n_base: int) -> dic
             "n": n, "n_base": n_base, "runs": f"n={n}" if n == n_base else f"n={n} vs {n_base}"}
 
 
-def _rows(root: Path, data: Sequence[str], where: Mapping[str, Any]) -> pd.DataFrame:
-    """Ok performance records under ``data`` (paths relative to ``root``) whose columns equal
-    ``where`` (uncontended runs only: a report's ratios leave contended runs out)."""
-    df = pd.concat([load_records(root / d, kind="perf") for d in data], ignore_index=True)
+def _rows(root: Path, data: Sequence[str], where: Mapping[str, Any], kind: str = "perf") -> pd.DataFrame:
+    """Ok records of ``kind`` (``perf`` or ``quality``) under ``data`` (paths relative to ``root``)
+    whose columns equal ``where`` (uncontended runs only: a report's ratios leave contended runs out)."""
+    df = pd.concat([load_records(root / d, kind=kind) for d in data], ignore_index=True)
     df = df[ok_mask(df) & ~contended_mask(df)]  # the records' own labels, not the report's
     for key, want in where.items():
         if key not in df.columns:
@@ -83,9 +83,9 @@ def records_ratio(root: Path, data: Sequence[str], metric: str, where: Mapping[s
 
 
 def records_mean(root: Path, data: Sequence[str], metric: str, where: Mapping[str, Any],
-                 scale: float = 1.0) -> dict[str, Any]:
-    """Mean of ``metric`` (times ``scale``: 1e-9 for GB) over the matching records, and their n."""
-    x = _rows(root, data, where)[metric].astype(float) * scale
+                 scale: float = 1.0, kind: str = "perf") -> dict[str, Any]:
+    """Mean of ``metric`` (times ``scale``: 1e-9 for GB) over the matching records of ``kind``, and their n."""
+    x = _rows(root, data, where, kind)[metric].astype(float) * scale
     if x.empty:
         raise ValueError(f"no runs for {dict(where)} in {list(data)}")
     return {"value": float(x.mean()), "n": len(x), "min": float(x.min()), "max": float(x.max())}

@@ -1,0 +1,14 @@
+# The serving sweeps (benchmarks/serve_rates.py over a params file's traffic: block), one part per call
+# where a part needs the whole 10 minutes:
+#   smoke     params/serve-cpu.yaml's trace on the GPU (SmolLM2, one rate): the engine runs there
+#   sharegpt  params/h100-serve-sharegpt.yaml (Llama-3.1-8B shape, ShareGPT lengths, 5 rates x 3)
+#   small     the same with a 4 GB pool (memory binds)
+#   mooncake  params/h100-serve-mooncake.yaml (long context, 5 rates x 3)
+#   . scripts/device/setup.sh && bash scripts/device/campaign.sh serve smoke sharegpt
+DEFAULT_PARTS="smoke sharegpt"
+part smoke 120 python3 benchmarks/serve_rates.py params/serve-cpu.yaml -o "$out/smoke" \
+  --set device=cuda --set threads=null --set "traffic.rate=[40]"
+part sharegpt 580 python3 benchmarks/serve_rates.py params/h100-serve-sharegpt.yaml -o "$out/sharegpt"
+part small 580 python3 benchmarks/serve_rates.py params/h100-serve-sharegpt.yaml -o "$out/small" \
+  --set traffic.server.pool_gb=4
+part mooncake 580 python3 benchmarks/serve_rates.py params/h100-serve-mooncake.yaml -o "$out/mooncake"
