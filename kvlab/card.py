@@ -29,14 +29,14 @@ def card_from_gpu(gpu: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def device_card(device: Any, gpu: Mapping[str, Any] | None = None, nvml=None) -> dict[str, Any]:
-    """The card fields of torch's ``device``: ``cpu`` off CUDA; else from ``gpu`` (a sampler's, when
-    it names a UUID) or read through NVML (once per device), falling back to torch's name and UUID
-    where NVML cannot answer."""
+    """The card fields of a run: from ``gpu`` (its energy sampler's NVML facts) when it names a UUID;
+    else ``cpu`` off CUDA, or torch's ``device`` read through NVML (once per device), falling back to
+    torch's name and UUID where NVML cannot answer."""
+    if gpu and gpu.get("gpu_uuid"):  # the card the run's energy sampler reads
+        return card_from_gpu(gpu)
     dev = str(device)
     if not dev.startswith("cuda"):
         return cpu_card()
-    if gpu and gpu.get("gpu_uuid"):
-        return card_from_gpu(gpu)
     if nvml is not None:
         return card_from_gpu(read_gpu(dev, nvml))
     return dict(_cached_card(dev))

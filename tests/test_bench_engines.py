@@ -44,7 +44,7 @@ def test_rows_carry_the_floor_and_the_kernel_fraction_of_copy(bench, monkeypatch
         assert r["x_floor"] == pytest.approx(r["ms_step"] / r["floor_ms"])
     kernel = {r["method"]: r for r in result["kernel_bw"]}
     assert set(kernel) == {"full", "kvq-fp8"} and all(r["status"] == "ok" for r in kernel.values()), kernel
-    assert kernel["kvq-fp8"]["kv_format"] == "fp8" and kernel["full"]["kv_format"] == "model dtype"
+    assert kernel["kvq-fp8"]["kv_format"] == "fp8, keys - prompt-mean" and kernel["full"]["kv_format"] == "model dtype"
     for r in kernel.values():
         assert r["kv_bytes"] > 0 and r["kernel_ms"] == 0.5
         assert r["of_copy_same_bytes"] == pytest.approx(0.5)  # same time, the copy moves twice the bytes

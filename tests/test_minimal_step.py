@@ -14,6 +14,7 @@ import torch
 from kvlab.engine.generation import forward, prefill
 from kvlab.engine.llama import LlamaFamilyStep
 from kvlab.policies import make_policy
+from kvlab.records import read_json
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "minimal_step.py"
 
@@ -70,9 +71,9 @@ def test_the_script_runs_on_cpu(bench, monkeypatch, tmp_path):
 
 def test_every_kernel_of_the_h200_tables_is_named_for_its_work(bench):
     """The kernel names of both steps on the H200 (reports/h200-2026-12-03f) each land in the work
-    the attribution of issue #28 gives them."""
+    the step's attribution gives them."""
     report = Path(__file__).resolve().parents[1] / "reports" / "h200-2026-12-03f" / "minimal_step.json"
-    names = {r["kernel"] for b in json.loads(report.read_text())["batches"] for r in b["kernels"]}
+    names = {r["kernel"] for b in read_json(report)["batches"] for r in b["kernels"]}  # stored as .xz
     work = {n: bench.work_of(n) for n in names}
     assert "other" not in work.values(), [n for n, w in work.items() if w == "other"]
     by = {w: {n for n in names if work[n] == w} for w in set(work.values())}
