@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -230,6 +231,11 @@ def test_the_serving_sweep_runs_every_method_and_rate_and_records_them(tmp_path,
     assert all(r["status"] == "complete" and r["completed"] == 4 and r["goodput"] is not None for r in rows)
     assert all(0 < r["bookkeeping_share"] < 1 for r in rows)
     assert len((tmp_path / "serve_runs.jsonl").read_text().splitlines()) == 8
+    assert all(r["card"] == "cpu" and r["gpu_uuid"] is None for r in rows)  # the card of every artifact
+    run = json.loads((tmp_path / rows[0]["run"] / "run.json").read_text())
+    assert run["card"] == "cpu" and "power_limit_w" in run
+    lines = (tmp_path / rows[0]["run"] / "requests.jsonl").read_text().splitlines()
+    assert lines and all(json.loads(line)["card"] == "cpu" for line in lines)
     from kvlab.serve import figures
     df = figures.load_sweep(tmp_path)
     assert len(df) == 8 and set(df["label"]) == {"full ", 'snapkv {"keep":0.5}'}
