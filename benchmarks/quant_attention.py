@@ -28,7 +28,10 @@ format``, what the engines run) or at LaunchConfig's defaults (``--geometry defa
     the bytes at copy bandwidth; ``x_floor`` = the kernel's time over it), the error against the reference,
     and against bf16 SDPA (``F.scaled_dot_product_attention(..., enable_gqa=True)``) and
     dequantize-then-SDPA (what transformers' quantized caches do); then fold/split time per case.
-    Inputs rotate over enough copies to exceed the L2 cache.
+    Inputs rotate over enough copies to exceed the L2 cache. Every timing of a case (each launch
+    config eager and in a graph, the baselines, the same-bytes copy and read) alternates round by
+    round (ABAB..., ``repeats`` rounds: ``kernel_timing.time_alternated``), as do (tune)'s grids and
+    (c)'s torch write and kernel; rows say ``alternated: true``.
 (tune) With ``--tune``: a grid of launch configs (``--tune-variants``, default fold, fold_asm and
     split; block, warps, stages, split density) for ``--tune-formats`` (fp8 and int4-g64) at batch 1/16/32, then per format the config
     with the best geometric mean over the batches (relative to the best at each batch; configs
@@ -245,8 +248,8 @@ def run_performance(case, configs, device, backend, clock, copy_gbps, seed, l2_b
     except Exception as err:  # noqa: BLE001
         return [dict(case, status="failed", error=f"{type(err).__name__}: {err}",
                      traceback=traceback.format_exc(limit=6))]
-    fns = {"copy_same": copy_same_bytes(device, data["kv_bytes"], data["copies"]),
-           "read_same": read_same_bytes(device, data["kv_bytes"], data["copies"])}
+    fns = {"copy_same": (*copy_same_bytes(device, data["kv_bytes"], data["copies"]), None, False),  # eager only
+           "read_same": (*read_same_bytes(device, data["kv_bytes"], data["copies"]), None, False)}
     base_fns, base_error = {}, None
     if baselines:
         try:
