@@ -57,7 +57,7 @@ def crossover_interval(df: pd.DataFrame, column: str = "energy_per_request", bas
     base = next((c for c in data["label"].unique() if c.strip() == baseline), None)
     if base is None:
         return {}
-    rates = sorted(data["rate"].unique())
+    rates = [r.item() if hasattr(r, "item") else r for r in sorted(data["rate"].unique())]  # plain numbers
     values = {(label, rate): part[column].tolist() for (label, rate), part in data.groupby(["label", "rate"])}
     out = {}
     for label in data["label"].unique():
