@@ -9,7 +9,9 @@ Rows: ``sdpa-bf16`` (torch SDPA over dense ``[B, Hkv, C, D]`` K/V with GQA), ``t
 kernel, :func:`kvlab.kernels.turboquant_triton.fused_rotated_decode`, query rotation and output
 rotation included), each with ``bytes`` (what one call must read of K/V), ``ms`` (median), ``GB/s`` and
 ``of_read`` / ``of_copy`` (its GB/s over the read-only stream's / the copy's). Repeats alternate
-between the rows (ABAB...), ``--repeats`` rounds (>= 3 for an interval; the JSON keeps every time).
+between the rows (ABAB...), ``--repeats`` rounds; the JSON keeps every time, the card
+(:mod:`kvlab.card`) and each row's mean time over sdpa-bf16's (``ms_vs_sdpa``: a Welch-log interval
+from :mod:`kvlab.intervals`, none below 3 rounds).
 Caveats: no L2 flush between calls (at batch 1 a 16k preset's codes, ~15 MiB, fit an H100's L2: quote
 batch 16); the kernel is one program per (row, query head) with no split over the slots, so at batch 1
 it fills 32 of the SMs (a split-K version is the next step if the goal's 75% is to be met).
@@ -25,6 +27,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from kvlab.card import device_card
+from kvlab.intervals import ratio_interval
 from kvlab.kernels import turboquant as tq
 
 
@@ -99,13 +103,15 @@ def main(argv=None):
         for name, t in times.items():
             row = {"batch": batch, "ctx": args.ctx, "row": name, "bytes": table[name][1], "ms": statistics.median(t),
                    "ms_all": t, "GB/s": gbs[name], "of_read": gbs[name] / gbs["read-stream"],
-                   "of_copy": gbs[name] / gbs["copy"], "n": len(t)}
+                   "of_copy": gbs[name] / gbs["copy"], "n": len(t),
+                   "ms_vs_sdpa": ratio_interval(t, times["sdpa-bf16"]).to_dict()}
             results.append(row)
             print(f"b={batch:3d} {name:12s} {row['bytes'] / 2**20:9.1f} MiB {row['ms']:8.3f} ms "
                   f"{row['GB/s']:8.1f} GB/s  {row['of_read']:.2f} of read, {row['of_copy']:.2f} of copy (n={row['n']})")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "rows": results}, f,
+            json.dump({"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+                       "card": device_card(args.device), "rows": results}, f,
                       indent=1)
 
 

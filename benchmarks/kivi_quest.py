@@ -21,7 +21,10 @@ At the Llama-3.1-8B attention shape (Hq 32, Hkv 8, D 128), ``--lengths`` (16k, 3
 
 Times: median of CUDA-event-timed replays of a CUDA graph holding ``copies`` launches over
 distinct copies of the inputs (enough copies to exceed 256 MiB, so the reads come from HBM, not L2),
-divided by ``copies``. ``bytes`` is what one launch must read of K/V (codes, scales, ring; for Quest
+divided by ``copies``. Every read of a (length, batch) case is built first and the replays alternate
+(ABAB...: each read, and each Quest row's selection and sparse kernel, once per round, ``--reps``
+rounds), so clock and thermal drift land on every read alike (``alternated_with``: the other reads
+of the round). ``bytes`` is what one launch must read of K/V (codes, scales, ring; for Quest
 the bounds plus the selected pages); ``GB/s`` = bytes / time. ``rel_err``: ||out - ref|| / ||ref||
 against the float32 reference of the same storage. ``--device cpu --quick`` with TRITON_INTERPRET=1
 smoke-tests the script.
@@ -56,6 +59,7 @@ from kvlab.kernels.kivi_decode import (  # noqa: E402
     make_kivi_workspace,
 )
 from kvlab.kernels.quest_decode import make_quest_workspace, quest_decode_attention  # noqa: E402
+from kvlab.repeats import alternate  # noqa: E402
 
 L2_BYTES = 256 << 20
 
@@ -74,15 +78,16 @@ def timed_alternating(fns: dict, copies: int, device, reps: int) -> dict:
     if device.type != "cuda":
         return dict.fromkeys(fns, float("nan"))
     graphs = {key: _graph_of(fn, copies) for key, fn in fns.items()}
-    times: dict = {key: [] for key in fns}
-    for _ in range(reps):
-        for key, graph in graphs.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times[key].append(start.elapsed_time(end) / copies)
+
+    def replay_ms(graph) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / copies
+
+    times = alternate({key: (lambda graph=graph: replay_ms(graph)) for key, graph in graphs.items()}, reps)
     return {key: statistics.median(t) for key, t in times.items()}
 
 
@@ -123,19 +128,21 @@ def run_case(batch, length, args, device, rows):
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    # flash on the dense [B, H, C, D] cache (the fast engine's head-major store: one segment per row and head)
+    # every read of the case is built first, then timed in one alternation (ABAB...: each read once per
+    # round, ``--reps`` rounds), so clock and thermal drift land on every read alike
+    reads = {}  # name -> (fn(i), bytes, rel_err, extra fields)
     dense = [(k.contiguous(), v.contiguous()) for _ in range(copies)]
-    if device.type == "cuda":
+    dense_ref = decode_attention_reference(q.float(), make_format("bf16").quantize(k),
+                                           make_format("bf16").quantize(v), lengths, scale)
+    if device.type == "cuda":  # flash on the dense [B, H, C, D] cache (the fast engine's head-major store)
         from kvlab.storage.slots import cumulative_offsets, flash_decode, segment_lengths
 
         offsets = cumulative_offsets(batch * hkv, length, device)
         segments = segment_lengths(lengths, hkv)
         q4 = q.unsqueeze(2)
         out = flash_decode(q4, *dense[0], segments, scale, *offsets)
-        ref = decode_attention_reference(q.float(), make_format("bf16").quantize(k), make_format("bf16").quantize(v),
-                                         lengths, scale)
-        ms = timed(lambda i: flash_decode(q4, *dense[i], segments, scale, *offsets), copies, device, args.reps)
-        record("flash-bf16", ms, dense_bytes, rel_err(out, ref))
+        reads["flash-bf16"] = (lambda i: flash_decode(q4, *dense[i], segments, scale, *offsets), dense_bytes,
+                               rel_err(out, dense_ref), {})
 
     for name, group in (("bf16", None), ("int4", 64)) if "fused" not in args.skip else ():
         fmt = make_format(name, group)
@@ -143,10 +150,10 @@ def run_case(batch, length, args, device, rows):
         ws = make_workspace(hq, stores[0][0])
         out = decode_attention(q, *stores[0], lengths, scale, workspace=ws, backend=args.backend)
         ref = decode_attention_reference(q, *stores[0], lengths, scale)
-        ms = timed(lambda i, stores=stores, ws=ws: decode_attention(q, *stores[i], lengths, scale, workspace=ws,
-                                                                     backend=args.backend),
-                   copies, device, args.reps)
-        record(f"fused-{fmt.label}", ms, stores[0][0].nbytes() * 2, rel_err(out, ref))
+        reads[f"fused-{fmt.label}"] = (
+            lambda i, stores=stores, ws=ws: decode_attention(q, *stores[i], lengths, scale, workspace=ws,
+                                                             backend=args.backend),
+            stores[0][0].nbytes() * 2, rel_err(out, ref), {})
 
     for spec in (kivi.KiviSpec(bits=2), kivi.KiviSpec(bits=2, group=16, value_group=16),
                  kivi.KiviSpec(bits=2, key_bits=4), kivi.KiviSpec(bits=4)):
@@ -156,31 +163,27 @@ def run_case(batch, length, args, device, rows):
             kivi.load(store, k, v)
             stores.append(store)
         ref = kivi.attend(q, stores[0], lengths, scale)
-        dense_ref = decode_attention_reference(q.float(), make_format("bf16").quantize(k),
-                                               make_format("bf16").quantize(v), lengths, scale)
         for variant in args.kivi_variants:
             ws = make_kivi_workspace(hq, stores[0], variant=variant)
             out = kivi_decode_attention(q, stores[0], lengths, scale, workspace=ws, backend=args.backend)
-            ms = timed(lambda i, stores=stores, ws=ws: kivi_decode_attention(q, stores[i], lengths, scale,
-                                                                              workspace=ws, backend=args.backend),
-                       copies, device, args.reps)
             name = spec.label if variant == "split" else f"{spec.label}:{variant}"
-            record(name, ms, stores[0].nbytes(), rel_err(out, ref), err_vs_bf16=rel_err(out, dense_ref),
-                   variant=kivi_variant(variant, stores[0], hq // hkv), num_splits=ws.num_splits)
+            reads[name] = (lambda i, stores=stores, ws=ws: kivi_decode_attention(q, stores[i], lengths, scale,
+                                                                                 workspace=ws, backend=args.backend),
+                           stores[0].nbytes(), rel_err(out, ref),
+                           {"err_vs_bf16": rel_err(out, dense_ref),
+                            "variant": kivi_variant(variant, stores[0], hq // hkv), "num_splits": ws.num_splits})
 
     quest_cases = [(b, t) for b in args.budgets for t in args.quest_tokens_per_iter] if "quest" not in args.skip else []
+    parts = {}  # a Quest row's selection and sparse kernel, timed in the same alternation as its step
     for budget, per_iter in quest_cases:
         spec = quest.QuestSpec(page=16, budget=budget)
         bounds = quest.alloc_bounds(spec, batch, hkv, length, d, device=device)
         quest.load_bounds(bounds, k)
         pages = quest.select_pages(q, bounds, lengths, args.backend)
-        kd, vd = dense[0]
         ws = make_quest_workspace(hq, batch, hkv, pages.shape[2], d, device, page=16, tokens_per_iter=per_iter)
-        out = quest_decode_attention(q, kd, vd, pages, lengths, scale, 16, token_dim=2, workspace=ws,
+        out = quest_decode_attention(q, *dense[0], pages, lengths, scale, 16, token_dim=2, workspace=ws,
                                      backend=args.backend)
         ref = quest.sparse_attend(q, k, v, pages, lengths, scale, 16)
-        select_ms = timed(lambda i, bounds=bounds: quest.select_pages(q, bounds, lengths, args.backend), copies, device,
-                          args.reps)
 
         def attend(i, pages=pages, ws=ws):
             return quest_decode_attention(q, *dense[i], pages, lengths, scale, 16, token_dim=2, workspace=ws,
@@ -191,11 +194,18 @@ def run_case(batch, length, args, device, rows):
             return quest_decode_attention(q, *dense[i], pages, lengths, scale, 16, token_dim=2, workspace=ws,
                                           backend=args.backend)
 
-        attend_ms = timed(attend, copies, device, args.reps)
-        ms = timed(step, copies, device, args.reps)
+        name = f"quest-{budget}:t{per_iter}"
         read = bounds.kmin.numel() * 2 * 2 + 2 * batch * hkv * pages.shape[2] * 16 * d * 2
-        record(f"quest-{budget}:t{per_iter}", ms, read, rel_err(out, ref), select_ms=select_ms, attend_ms=attend_ms,
-               pages=pages.shape[2], num_splits=ws.num_splits)
+        reads[name] = (step, read, rel_err(out, ref), {"pages": pages.shape[2], "num_splits": ws.num_splits})
+        parts[name] = {"select_ms": lambda i, bounds=bounds: quest.select_pages(q, bounds, lengths, args.backend),
+                       "attend_ms": attend}
+
+    fns = {name: fn for name, (fn, *_) in reads.items()}
+    fns.update({(name, part): fn for name, p in parts.items() for part, fn in p.items()})
+    ms = timed_alternating(fns, copies, device, args.reps)
+    for name, (_, nbytes, err, extra) in reads.items():
+        timed_parts = {part: ms[(name, part)] for part in parts.get(name, {})}
+        record(name, ms[name], nbytes, err, **timed_parts, **extra, alternated_with=len(reads) - 1, reps=args.reps)
 
 
 def main(argv=None):

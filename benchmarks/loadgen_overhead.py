@@ -18,9 +18,9 @@ import asyncio
 import json
 import multiprocessing as mp
 import socket
-import statistics
 import time
 
+from kvlab.intervals import mean_interval
 from kvlab.loadgen.client import replay
 from kvlab.loadgen.trace import fixed_items
 
@@ -107,12 +107,10 @@ def main() -> None:
                   f"{args.tokens} chunks each, concurrency {args.max_concurrency}, {time.strftime('%H:%M:%S')})")
     finally:
         server.terminate()
-    if len(rates) >= 3:
-        mean, sd = statistics.mean(rates), statistics.stdev(rates)
-        t = {3: 4.303, 4: 3.182, 5: 2.776}.get(len(rates), 2.262)
-        half = t * sd / len(rates) ** 0.5
-        print(f"mean {mean:,.0f} requests/s, 95% interval [{mean - half:,.0f}, {mean + half:,.0f}] (n={len(rates)}); "
-              f"goal >= 2,000: {'met' if mean - half >= 2000 else 'not met'}")
+    mean = mean_interval(rates)  # a 95% t-interval; none below 3 repeats
+    if mean.has_bounds:
+        print(f"mean {mean.value:,.0f} requests/s, 95% t-interval [{mean.lo:,.0f}, {mean.hi:,.0f}] ({mean.n_text()}); "
+              f"goal >= 2,000: {'met' if mean.lo >= 2000 else 'not met'}")
     else:
         print(f"n={len(rates)}: {', '.join(f'{r:,.0f}' for r in rates)} requests/s (no interval below 3 repeats)")
 

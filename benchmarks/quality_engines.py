@@ -15,7 +15,7 @@ layer 27). hf vs hf1 is the per-item spread that any two implementations of the 
 
 So a format's gold NLL is compared between engines as a mean over items, against that spread: each
 row prints the standard deviation of the per-item differences and ``within noise`` when the mean
-difference is within two standard errors (``2 sd / sqrt(n)``). On CPU (2026-12-05, SmolLM2, bf16,
+difference's 95% t-interval holds 0 (:mod:`kvlab.intervals`; none below 3 items). On CPU (2026-12-05, SmolLM2, bf16,
 reports/cpu-quality-engines-2026-12-05) the per-item kvq-int4 difference between engines, and
 between hf and hf1, reached 0.2-0.3 nats, with the context's codes bit-identical on both engines.
 
@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kvlab.intervals import mean_interval  # noqa: E402
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -43,16 +44,18 @@ DTYPES = ("float32", "bfloat16", "float16")
 def agreement(base: list[float], other: list[float]) -> dict[str, float | bool | None]:
     """Per-item gold NLLs of one cell on two engines (same items, same order): the mean difference
     ``other - base``, the standard deviation of the per-item differences, the standard error of the
-    mean difference, the largest per-item difference, and ``within_noise``: the mean difference is
-    within two standard errors (None with fewer than two items). Implementations of a quantized
+    mean difference, the largest per-item difference, the mean difference's 95% t-interval
+    (``diff_lo``, ``diff_hi``: :func:`kvlab.intervals.mean_interval`, none below 3 items) and
+    ``within_noise``: that interval holds 0 (None below 3 items). Implementations of a quantized
     format disagree item by item by rounding noise that grows through the layers (the module
     docstring), so only a mean difference beyond that noise says one engine scores differently."""
     diffs = [b - a for a, b in zip(base, other, strict=True)]
     sd = statistics.stdev(diffs) if len(diffs) > 1 else None
     se = None if sd is None else sd / math.sqrt(len(diffs))
-    mean = statistics.fmean(diffs)
-    return {"diff": mean, "sd_item_diff": sd, "se_diff": se, "max_item_diff": max(abs(d) for d in diffs),
-            "within_noise": None if se is None else abs(mean) <= 2 * se}
+    mean = mean_interval(diffs)
+    return {"diff": mean.value, "sd_item_diff": sd, "se_diff": se, "max_item_diff": max(abs(d) for d in diffs),
+            "diff_lo": mean.lo if mean.has_bounds else None, "diff_hi": mean.hi if mean.has_bounds else None,
+            "within_noise": mean.lo <= 0 <= mean.hi if mean.has_bounds else None}
 
 
 def summary_rows(records: dict[str, list[dict]], methods, tasks, lengths) -> list[dict]:

@@ -28,7 +28,10 @@ format``, what the engines run) or at LaunchConfig's defaults (``--geometry defa
     the bytes at copy bandwidth; ``x_floor`` = the kernel's time over it), the error against the reference,
     and against bf16 SDPA (``F.scaled_dot_product_attention(..., enable_gqa=True)``) and
     dequantize-then-SDPA (what transformers' quantized caches do); then fold/split time per case.
-    Inputs rotate over enough copies to exceed the L2 cache.
+    Inputs rotate over enough copies to exceed the L2 cache. Every timing of a case (each launch
+    config eager and in a graph, the baselines, the same-bytes copy and read) alternates round by
+    round (ABAB..., ``repeats`` rounds: ``kernel_timing.time_alternated``), as do (tune)'s grids and
+    (c)'s torch write and kernel; rows say ``alternated: true``.
 (tune) With ``--tune``: a grid of launch configs (``--tune-variants``, default fold, fold_asm and
     split; block, warps, stages, split density) for ``--tune-formats`` (fp8 and int4-g64) at batch 1/16/32, then per format the config
     with the best geometric mean over the batches (relative to the best at each batch; configs
@@ -75,41 +78,22 @@ from kvlab.kernels import (  # noqa: E402
 )
 from kvlab.kernels.formats import VARIANTS, parse_format  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernel_timing import (  # noqa: E402
+    Clock,
+    copy_bandwidth,
+    copy_same_bytes,
+    l2_bytes,
+    read_bandwidth,
+    read_same_bytes,
+    time_alternated,
+)
+
 FORMATS = [("bf16", None), ("fp8", None), ("int4", 64), ("int2", 64)]
 EXTRA_GROUPS = [("int4", 32), ("int4", 128), ("int2", 128)]
 LENGTHS = [1, 7, 1000, 4097, 16384, 32769]
 BATCHES = [1, 3, 8, 32]
 GQAS = [1, 2, 4, 8]
-
-
-class Clock:
-    """Median milliseconds of a callable: CUDA events on a GPU, perf_counter on CPU."""
-
-    def __init__(self, device: str):
-        self.cuda = device.startswith("cuda")
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def median_ms(self, fn, iters: int, repeats: int) -> float:
-        samples = []
-        for _ in range(repeats):
-            self.sync()
-            if self.cuda:
-                start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(iters):
-                    fn()
-                stop.record()
-                stop.synchronize()
-                samples.append(start.elapsed_time(stop) / iters)
-            else:
-                t0 = time.perf_counter()
-                for _ in range(iters):
-                    fn()
-                samples.append((time.perf_counter() - t0) * 1e3 / iters)
-        return statistics.median(samples)
 
 
 def fill_stores(name, group, batch, kv_heads, capacity, dim, device, seed):
@@ -193,98 +177,6 @@ def run_correctness(case, device, backend, seed, variants):
     return rows
 
 
-def copy_bandwidth(device, clock, gib):
-    """GB/s of a ``gib`` GiB device-to-device copy, counting the bytes read and written."""
-    n = int(gib * 2**30)
-    src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    ms = clock.median_ms(lambda: dst.copy_(src), iters=5, repeats=5)
-    return 2 * n / (ms * 1e-3) / 1e9
-
-
-def read_bandwidth(device, clock, gib):
-    """GB/s of a read-only stream over ``gib`` GiB (a reduction: every byte read once, one number
-    written), the floor of a kernel that only reads."""
-    n = int(gib * 2**30) // 4 * 4
-    src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=device)
-    ms = clock.median_ms(lambda: read_words(src), iters=5, repeats=5)
-    return n / (ms * 1e-3) / 1e9
-
-
-def read_words(buffer):
-    """One read-only pass over a uint8 buffer whose length is a multiple of 4: the max of its int32 words."""
-    return buffer.view(torch.int32).amax()
-
-
-def read_same_bytes_ms(device, clock, nbytes, copies, iters, repeats):
-    """Milliseconds of a read-only stream over ``nbytes`` (the bytes one kernel call reads), in the same
-    run as the kernel, ``copies`` buffers rotating as the kernel's inputs do: the time a kernel that
-    only reads those bytes cannot beat."""
-    n = max(4, int(nbytes) // 4 * 4)
-    src = [torch.randint(0, 255, (n,), dtype=torch.uint8, device=device) for _ in range(copies)]
-
-    def read():
-        for t in src:
-            read_words(t)
-
-    read()
-    clock.sync()
-    return clock.median_ms(read, iters, repeats) / copies * nbytes / n
-
-
-def copy_same_bytes_ms(device, clock, nbytes, copies, iters, repeats):
-    """Milliseconds of a device-to-device copy of ``nbytes`` (the bytes one kernel call reads), in the
-    same run as the kernel; like the kernel's inputs, ``copies`` buffers rotate so that L2 cannot serve
-    them. The kernel's byte floor is half of it: the copy reads and writes the bytes, the kernel reads."""
-    n = max(1, int(nbytes))
-    src = [torch.randint(0, 255, (n,), dtype=torch.uint8, device=device) for _ in range(copies)]
-    dst = [torch.empty_like(t) for t in src]
-
-    def copy():
-        for d, t in zip(dst, src, strict=True):
-            d.copy_(t)
-
-    copy()
-    clock.sync()
-    return clock.median_ms(copy, iters, repeats) / copies
-
-
-def l2_bytes(device):
-    """The L2 cache size (50 MiB when torch does not say; 0 on CPU, where nothing rotates)."""
-    if not device.startswith("cuda"):
-        return 0
-    return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 * 2**20)
-
-
-def graph_of(fn, device):
-    """``fn`` captured in a CUDA graph (warmed up on a side stream first, as torch asks)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    torch.cuda.synchronize()
-    return graph
-
-
-def time_both(fn, device, clock, iters, repeats, row, prefix, copies):
-    """Eager and graph-replay ms per call of ``fn`` (which runs ``copies`` calls) into ``row``."""
-    fn()
-    clock.sync()
-    row[f"{prefix}_ms"] = clock.median_ms(fn, iters, repeats) / copies
-    if device.startswith("cuda"):
-        try:
-            graph = graph_of(fn, device)
-            row[f"{prefix}_graph_ms"] = clock.median_ms(graph.replay, iters, repeats) / copies
-        except Exception as err:  # noqa: BLE001
-            row[f"{prefix}_graph_error"] = f"{type(err).__name__}: {err}"
-
-
 def perf_data(case, device, seed, l2_bytes):
     """Stores, q and lengths of one performance case; sets rotate so that the L2 cache cannot serve them."""
     name, group, batch = case["format"], case["group"], case["batch"]
@@ -300,9 +192,10 @@ def perf_data(case, device, seed, l2_bytes):
             "copies": copies, "length": length}
 
 
-def time_kernel(data, config, device, backend, clock, iters, repeats, copy_gbps, row, read_gbps=None):
-    """One launch config on ``data``: time (eager, graph), GB/s, and its error against the reference."""
-    sets, q, lengths, scale, copies = data["sets"], data["q"], data["lengths"], data["scale"], data["copies"]
+def kernel_of(data, config, backend, row):
+    """One launch config on ``data``: the callable running a kernel call per copy (``row`` gets the
+    config's fields), and its error against the reference."""
+    sets, q, lengths, scale = data["sets"], data["q"], data["lengths"], data["scale"]
     out = torch.empty_like(q)
     spaces = [make_workspace(q.shape[1], k, config=config) for k, _ in sets]
 
@@ -310,15 +203,9 @@ def time_kernel(data, config, device, backend, clock, iters, repeats, copy_gbps,
         for (k, v), ws in zip(sets, spaces, strict=True):
             decode_attention(q, k, v, lengths, scale, out=out, workspace=ws, backend=backend)
 
-    row.update(label=data["fmt"].label, kv_bytes=data["kv_bytes"], copies=copies, config=vars(config),
+    row.update(label=data["fmt"].label, kv_bytes=data["kv_bytes"], copies=data["copies"], config=vars(config),
                variant=kernel_variant(config, sets[0][0]), num_splits=spaces[0].num_splits,
                split_len=spaces[0].split_len)
-    time_both(kernel, device, clock, iters, repeats, row, "kernel", copies)
-    best = min(row["kernel_ms"], row.get("kernel_graph_ms", math.inf))
-    if "copy_ms" not in data:  # once per case: the copy of the same bytes, same run
-        data["copy_ms"] = copy_same_bytes_ms(device, clock, data["kv_bytes"], copies, iters, repeats)
-        data["read_ms"] = read_same_bytes_ms(device, clock, data["kv_bytes"], copies, iters, repeats)
-    row.update(bandwidth_fields(data["kv_bytes"], best, data["copy_ms"], copy_gbps, data["read_ms"], read_gbps))
     k, v = sets[0]
     out.fill_(float("nan"))
     decode_attention(q, k, v, lengths, scale, out=out, workspace=spaces[0], backend=backend)
@@ -326,13 +213,13 @@ def time_kernel(data, config, device, backend, clock, iters, repeats, copy_gbps,
     diff = out.float() - ref
     row.update(max_abs_err=float(diff.nan_to_num(float("inf")).abs().max()),
                rel_err=float(diff.norm() / ref.norm().clamp_min(1e-30)), status="ok")
-    del ref, diff
+    return kernel
 
 
-def time_baselines(data, device, clock, iters, repeats):
-    """bf16 SDPA on the bf16 buffers, or what a dequantizing cache does: the prefix back to bf16, then SDPA."""
+def baselines_of(data, iters):
+    """``{prefix: (fn, per_call[, iters])}``: bf16 SDPA on the bf16 buffers, or what a dequantizing
+    cache does: the prefix back to bf16, then SDPA (eager only; ``sdpa`` is also graphed)."""
     sets, q4, scale, length, copies = data["sets"], data["q"].unsqueeze(2), data["scale"], data["length"], data["copies"]
-    row = {}
     if data["fmt"].name == "bf16":
         kv = [(k.codes[:, :, :length], v.codes[:, :, :length]) for k, v in sets]
 
@@ -340,48 +227,68 @@ def time_baselines(data, device, clock, iters, repeats):
             for k, v in kv:
                 F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True)
 
-        time_both(sdpa, device, clock, iters, repeats, row, "sdpa", copies)
-    else:
-        def dequant_sdpa():
-            for k, v in sets:
-                F.scaled_dot_product_attention(q4, k.dequantize(length).to(torch.bfloat16),
-                                               v.dequantize(length).to(torch.bfloat16), scale=scale, enable_gqa=True)
+        return {"sdpa": (sdpa, copies)}
 
-        dequant_sdpa()
-        clock.sync()
-        row["dequant_sdpa_ms"] = clock.median_ms(dequant_sdpa, max(1, iters // 10), repeats) / copies
-    return row
+    def dequant_sdpa():
+        for k, v in sets:
+            F.scaled_dot_product_attention(q4, k.dequantize(length).to(torch.bfloat16),
+                                           v.dequantize(length).to(torch.bfloat16), scale=scale, enable_gqa=True)
+
+    return {"dequant_sdpa": (dequant_sdpa, copies, max(1, iters // 10), False)}
 
 
 def run_performance(case, configs, device, backend, clock, copy_gbps, seed, l2_bytes, iters, repeats,
                     baselines=True, on_row=None, read_gbps=None):
-    """One format at one batch, one row per launch config (same stores for all), plus the baselines."""
+    """One format at one batch, one row per launch config (same stores for all), plus the baselines
+    and the same-bytes copy and read: every timing of the case in one alternation (ABAB...: each
+    config, baseline and stream once per round, ``repeats`` rounds)."""
     rows = []
     try:
         data = perf_data(case, device, seed, l2_bytes)
     except Exception as err:  # noqa: BLE001
         return [dict(case, status="failed", error=f"{type(err).__name__}: {err}",
                      traceback=traceback.format_exc(limit=6))]
-    base = {}
+    fns = {"copy_same": (*copy_same_bytes(device, data["kv_bytes"], data["copies"]), None, False),  # eager only
+           "read_same": (*read_same_bytes(device, data["kv_bytes"], data["copies"]), None, False)}
+    base_fns, base_error = {}, None
     if baselines:
         try:
-            base = time_baselines(data, device, clock, iters, repeats)
+            base_fns = baselines_of(data, iters)
         except Exception as err:  # noqa: BLE001
-            base = {"baseline_error": f"{type(err).__name__}: {err}"}
-    seen = set()
+            base_error = f"{type(err).__name__}: {err}"
+    seen, timed = set(), []
     for config in configs:
         key = (kernel_variant(config, data["sets"][0][0]), config.block_n, config.num_warps, config.num_stages,
                config.programs_per_sm)
         if key in seen:  # a variant that falls back to one already timed here
             continue
         seen.add(key)
-        row = dict(case, **base)
+        row = dict(case)
         try:
-            time_kernel(data, config, device, backend, clock, iters, repeats, copy_gbps, row, read_gbps)
+            fns[f"kernel{len(timed)}"] = (kernel_of(data, config, backend, row), data["copies"])
+            timed.append(row)
         except Exception as err:  # noqa: BLE001
             row.update(status="failed", config=vars(config), error=f"{type(err).__name__}: {err}",
                        traceback=traceback.format_exc(limit=6))
         rows.append(row)
+    try:
+        ms = time_alternated({**fns, **base_fns}, device, clock, iters, repeats)
+    except Exception as err:  # noqa: BLE001 - the alternation's failure fails every row it timed
+        for row in timed:
+            row.update(status="failed", error=f"{type(err).__name__}: {err}", traceback=traceback.format_exc(limit=6))
+        ms = None
+    base = {k: v for k, v in (ms or {}).items() if k.startswith(("sdpa", "dequant_sdpa"))}
+    if base_error:
+        base = {"baseline_error": base_error}
+    for i, row in enumerate(timed):
+        if ms is None:
+            continue
+        row.update(base, **{k.replace(f"kernel{i}_", "kernel_"): v for k, v in ms.items()
+                            if k.startswith(f"kernel{i}_")}, alternated=True, repeats=repeats)
+        best = min(row["kernel_ms"], row.get("kernel_graph_ms", math.inf))
+        row.update(bandwidth_fields(data["kv_bytes"], best, ms["copy_same_ms"], copy_gbps, ms["read_same_ms"],
+                                    read_gbps))
+    for row in rows:
         if on_row:
             on_row(row)
     del data
@@ -449,9 +356,9 @@ def run_write(case, device, backend, clock, seed, iters, repeats):
         row.update(label=fmt.label, status="ok", mismatched=sum(
             int((a.view(torch.uint8) != b.view(torch.uint8)).sum()) if a.dtype == torch.float8_e4m3fn
             else int((a != b).sum()) for a, b in zip(got.tensors(), want.tensors(), strict=True)))
-        time_both(lambda: fmt.write(want, x, positions), device, clock, iters, repeats, row, "torch", 1)
-        time_both(lambda: quantize_write(got, x, positions, backend=backend), device, clock, iters, repeats, row,
-                  "kernel", 1)
+        row.update(time_alternated({"torch": (lambda: fmt.write(want, x, positions), 1),
+                                    "kernel": (lambda: quantize_write(got, x, positions, backend=backend), 1)},
+                                   device, clock, iters, repeats), alternated=True, repeats=repeats)
     except Exception as err:  # noqa: BLE001
         row.update(status="failed", error=f"{type(err).__name__}: {err}", traceback=traceback.format_exc(limit=6))
     return row

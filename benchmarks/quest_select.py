@@ -17,7 +17,8 @@ scoring kernel's time),
 whether the page sets agree (``same_pages``, sorted per row; a near tie of two pages can swap one) and
 the largest score difference where both are finite. Times: median of CUDA-event-timed replays of a
 CUDA graph of ``copies`` calls over distinct copies of the bounds (past L2), divided by ``copies``
-(:func:`kivi_quest.timed`); the append runs on one copy (its bytes are a page's bounds).
+(:func:`kivi_quest.timed_alternating`: the reads compared in a group alternate, ABAB: the selections,
+the top-pages variants, the appends); the append runs on one copy (its bytes are a page's bounds).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kivi_quest import L2_BYTES, timed, timed_alternating  # noqa: E402
+from kivi_quest import L2_BYTES, timed_alternating  # noqa: E402
 
 from kvlab.card import device_card  # noqa: E402
 from kvlab.kernels import quest  # noqa: E402
@@ -69,16 +70,19 @@ def run_case(batch, length, budget, args, device, rows):
         "fused": lambda i: quest.select_pages(q, copies_of[i], lengths, "triton"),
         "scores": lambda i: quest.selection_scores(q, copies_of[i], lengths, "triton")}, copies, device, args.reps)
     torch_ms, fused_ms, scores_ms = ms["torch"], ms["fused"], ms["scores"]
-    topk_ms = timed(lambda i: quest.top_pages(got, k_sel, "reference"), copies, device, args.reps)
-    top_kernel_ms = timed(lambda i: quest.top_pages(got, k_sel, "triton"), copies, device, args.reps)
-    top_radix_ms = {r: timed(lambda i, r=r: launch_select_top(got, k_sel, radix_bits=r), copies, device, args.reps)
-                    for r in (1, 2, 4)}
+    tops = timed_alternating({  # torch's topk, the top-pages kernel and its radix widths, alternating
+        "topk": lambda i: quest.top_pages(got, k_sel, "reference"),
+        "kernel": lambda i: quest.top_pages(got, k_sel, "triton"),
+        **{r: (lambda i, r=r: launch_select_top(got, k_sel, radix_bits=r)) for r in (1, 2, 4)}}, copies, device, args.reps)
+    topk_ms, top_kernel_ms = tops["topk"], tops["kernel"]
+    top_radix_ms = {r: tops[r] for r in (1, 2, 4)}
     # the bounds' append of one decode token: torch's ops against the kernel (on a spare copy)
     key = torch.randn(batch, hkv, 1, d, generator=gen).to(device, torch.bfloat16)
     pos = torch.tensor([length - 3], device=device)
     spare = quest.PageBounds(spec, bounds.kmin.clone(), bounds.kmax.clone())
-    append_torch_ms = timed(lambda i: quest.append_bounds(spare, key, pos, "reference"), 1, device, args.reps)
-    append_kernel_ms = timed(lambda i: quest.append_bounds(spare, key, pos, "triton"), 1, device, args.reps)
+    appends = timed_alternating({"torch": lambda i: quest.append_bounds(spare, key, pos, "reference"),
+                                 "kernel": lambda i: quest.append_bounds(spare, key, pos, "triton")}, 1, device, args.reps)
+    append_torch_ms, append_kernel_ms = appends["torch"], appends["kernel"]
     row = {"batch": batch, "length": length, "budget": budget, "pages": bounds.kmin.shape[2],
            "selected": k_sel, "torch_ms": torch_ms, "fused_ms": fused_ms,
            "fused_scores_ms": scores_ms, "ratio": torch_ms / fused_ms if fused_ms > 0 else None,

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
+from kvlab.card import device_card
+from kvlab.intervals import mean_interval
 from kvlab.loadgen.external import kvlab_server
 from kvlab.loadgen.run import run_load
 from kvlab.loadgen.trace import items_from_workload
@@ -26,16 +27,14 @@ from kvlab.serve.run import run_workload
 from kvlab.serve.traffic import parse_traffic
 from kvlab.serve.workload import build_workload
 
-T95 = {3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571, 7: 2.447, 8: 2.365}
-
 
 def interval(values: list[float]) -> str:
+    """The values, then their mean with a 95% t-interval (:mod:`kvlab.intervals`; none below 3)."""
     text = ", ".join(f"{v:.3g}" for v in values)
-    if len(values) < 3:
-        return f"{text} (n={len(values)}, no interval)"
-    mean = statistics.mean(values)
-    half = T95.get(len(values), 2.262) * statistics.stdev(values) / len(values) ** 0.5
-    return f"{text}; mean {mean:.3g}, 95% interval [{mean - half:.3g}, {mean + half:.3g}] (n={len(values)})"
+    mean = mean_interval(values)
+    if not mean.has_bounds:
+        return f"{text} ({mean.n_text()}, no interval)"
+    return f"{text}; mean {mean.value:.3g}, 95% t-interval [{mean.lo:.3g}, {mean.hi:.3g}] ({mean.n_text()})"
 
 
 def main() -> None:
@@ -65,7 +64,7 @@ def main() -> None:
             local = run_workload(engine, workload, out / f"inprocess-{repeat}")["metrics"]
             http = run_load(url, items, out / f"http-{repeat}").metrics
             for name, m in (("inprocess", local), ("http", http)):
-                row = {"side": name, "repeat": repeat, "completed": m["completed"],
+                row = {"side": name, "repeat": repeat, "completed": m["completed"], **device_card(loaded.device),
                        **{k: m[k] for k in ("output_throughput", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s")}}
                 rows.append(row)
                 print(json.dumps(row))

@@ -12,7 +12,8 @@ request), ``timeline.jsonl`` (running, waiting, blocks used per step); one row p
 ``serve_runs.jsonl``. Printed at the end: per method and rate, the medians over repeats of p99
 TTFT, p99 TPOT, output tokens/s, goodput and peak running requests, with n; beside each method its
 predicted peak concurrency (pool blocks / blocks a mean request holds), so the two read side by side,
-and the share of step time outside the model's forward (scheduling, block bookkeeping, eviction).
+and the share of step time outside the model's forward (scheduling, block bookkeeping, eviction);
+then each method's crossover against the full cache (energy per request) with its interval.
 """
 
 from __future__ import annotations
@@ -55,10 +56,26 @@ def main(argv=None) -> int:
         cols = ("ttft_p99_s", "tpot_p99_s", "output_throughput", "goodput", "peak_running", "predicted_peak",
                 "bookkeeping_share")
         print(method, knobs, rate, len(runs), *(median(runs, key) for key in cols))
+    if not params.traffic.target:
+        print_crossovers(args.out)
     failed = [r for r in rows if r["status"] == "failed"]
     for r in failed:
         print(f"FAILED {r['run']}: {r['error']}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def print_crossovers(out) -> None:
+    """Per method, the rate from which its energy per request stays at or below the full cache's, with
+    the interval of :func:`kvlab.serve.figures.crossover_interval` (>= 3 repeats a side; else n)."""
+    from kvlab.serve.figures import crossover_interval, load_sweep
+
+    df = load_sweep(out)
+    if df.empty or "energy_per_request" not in df:
+        return
+    for label, c in crossover_interval(df).items():
+        bounds = (f"may pay from {c['lo']}, pays at 95% from {c['hi']} (welch-log, n={c['n']})"
+                  if c["method"] != "none" else f"n={c['n']}, no interval")
+        print(f"crossover {label.strip()}: energy/request <= full's from rate {c['rate']}; {bounds}")
 
 
 def median(runs: list[dict], key: str) -> str:

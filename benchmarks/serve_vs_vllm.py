@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
+from kvlab.intervals import mean_interval
 from kvlab.loadgen.external import kvlab_server, vllm_server
 from kvlab.loadgen.meter import cpu_time_reader
 from kvlab.loadgen.run import run_load
 from kvlab.loadgen.trace import fixed_items
 from kvlab.models import converted_gguf, smollm2_gguf_path
 
-T95 = {3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571, 7: 2.447, 8: 2.365}
 KEYS = ("output_throughput", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s")
 
 
@@ -58,7 +57,7 @@ def main() -> None:
                 m = result.metrics
                 row = {"server": name, "repeat": repeat, **{k: m[k] for k in KEYS}, "completed": m["completed"],
                        "cpu_s_per_output_token": m["energy_per_output_token"],
-                       "other_server_idle_cpu_s": idle.read() - idle0}
+                       "other_server_idle_cpu_s": idle.read() - idle0, **result.card}
                 rows.append(row)
                 print(json.dumps(row))
     (out / "summary.json").write_text(json.dumps(rows, indent=1))
@@ -67,10 +66,10 @@ def main() -> None:
     for key in KEYS:
         ratios = [a[key] / b[key] for a, b in zip(rows[0::2], rows[1::2], strict=True) if a[key] and b[key]]
         text = ", ".join(f"{r:.2f}" for r in ratios)
-        if len(ratios) >= 3:
-            mean, half = statistics.mean(ratios), T95.get(len(ratios), 2.262) * statistics.stdev(ratios) / len(ratios) ** 0.5
-            text += f"; mean {mean:.2f}, 95% interval [{mean - half:.2f}, {mean + half:.2f}]"
-        print(f"  {key}: {text} (n={len(ratios)})")
+        mean = mean_interval(ratios)  # a 95% t-interval of the paired ratios' mean; none below 3 pairs
+        if mean.has_bounds:
+            text += f"; mean {mean.value:.2f}, 95% t-interval [{mean.lo:.2f}, {mean.hi:.2f}]"
+        print(f"  {key}: {text} (n={len(ratios)}{'' if mean.has_bounds else ', no interval'})")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,17 @@ def cpu_card() -> dict[str, Any]:
     return {"card": "cpu", **dict.fromkeys(GPU_FIELDS)}
 
 
+def unmeasured_card(device: Any, reported: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The card fields of a record written where no model loaded (a failed load, a worker that
+    died): ``reported`` (the fields the worker named) when it names a card, ``cpu`` on a CPU, else
+    ``card`` and the GPU fields null (which GPU it would have run on is not known here)."""
+    if reported and reported.get("card"):
+        return {k: reported.get(k) for k in CARD_FIELDS}
+    if not str(device).startswith("cuda"):
+        return cpu_card()
+    return dict.fromkeys(CARD_FIELDS)
+
+
 def card_from_gpu(gpu: Mapping[str, Any]) -> dict[str, Any]:
     """The card fields from a :func:`kvlab.energy.device.gpu_info` dict (a sampler's ``gpu``)."""
     fields = {k: gpu.get(k) for k in GPU_FIELDS}

@@ -31,7 +31,7 @@ METHODS = ("auto", "t", "welch-log", "bca")
 @dataclass(frozen=True)
 class Interval:
     """A value, its bounds (NaN when there is none), the count per side and how the bounds were made
-    (``t``, ``welch-log``, ``bca`` or ``none``)."""
+    (``t``, ``welch-log``, ``bca``, ``percentile`` or ``none``)."""
 
     value: float
     lo: float
@@ -225,6 +225,22 @@ def _log_product_bounds(gs: Sequence[np.ndarray], powers: Sequence[float], level
     df = se2 ** 2 / sum(v * v / (g.size - 1) for v, g in zip(parts, gs, strict=True))
     half = t_quantile(0.5 + level / 2, df) * math.sqrt(se2)
     return math.exp(log_value - half), math.exp(log_value + half)
+
+
+# ---------------------------------------------------------------- a bootstrap done elsewhere
+
+
+def percentile_interval(value: float, draws: Sequence[float], units: int, level: float = 0.95) -> Interval:
+    """``value`` with the percentile bounds of its bootstrap ``draws`` (a statistic recomputed over
+    ``units`` resampled units, e.g. a workload's requests resampled together for every method, so
+    ratios stay paired); no bounds below :data:`MIN_BCA` units (a bootstrap of 2 units returns their
+    range) or with fewer than 2 finite draws."""
+    d = clean(draws)
+    if units < MIN_BCA or d.size < 2:
+        return Interval(value, math.nan, math.nan, (units,), "none", level)
+    alpha = (1.0 - level) / 2.0
+    lo, hi = np.quantile(d, [alpha, 1.0 - alpha])
+    return Interval(value, float(lo), float(hi), (units,), "percentile", level)
 
 
 # ---------------------------------------------------------------- BCa bootstrap

@@ -245,6 +245,8 @@ def test_gpu_energy_over_the_steady_state_from_an_nvml_counter():
     tokens = sum(t0 < t <= t1 for r in result.records for t in r["token_times"])
     assert m["energy_per_output_token"] * tokens == pytest.approx(200.0 * (t1 - t0), rel=0.02)
     assert m["energy_per_request"] == pytest.approx(m["energy_per_output_token"] * 4)
+    assert result.card["gpu_uuid"] == "GPU-aaaa-0000" and result.card["card"] == result.card["gpu_name"]
+    assert m["energy_source"] == f"nvml-counter {result.card['gpu_name']}"  # the counter names its card
 
 
 def test_incremental_text_waits_for_whole_characters():

@@ -19,7 +19,7 @@ def bench():
     return module
 
 
-def test_agreement_is_the_mean_difference_against_two_standard_errors(bench):
+def test_agreement_is_the_mean_difference_against_its_t_interval(bench):
     noisy = bench.agreement([0.5, 0.4, 0.6, 0.5], [0.3, 0.6, 0.4, 0.7])  # differences -0.2, 0.2, -0.2, 0.2
     assert noisy["diff"] == pytest.approx(0.0) and noisy["within_noise"] is True
     assert noisy["sd_item_diff"] == pytest.approx(0.2309, abs=1e-4)
@@ -28,6 +28,10 @@ def test_agreement_is_the_mean_difference_against_two_standard_errors(bench):
     shifted = bench.agreement([0.5, 0.4, 0.6, 0.5], [0.3, 0.21, 0.39, 0.3])  # about -0.2 on every item
     assert shifted["diff"] == pytest.approx(-0.2, abs=0.01) and shifted["within_noise"] is False
     assert bench.agreement([0.5], [0.4])["within_noise"] is None  # one item: no spread to compare with
+    two = bench.agreement([0.5, 0.4], [0.3, 0.21])  # 2 items: no interval, whatever their spread
+    assert two["within_noise"] is None and two["diff_lo"] is None
+    # 4 items: the mean 0 minus t(3) = 3.182 standard errors
+    assert noisy["diff_lo"] == pytest.approx(-3.1824 * noisy["se_diff"], rel=1e-3)
 
 
 def record(method, depth, nll, engine_score=1.0):

@@ -54,17 +54,49 @@ def test_bandwidth_fields_against_a_copy_of_the_same_bytes(bench):
     assert f["floor_ms"] == pytest.approx(0.025) and f["x_floor"] == pytest.approx(4.0)
 
 
+def fake_samples(bench, monkeypatch):
+    """Clock.sample_ms returning 1, 2, 3, ... in call order; the callables it was handed, in order."""
+    calls = []
+    monkeypatch.setattr(bench.Clock, "sample_ms", lambda self, fn, iters: calls.append(fn) or float(len(calls)))
+    return calls
+
+
+CASE = {"format": "int4", "group": 64, "batch": 1, "q_heads": 4, "kv_heads": 2, "length": 40, "capacity": 40}
+
+
 def test_performance_rows_carry_the_copy_fields_on_cpu(bench, monkeypatch):
-    """The CPU path with the float32 reference and a fake clock: every row has the fields."""
-    times = iter([0.2, 0.1] * 10)  # kernel (eager), then the same-bytes copy
-    monkeypatch.setattr(bench.Clock, "median_ms", lambda self, fn, iters, repeats: next(times))
-    case = {"format": "int4", "group": 64, "batch": 1, "q_heads": 4, "kv_heads": 2, "length": 40, "capacity": 40}
-    rows = bench.run_performance(case, [LaunchConfig(variant="split")], "cpu", "reference", bench.Clock("cpu"),
-                                 copy_gbps=None, seed=0, l2_bytes=0, iters=1, repeats=1, baselines=False)
+    """The CPU path with the float32 reference and a fake clock: every row has the fields, and the
+    kernel, the same-bytes copy and the same-bytes read alternate round by round."""
+    fake_samples(bench, monkeypatch)
+    rows = bench.run_performance(CASE, [LaunchConfig(variant="split")], "cpu", "reference", bench.Clock("cpu"),
+                                 copy_gbps=None, seed=0, l2_bytes=0, iters=1, repeats=3, baselines=False)
     assert [r["status"] for r in rows] == ["ok"], rows
     r = rows[0]
-    assert r["kernel_ms"] == 0.2 and r["copy_same_bytes_ms"] == 0.1
-    assert r["of_copy_same_bytes"] == pytest.approx(0.25) and r["x_floor"] == pytest.approx(4.0)
+    # rounds: (copy, read, kernel) x 3 -> copy 1, 4, 7; read 2, 5, 8; kernel 3, 6, 9 (AABB would give 2, 5, 8)
+    assert r["kernel_ms"] == 6.0 and r["copy_same_bytes_ms"] == 4.0
+    assert r["alternated"] is True and r["repeats"] == 3
+    assert r["kernel_GBps"] == pytest.approx(r["kv_bytes"] / 6.0 / 1e6)
+    assert r["of_copy_same_bytes"] == pytest.approx(4.0 / (2 * 6.0))  # the copy counts read + write
+    assert r["x_floor"] == pytest.approx(6.0 / 2.0)
+
+
+def test_launch_configs_alternate_within_a_case(bench, monkeypatch):
+    """Two configs on one case: each timed once per round (ABAB), not all of one then the other."""
+    fake_samples(bench, monkeypatch)
+    configs = [LaunchConfig(variant="split"), LaunchConfig(variant="split", block_n=32)]
+    rows = bench.run_performance(CASE, configs, "cpu", "reference", bench.Clock("cpu"), copy_gbps=None, seed=0,
+                                 l2_bytes=0, iters=1, repeats=3, baselines=False)
+    assert [r["status"] for r in rows] == ["ok", "ok"], rows
+    # a round: copy, read, config 0, config 1 -> config 0 at 3, 7, 11 and config 1 at 4, 8, 12
+    assert [r["kernel_ms"] for r in rows] == [7.0, 8.0]
+
+
+def test_write_section_alternates_torch_and_kernel(bench, monkeypatch):
+    fake_samples(bench, monkeypatch)
+    case = {"format": "int4", "group": 64, "batch": 1, "kv_heads": 2, "capacity": 40}
+    row = bench.run_write(case, "cpu", "reference", bench.Clock("cpu"), seed=0, iters=1, repeats=3)
+    assert row["status"] == "ok", row
+    assert (row["torch_ms"], row["kernel_ms"]) == (3.0, 4.0)  # torch at 1, 3, 5; kernel at 2, 4, 6
 
 
 def test_tune_grids_cover_the_variants_asked_for_where_they_read(bench):
@@ -90,6 +122,17 @@ def test_bandwidth_fields_against_a_read_only_stream(bench):
 
 
 def test_read_stream_reads_every_word(bench):
+    import kernel_timing  # on the path once the script is loaded
+
     buf = torch.zeros(4096, dtype=torch.uint8)
     buf[4092:] = torch.tensor([1, 0, 0, 0], dtype=torch.uint8)  # the last int32 word is 1 (little-endian)
-    assert int(bench.read_words(buf)) == 1
+    assert int(kernel_timing.read_words(buf)) == 1
+
+
+def test_same_bytes_streams_scale_to_the_bytes_asked(bench):
+    import kernel_timing
+
+    _, per_call = kernel_timing.read_same_bytes("cpu", 10, copies=3)  # 10 bytes read as 8 (whole words)
+    assert per_call == pytest.approx(3 * 8 / 10)
+    _, per_call = kernel_timing.copy_same_bytes("cpu", 10, copies=3)
+    assert per_call == 3

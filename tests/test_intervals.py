@@ -112,3 +112,18 @@ def test_unknown_method_and_json_fields():
         I.mean_interval([1, 2, 3], method="percentile")
     d = I.mean_interval([1.0, 2.0]).to_dict()
     assert d == {"value": 1.5, "lo": None, "hi": None, "n": [2], "method": "none", "level": 0.95}
+
+
+def test_a_percentile_interval_of_draws_done_elsewhere():
+    """Draws 0..1000: the 2.5% and 97.5% quantiles are 25 and 975; below 5 resampled units, none."""
+    import math
+
+    from kvlab.intervals import percentile_interval
+
+    draws = [float(i) for i in range(1001)]
+    got = percentile_interval(500.0, draws, units=6)
+    assert (got.value, got.n, got.method) == (500.0, (6,), "percentile")
+    assert (got.lo, got.hi) == pytest.approx((25.0, 975.0))
+    few = percentile_interval(500.0, draws, units=4)
+    assert math.isnan(few.lo) and few.method == "none" and few.text(0) == "500 (n=4)"
+    assert not percentile_interval(1.0, [1.0], units=10).has_bounds  # one draw is no spread

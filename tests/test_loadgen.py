@@ -74,3 +74,25 @@ def test_several_tokens_in_a_chunk_count_by_usage():
     m = load_metrics([two, rec(0.0, [1.0, 2.0, 3.0])], 4.0, None, t0=0.0)
     assert m["chunks"] == 6 and m["output_tokens"] == 9 and m["output_throughput"] == 9 / 4.0
     assert m["tpot_mean_s"] == pytest.approx((2.0 / 5 + 2.0 / 2) / 2)
+
+
+def test_the_run_files_name_the_counters_card(tmp_path):
+    """A server's CPU time: card ``cpu``; no counter (a remote server's hardware unseen): every card
+    field null; both in run.json and in every request line."""
+    import json
+    import os
+
+    from kvlab.card import CARD_FIELDS
+    from kvlab.loadgen.meter import cpu_time_reader
+    from kvlab.serve.run import RunLog
+
+    assert cpu_time_reader(os.getpid()).card["card"] == "cpu"
+    for card, want in ((cpu_time_reader(os.getpid()).card, "cpu"), (None, None)):
+        folder = tmp_path / str(want)
+        log = RunLog(folder, {"target": "http://x"}, card=card)
+        log.request(rec(0.0, [0.5]))
+        log.write_status("complete", {})
+        run = json.loads((folder / "run.json").read_text())
+        line = json.loads((folder / "requests.jsonl").read_text())
+        assert run["card"] == line["card"] == want and set(CARD_FIELDS) <= set(run) & set(line)
+        assert all(run[k] is None for k in CARD_FIELDS if k != "card")

@@ -1,6 +1,7 @@
 """Executors (kvlab.runner): the same sweep through local, process and ray gives the same runs; a
 worker that dies costs its run in flight, recorded with the cause; energy binds the given GPU."""
 
+import dataclasses
 import functools
 import signal
 import sys
@@ -107,6 +108,33 @@ def test_a_failure_record_keeps_the_identity_and_at_most_max_error_chars_of_its_
     assert failure_record(run, "s", "short")["error"] == "short"
 
 
+def test_a_failure_record_names_its_card():
+    """CPU: ``cpu`` and null GPU fields; a GPU its worker named: that card; a GPU nobody named:
+    every card field null (not known), never the driver's own GPU guessed."""
+    from kvlab.card import CARD_FIELDS
+
+    run = planned_runs(small(ctx=[32]))[0]
+    rec = failure_record(run, "s", "model load failed")
+    assert rec["card"] == "cpu" and all(rec[k] is None for k in CARD_FIELDS if k != "card")
+    gpu_run = dataclasses.replace(run, device="cuda:0")
+    named = {"card": "NVIDIA H100 80GB HBM3", "gpu_name": "NVIDIA H100 80GB HBM3", "gpu_uuid": "GPU-1",
+             "driver": "550.1", "power_limit_w": 700.0, "sm_clock_max_mhz": 1980, "mem_clock_max_mhz": 2619}
+    assert {k: failure_record(gpu_run, "s", "died", named)[k] for k in CARD_FIELDS} == named
+    assert all(failure_record(gpu_run, "s", "died")[k] is None for k in CARD_FIELDS)
+    assert all(failure_record(gpu_run, "s", "died", {"host": "h"})[k] is None for k in CARD_FIELDS)
+
+
+def test_a_failed_model_load_records_its_runs_with_the_card(tmp_path):
+    def broken_loader(name, **kw):
+        raise OSError("weights unreadable")
+
+    s = run_sweep(small(ctx=[32]), tmp_path, progress=False, loader=broken_loader, log=quiet)
+    recs = records(tmp_path)
+    assert s.failed == len(recs) > 0
+    assert all(r["status"] == "failed" and "weights unreadable" in r["error"] for r in recs)
+    assert all(r["card"] == "cpu" and r["gpu_uuid"] is None and "driver" in r for r in recs)
+
+
 def test_executor_keys_are_validated_and_the_ray_extra_is_named(monkeypatch, capsys, tmp_path):
     with pytest.raises(ParamsError, match="ray_address: only used with executor: ray"):
         check_params(small(ray_address="auto"))
@@ -160,6 +188,7 @@ def test_a_killed_process_worker_costs_its_run_and_the_sweep_goes_on(tmp_path):
     dead = by[("full", 0)]
     assert dead["status"] == "failed" and "worker died during the measured run full ctx=32" in dead["error"]
     assert "SIGKILL" in dead["error"]
+    assert dead["card"] == "cpu"  # the card the dead worker named
     assert all(r["status"] == "ok" for k, r in by.items() if k != ("full", 0))
     assert "SIGKILL" in (tmp_path / "errors.log").read_text() and any("worker died" in m for m in logged)
     assert len(read_manifest(tmp_path)["invocations"][0]["workers"]) == 2  # prompt 1 went to a fresh child

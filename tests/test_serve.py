@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -230,6 +231,11 @@ def test_the_serving_sweep_runs_every_method_and_rate_and_records_them(tmp_path,
     assert all(r["status"] == "complete" and r["completed"] == 4 and r["goodput"] is not None for r in rows)
     assert all(0 < r["bookkeeping_share"] < 1 for r in rows)
     assert len((tmp_path / "serve_runs.jsonl").read_text().splitlines()) == 8
+    assert all(r["card"] == "cpu" and r["gpu_uuid"] is None for r in rows)  # the card of every artifact
+    run = json.loads((tmp_path / rows[0]["run"] / "run.json").read_text())
+    assert run["card"] == "cpu" and "power_limit_w" in run
+    lines = (tmp_path / rows[0]["run"] / "requests.jsonl").read_text().splitlines()
+    assert lines and all(json.loads(line)["card"] == "cpu" for line in lines)
     from kvlab.serve import figures
     df = figures.load_sweep(tmp_path)
     assert len(df) == 8 and set(df["label"]) == {"full ", 'snapkv {"keep":0.5}'}
@@ -250,6 +256,26 @@ def test_crossover_is_the_lowest_rate_from_which_a_method_stays_at_or_below_full
     df = pd.DataFrame({"label": ["full "] * 3 + ["snapkv x"] * 3, "rate": [1, 2, 4] * 2,
                        "energy_per_request": [1.0, 1.0, 1.0, 1.5, 0.9, 0.8]})
     assert crossover_rates(df) == {"snapkv x": 2}
+
+
+def test_the_crossover_interval_brackets_the_rate_with_three_repeats_a_side():
+    """Rate 1: snapkv costs ~1.5x (interval above 1); rate 2: ~1.0x, its interval straddles 1; rate 4:
+    ~0.5x (interval below 1). The ratio pays from 2, may pay from 2, surely pays from 4. With 2
+    repeats a side: the point and n=2, no bounds."""
+    import pandas as pd
+
+    from kvlab.serve.figures import crossover_interval
+    method = {1: [1.5, 1.5, 1.6], 2: [0.95, 1.0, 1.05], 4: [0.5, 0.52, 0.48]}
+    base = {1: [1.0, 1.0, 1.1], 2: [1.0, 1.02, 0.98], 4: [1.0, 1.02, 0.98]}
+    rows = [{"label": lab, "rate": r, "energy_per_request": v} for lab, d in (("snapkv x", method), ("full ", base))
+            for r, vs in d.items() for v in vs]
+    got = crossover_interval(pd.DataFrame(rows))["snapkv x"]
+    assert (got["rate"], got["lo"], got["hi"], got["n"], got["method"]) == (2, 2, 4, 3, "welch-log")
+    r2 = got["ratios"][2]
+    assert r2["lo"] < 1 < r2["hi"] and r2["value"] == pytest.approx(1.0)
+    two = crossover_interval(pd.DataFrame([r for r in rows if r["energy_per_request"] not in (1.6, 1.05, 0.48, 1.1, 0.98)]))
+    assert (two["snapkv x"]["rate"], two["snapkv x"]["lo"], two["snapkv x"]["hi"]) == (2, None, None)
+    assert two["snapkv x"]["n"] == 2 and two["snapkv x"]["method"] == "none"
 
 
 def test_closed_loop_keeps_at_most_users_requests_in_flight(tiny, tmp_path):

@@ -11,16 +11,18 @@ from collections.abc import Callable
 
 import psutil
 
+from kvlab.card import card_from_gpu, cpu_card
 from kvlab.energy import make_sampler
 from kvlab.energy.nvml_sampler import NvmlSampler
 
 
 class CounterReader:
     """``read()`` gives the counter now; ``unit`` is ``"J"`` (energy) or ``"cpu_s"`` (CPU time);
-    ``source`` says what is counted."""
+    ``source`` says what is counted; ``card``: :mod:`kvlab.card`'s fields of what is counted."""
 
-    def __init__(self, read: Callable[[], float], unit: str, source: str):
+    def __init__(self, read: Callable[[], float], unit: str, source: str, card: dict | None = None):
         self.read, self.unit, self.source = read, unit, source
+        self.card = card
 
 
 def nvml_reader(device: str = "cuda:0", *, nvml=None, uuid: str | None = None) -> CounterReader | None:
@@ -31,7 +33,7 @@ def nvml_reader(device: str = "cuda:0", *, nvml=None, uuid: str | None = None) -
         return None
     nvml, handle = sampler.nvml, sampler.handle
     return CounterReader(lambda: nvml.nvmlDeviceGetTotalEnergyConsumption(handle) / 1000.0, "J",
-                         f"nvml-counter {sampler.gpu.get('name', device)}")
+                         f"nvml-counter {sampler.gpu.get('gpu_name') or device}", card_from_gpu(sampler.gpu))
 
 
 def cpu_time_reader(pid: int) -> CounterReader:
@@ -49,7 +51,7 @@ def cpu_time_reader(pid: int) -> CounterReader:
             total += t.user + t.system
         return total
 
-    return CounterReader(read, "cpu_s", f"cpu-time pid {pid} and children")
+    return CounterReader(read, "cpu_s", f"cpu-time pid {pid} and children", cpu_card())
 
 
 class CounterTrace:

@@ -4,6 +4,9 @@ records, in the in-process run's files (``requests.jsonl`` appended as requests 
 with status, meta and metrics: :class:`kvlab.serve.run.RunLog`). Callable from a notebook
 (``run_load``) and from ``kvlab loadgen``.
 
+The card (:mod:`kvlab.card`) is the counter's: the local GPU's, ``cpu`` for a server's CPU time, and
+null fields without a counter (the client cannot see a remote server's hardware).
+
 The steady-state window is ML.ENERGY's (:func:`kvlab.serve.metrics.steady_window`) with the batch
 taken as the client's peak concurrency (requests in flight, vLLM's sweep line): the server's own
 batch is not visible over HTTP.
@@ -14,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvlab.loadgen.client import COMPLETIONS, TimedRequest, replay
@@ -28,6 +31,7 @@ class LoadResult:
     status: str  # "complete" when every request got an answer (ok or refused), else "incomplete"
     records: list[dict[str, Any]]  # one per request, trace order
     metrics: dict[str, Any]
+    card: dict[str, Any] = field(default_factory=dict)  # kvlab.card's fields of the counter's card (null: unknown)
 
 
 def pick_counter(server_pid: int | None, gpu_device: str | None) -> CounterReader | None:
@@ -66,7 +70,7 @@ async def run_load_async(target: str, items: Sequence[TimedRequest], out_dir=Non
     """Replay ``items`` against ``target`` with ``counter`` sampled alongside; with ``out_dir``,
     the run's files."""
     log = RunLog(out_dir, {"target": target, "endpoint": endpoint, "model": model, "requests_planned": len(items),
-                           **(meta or {})})
+                           **(meta or {})}, card=counter.card if counter is not None else None)
     trace = CounterTrace(counter) if counter is not None else None
     sampling = asyncio.create_task(trace.run()) if trace is not None else None
     records: list[dict[str, Any]] = []
@@ -86,7 +90,7 @@ async def run_load_async(target: str, items: Sequence[TimedRequest], out_dir=Non
         if records:
             log.meta["model"] = records[0]["model"]
         log.write_status(status, metrics)
-    return LoadResult(status, records, metrics)
+    return LoadResult(status, records, metrics, dict(log.card))
 
 
 def run_load(target: str, items: Sequence[TimedRequest], out_dir=None, **kwargs) -> LoadResult:

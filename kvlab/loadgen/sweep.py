@@ -40,7 +40,7 @@ def run_target_sweep(params, out_dir, *, log=print) -> list[dict]:
                 items = items_from_workload(build_workload(spec, rate, None, vocab))
                 res = run_load(traffic.target, items, out / label, meta=row,
                                slo=traffic.slo.as_dict() if traffic.slo else None)
-                row.update(status=res.status, **res.metrics)
+                row.update(status=res.status, **res.card, **res.metrics)
             except Exception as err:  # a failed run is recorded, the sweep goes on
                 row.update(status="failed", error=f"{type(err).__name__}: {err}",
                            traceback=traceback.format_exc(limit=5))

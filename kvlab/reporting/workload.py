@@ -14,7 +14,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from kvlab.intervals import MIN_BCA
+from kvlab.intervals import MIN_BCA, percentile_interval
 from kvlab.reporting.frames import contended_mask, perf_records
 from kvlab.reporting.summaries import pays_verdict
 from kvlab.reporting.text import ci_text, is_baseline_label
@@ -63,8 +63,8 @@ def _aggregate(units: pd.DataFrame) -> dict[str, float]:
 def _boot(units: dict[str, pd.DataFrame], n_boot: int, level: float, seed: int):
     """Bootstrap draws of each label's aggregates over the units every label has (resampled
     together, so ratios between labels are paired), and a function giving a draw list's percentile
-    bounds; no bounds below :data:`kvlab.intervals.MIN_BCA` shared draws (a bootstrap of 2 draws
-    returns their range)."""
+    bounds (:func:`kvlab.intervals.percentile_interval`: none below :data:`kvlab.intervals.MIN_BCA`
+    shared units; a bootstrap of 2 units returns their range)."""
     common = sorted(set.intersection(*(set(u.index) for u in units.values())))
     rng = np.random.default_rng(seed)
     draws: dict[str, list[dict[str, float]]] = {label: [] for label in units}
@@ -73,15 +73,10 @@ def _boot(units: dict[str, pd.DataFrame], n_boot: int, level: float, seed: int):
             pick = [common[i] for i in rng.integers(0, len(common), len(common))]
             for label, u in units.items():
                 draws[label].append(_aggregate(u.loc[pick]))
-    alpha = (1 - level) / 2
 
     def bounds(values: list[float]) -> tuple[float, float]:
-        v = np.asarray(values, dtype=float)
-        v = v[~np.isnan(v)]
-        if v.size < 2:
-            return math.nan, math.nan
-        lo, hi = np.quantile(v, [alpha, 1 - alpha])
-        return float(lo), float(hi)
+        interval = percentile_interval(math.nan, values, len(common), level)
+        return interval.lo, interval.hi
 
     return draws, bounds
 

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from itertools import groupby
 
+from kvlab.card import CARD_FIELDS
 from kvlab.records import utc_now
 from kvlab.runner.sink import SINK_METHODS
 from kvlab.runner.worker import GroupJob
@@ -48,6 +49,7 @@ class InFlightGroup:
     runs: list[RunSpec]
     recorded: set[str] = field(default_factory=set)
     stage: tuple[str, str | None] | None = None
+    card: dict | None = None  # the card fields its worker named (kvlab.card), for failure records
 
 
 def _pump(gid: int, transport: Transport, job: GroupJob, out: queue.Queue) -> None:
@@ -116,7 +118,7 @@ def drive(groups: list[list[RunSpec]], transport: Transport, *, slots: int, para
             sink.log(f"kvlab sweep: {cause}")
             sink.error_log(f"--- {utc_now()} worker died ({len(failed)} run(s) recorded as failed)\n{args[0]}")
             for run in failed:
-                sink.record(failure_record(run, sweep_name, cause))
+                sink.record(failure_record(run, sweep_name, cause, group.card))
             if rest:
                 todo.appendleft(rest)
         elif kind == "spent":
@@ -124,6 +126,8 @@ def drive(groups: list[list[RunSpec]], transport: Transport, *, slots: int, para
         elif kind in SINK_METHODS:
             if kind == "begin":
                 group.stage = (args[0], args[1])
+            elif kind == "worker":
+                group.card = {k: args[0].get(k) for k in CARD_FIELDS}
             elif kind == "record":
                 group.recorded.add(args[0].get("run_id"))
             getattr(sink, kind)(*args)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvlab import models
+from kvlab.card import device_card
 from kvlab.energy import make_sampler
 from kvlab.runner.sink import ForwardingSink
 from kvlab.sweep.group import run_group
@@ -47,20 +48,12 @@ class ReportingBudget(Budget):
 
 
 def worker_info(device: str, sampler, executor: str) -> dict[str, Any]:
-    """Who measured: host, pid, the GPU's UUID and name (None on CPU), what the scheduler set."""
-    gpu = dict(getattr(sampler, "gpu", None) or {})
-    uuid, name = gpu.get("gpu_uuid"), gpu.get("gpu_name")
-    if uuid is None and str(device).startswith("cuda"):
-        try:
-            import torch
-
-            props = torch.cuda.get_device_properties(torch.device(device))
-            uuid, name = f"GPU-{props.uuid}", name or props.name
-        except Exception:
-            pass
+    """Who measured: host, pid, the card (:func:`kvlab.card.device_card`: the GPU's name, UUID, driver,
+    power limit and clocks; ``cpu`` and nulls on CPU), what the scheduler set."""
     return {
         "executor": executor, "host": socket.gethostname(), "pid": os.getpid(), "device": str(device),
-        "gpu_uuid": uuid, "gpu_name": name, "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        **device_card(device, gpu=getattr(sampler, "gpu", None)),
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "energy_source": getattr(sampler, "source", None),
     }
 

@@ -10,6 +10,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from kvlab.intervals import ratio_interval
 from kvlab.serve.run import load_run
 
 
@@ -30,7 +31,8 @@ def per_rate(df: pd.DataFrame, column: str) -> pd.DataFrame:
 
 def crossover_rates(df: pd.DataFrame, column: str = "energy_per_request", baseline: str = "full") -> dict:
     """Per method, the lowest rate from which its median ``column`` stays at or below the baseline's
-    at every higher rate (None: never). Medians over repeats; an interval needs >= 3 repeats a side."""
+    at every higher rate (None: never). Medians over repeats, for the figure; the crossover with its
+    interval (>= 3 repeats a side) is :func:`crossover_interval`'s."""
     table = per_rate(df.dropna(subset=[column]), column).pivot(index="rate", columns="label", values="median")
     base = [c for c in table.columns if c.strip() == baseline]
     if not base:
@@ -42,6 +44,41 @@ def crossover_rates(df: pd.DataFrame, column: str = "energy_per_request", baseli
         pays = (table[label] <= table[base[0]]).tolist()
         out[label] = next((r for i, r in enumerate(table.index) if all(pays[i:])), None)
     return out
+
+
+def crossover_interval(df: pd.DataFrame, column: str = "energy_per_request", baseline: str = "full",
+                       level: float = 0.95) -> dict:
+    """Per method, where it starts to pay on the ratio of its mean ``column`` to the baseline's at each
+    rate (:func:`kvlab.intervals.ratio_interval`): ``rate``, the lowest rate from which the ratio stays
+    at or below 1 at every higher rate (None: never); with >= 3 repeats a side at every rate, ``lo``
+    (from there on the ratio's lower bound stays <= 1: paying cannot be ruled out) and ``hi`` (its
+    upper bound stays <= 1: it pays at ``level``), else None and ``n``, the fewest repeats a side."""
+    data = df.dropna(subset=[column])
+    base = next((c for c in data["label"].unique() if c.strip() == baseline), None)
+    if base is None:
+        return {}
+    rates = [r.item() if hasattr(r, "item") else r for r in sorted(data["rate"].unique())]  # plain numbers
+    values = {(label, rate): part[column].tolist() for (label, rate), part in data.groupby(["label", "rate"])}
+    out = {}
+    for label in data["label"].unique():
+        if label == base:
+            continue
+        ratios = {r: ratio_interval(values.get((label, r), []), values.get((base, r), []), level) for r in rates}
+        n = min(min(i.n) for i in ratios.values())
+        bounded = all(i.has_bounds for i in ratios.values())
+        out[label] = {"rate": _from_here_on(ratios, lambda i: i.value), "n": n, "level": level,
+                      "method": "welch-log" if bounded else "none",
+                      "lo": _from_here_on(ratios, lambda i: i.lo) if bounded else None,
+                      "hi": _from_here_on(ratios, lambda i: i.hi) if bounded else None,
+                      "ratios": {r: i.to_dict() for r, i in ratios.items()}}
+    return out
+
+
+def _from_here_on(ratios: dict, pick) -> float | None:
+    """The lowest rate from which ``pick(interval) <= 1`` at every higher rate (NaN counts as not)."""
+    rates = list(ratios)
+    ok = [pick(ratios[r]) <= 1.0 for r in rates]  # NaN compares False
+    return next((r for i, r in enumerate(rates) if all(ok[i:])), None)
 
 
 def latency_throughput(df: pd.DataFrame) -> go.Figure:

@@ -4,15 +4,19 @@ Requests are added when their arrival time comes (open loop) or when a user's pr
 finishes (closed loop). Each finished request's record is appended to ``requests.jsonl`` at once,
 and ``run.json`` says ``"status": "running"`` until the run ends: a run killed mid-way keeps every
 finished request's record and reads back as incomplete (:func:`load_run`); one interrupted in
-Python (an exception, Ctrl-C) writes ``"incomplete"`` with the metrics of what finished.
+Python (an exception, Ctrl-C) writes ``"incomplete"`` with the metrics of what finished. Both
+files name the card the run measured on (:mod:`kvlab.card`).
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
+from kvlab.card import CARD_FIELDS, device_card
 from kvlab.serve.engine import Request, ServingEngine
 from kvlab.serve.layout import predicted_concurrency
 from kvlab.serve.metrics import run_metrics
@@ -44,10 +48,13 @@ def energy_counter(device: str):
 
 
 class RunLog:
-    """The run's files: ``run.json`` (status, metrics), ``requests.jsonl``, ``timeline.jsonl``."""
+    """The run's files: ``run.json`` (status, the card, metrics), ``requests.jsonl`` (each request's
+    record with the card's fields), ``timeline.jsonl``. ``card``: :mod:`kvlab.card`'s fields of what
+    measured (unknown: every field null)."""
 
-    def __init__(self, out_dir, meta: dict):
+    def __init__(self, out_dir, meta: dict, card: Mapping[str, Any] | None = None):
         self.dir = Path(out_dir) if out_dir else None
+        self.card = {k: (card or {}).get(k) for k in CARD_FIELDS}
         self.meta = meta
         if self.dir:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -57,7 +64,7 @@ class RunLog:
     def request(self, rec: dict) -> None:
         if self.dir:
             with open(self.dir / "requests.jsonl", "a") as f:
-                f.write(json.dumps(rec) + "\n")
+                f.write(json.dumps({**rec, **self.card}) + "\n")
                 f.flush()
 
     def write_status(self, status: str, metrics: dict | None, timeline: list | None = None) -> None:
@@ -66,7 +73,7 @@ class RunLog:
         if timeline is not None:
             (self.dir / "timeline.jsonl").write_text("".join(json.dumps(r) + "\n" for r in timeline))
         tmp = self.dir / "run.json.tmp"
-        tmp.write_text(json.dumps({"status": status, **self.meta, "metrics": metrics}, indent=1))
+        tmp.write_text(json.dumps({"status": status, **self.meta, **self.card, "metrics": metrics}, indent=1))
         tmp.replace(self.dir / "run.json")
 
 
@@ -80,7 +87,8 @@ def run_workload(engine: ServingEngine, workload: Workload, out_dir=None, *, slo
                                       [(len(it.prompt_ids), it.output_len) for it in workload.items])
     log = RunLog(out_dir, {"model": engine.model_name, "method": engine.layout.method,
                            "block_size": engine.layout.block_size, "bytes_per_block": engine.layout.bytes_per_block,
-                           "blocks_total": engine.allocator.total, **workload.meta, **(meta or {})})
+                           "blocks_total": engine.allocator.total, **workload.meta, **(meta or {})},
+                 card=device_card(engine.loaded.device))
     start = time.perf_counter()
     open_loop = sorted(((it.arrival_s, k) for k, it in enumerate(workload.items) if it.arrival_s is not None))
     closed = [k for k, it in enumerate(workload.items) if it.arrival_s is None]

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from kvlab.card import device_card
 from kvlab.records import canonical_json
 from kvlab.serve.engine import make_serving_engine
 from kvlab.serve.run import run_workload
@@ -54,7 +55,7 @@ def run_serving_sweep(params: SweepParams, out_dir, *, loader=None, log=print) -
                     label = run_label(model_name, v.method, v.kwargs, rate, repeat)
                     row = {"run": label, "model": model_name, "method": v.method,
                            "params": canonical_json(v.kwargs), "rate": rate, "repeat": repeat,
-                           "device": params.device, "weights": loaded.weights}
+                           "device": params.device, "weights": loaded.weights, **device_card(loaded.device)}
                     try:
                         engine = make_serving_engine(
                             loaded, v.method, pool_gb=server.pool_gb, block_size=server.block_size,

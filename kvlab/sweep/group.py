@@ -24,7 +24,7 @@ from typing import Any
 from tqdm import tqdm
 
 from kvlab import measure
-from kvlab.card import CARD_FIELDS
+from kvlab.card import CARD_FIELDS, device_card
 from kvlab.columns import model_columns, policy_columns
 from kvlab.engine.engines import EngineSet, release_memory
 from kvlab.policies import make_policy
@@ -126,8 +126,9 @@ def _open_model(params, model_name, loader, sampler, model_runs, sink, sweep_nam
     except Exception as err:
         message = f"model load failed: {short_error(err)}"
         sink.log(f"kvlab sweep: {model_name}: {message}")
+        card = device_card(params.device, gpu=getattr(sampler, "gpu", None))
         for run in model_runs:
-            sink.record(failure_record(run, sweep_name, message))
+            sink.record(failure_record(run, sweep_name, message, card))
         release_memory(params.device)
         return None
     sink.log(f"kvlab sweep: loaded {model_name} in {time.monotonic() - started:.1f} s")

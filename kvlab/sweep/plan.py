@@ -11,11 +11,12 @@ from __future__ import annotations
 import json
 import random
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvlab.card import unmeasured_card
 from kvlab.engine import prefill_rows
 from kvlab.records import make_run_id, recorded_run_ids, utc_now
 from kvlab.sweep.checks import check_params
@@ -224,8 +225,10 @@ def identity_record(run: RunSpec, sweep: str, kind: str = "perf") -> dict[str, A
     }
 
 
-def failure_record(run: RunSpec, sweep: str, error: str) -> dict[str, Any]:
-    """The record of a run that never got measured (its model failed to load, its worker died)."""
+def failure_record(run: RunSpec, sweep: str, error: str, card: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The record of a run that never got measured (its model failed to load, its worker died), with
+    the card it was to run on (``card``: the fields its worker named; :func:`kvlab.card.unmeasured_card`)."""
     rec = identity_record(run, sweep)
-    rec.update(status="failed", error=clip_error(error), energy_source=FAILED_ENERGY_SOURCE)
+    rec.update(status="failed", error=clip_error(error), energy_source=FAILED_ENERGY_SOURCE,
+               **unmeasured_card(run.device, card))
     return rec

@@ -35,7 +35,8 @@ print(f"== copy bandwidth in the engines call: {copy_bw / 1e12:.2f} TB/s (read +
 records = load_records(HERE / "reads-16k")
 for batch in (1, 16):
     part = records[records.batch == batch]
-    print(f"\n== reads-16k, batch {batch}: kvlab's methods table (95% bootstrap CIs over the repeats)")
+    print(f"\n== reads-16k, batch {batch}: kvlab's methods table (95% Welch-log intervals over the repeats, none "
+          "below 3 runs a side)")
     print(methods_display(methods_table(part))[["method", "KV freed", "decode J/token vs full", "TTFT vs full"]]
           .to_string(index=False))
     means = part.groupby("label")[["itl_median_ms", "cache_bytes", "peak_mem_bytes", "decode_j_per_token"]].mean()

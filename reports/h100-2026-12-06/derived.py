@@ -42,8 +42,8 @@ earlier = load_records(EARLIER / "reads-16k")
 print("runs per (setting, batch):", records.groupby(["label", "batch"]).size().to_dict())
 for batch in (1, 16):
     part = records[records.batch == batch]
-    print(f"\n== reads-16k, batch {batch}: kvlab's methods table (95% bootstrap CIs over the repeats;"
-          " one run has no CI)")
+    print(f"\n== reads-16k, batch {batch}: kvlab's methods table (95% Welch-log intervals over the repeats;"
+          " none below 3 runs a side)")
     print(methods_display(methods_table(part))[["method", "KV freed", "decode J/token vs full", "TTFT vs full"]]
           .to_string(index=False))
     old = earlier[earlier.batch == batch].groupby("label")["decode_j_per_token"].mean()

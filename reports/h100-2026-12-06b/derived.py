@@ -1,5 +1,5 @@
 """The numbers of README.md derived from this folder: Quest's reads at 16k with the selection kernels
-(kvlab's methods table, CIs over the repeats), the reads at 32k, each setting's ITL against its byte
+(kvlab's methods table, intervals over the repeats: kvlab.intervals), the reads at 32k, each setting's ITL against its byte
 floor, the page selection's kernels against torch's ops, the sparse kernel's gather width, the anatomy
 of a batch-1 step, and the int4/fp8 decode kernels at both launch geometries. The byte floor of a
 decode step is the bytes it must read (16.06 GB of weights plus the KV it reads) over the copy
@@ -10,6 +10,7 @@ bandwidth measured in the same machine's kernel call (quant_attention_format.jso
 from collections import defaultdict
 from pathlib import Path
 
+from kvlab.intervals import mean_interval, ratio_interval
 from kvlab.records import load_records, read_json
 from kvlab.reporting.methods import methods_display, methods_table
 
@@ -42,7 +43,8 @@ for folder, ctx in (("reads-16k", 16384), ("reads-32k", 32768)):
     for batch in sorted(records.batch.unique()):
         part = records[(records.batch == batch) & (records.status == "ok")]
         if "full" in set(part.label):
-            print(f"-- batch {batch}: kvlab's methods table (95% bootstrap CIs over the repeats)")
+            print(f"-- batch {batch}: kvlab's methods table (95% Welch-log intervals over the repeats, none below 3 "
+                  "runs a side)")
             print(methods_display(methods_table(part))[["method", "KV freed", "decode J/token vs full"]]
                   .to_string(index=False))
         means = part.groupby("label")[["itl_median_ms", "cache_bytes", "peak_mem_bytes", "decode_j_per_token"]].mean()
@@ -107,11 +109,17 @@ for name, what in (("quant_attention.json", "LaunchConfig's default geometry 64/
 engines = load("engines-b16-warp2.json")
 print(f"\n== fast engine, batch 16, 16k, int4 on {engines['kernel_variant']} (engines-b16-warp2.json, call 4's card;"
       f" copy {engines['copy_bandwidth_Bps'] / 1e12:.2f} TB/s)")
+# recomputed from the rows through kvlab.intervals: the JSON's own "ci" of 2 runs is their range, no interval
+joules = defaultdict(list)
+for r in engines["rows"]:
+    if r["status"] == "ok":
+        joules[(r["method"], r["engine"])].append(r["decode_j_per_token"])
 for r in engines["summary"]:
-    print(f"{r['method']:8s} {r['ms_step']:.2f} ms/step, floor {r['floor_ms']:.2f} ms, {r['decode_j_per_token']:.3f} J/token "
-          f"[{r['ci'][0]:.3f}, {r['ci'][1]:.3f}]")
-for r in engines["ratios"]:
-    print(f"{r['what']}: {r['ratio'][0]:.3f} [{r['ratio'][1]:.3f}, {r['ratio'][2]:.3f}]")
+    j = mean_interval(joules[(r["method"], r["engine"])])
+    print(f"{r['method']:8s} {r['ms_step']:.2f} ms/step, floor {r['floor_ms']:.2f} ms, {j.text(3)} J/token")
+for (method, engine), js in joules.items():
+    if method != "full" and ("full", engine) in joules:
+        print(f"{engine}: {method} / full decode J/token: {ratio_interval(js, joules[('full', engine)]).text(3)}")
 for k in engines.get("kernel_bw") or []:
     print(f"{k['method']:8s} attention kernels {k['kernel_ms']:.3f} ms/step, {k['of_copy_same_bytes']:.2f} of a copy"
           " of the same bytes")

@@ -27,7 +27,7 @@ for folder in ("methods-b16", "methods-b1", "methods-b1-k25", "methods-hf"):
     records, m = means(folder)
     first = records.iloc[0]
     print(f"\n== {folder}: {first.engine}, batch {first.batch}, {first.ctx} tokens, {first.gpu_name}"
-          f" (95% bootstrap CIs over {records.repeat.nunique()} repeats)")
+          f" (95% Welch-log intervals over {records.repeat.nunique()} repeats; none below 3 runs a side)")
     print(methods_display(methods_table(records))[COLUMNS].to_string(index=False))
     print(f"{'setting':30s} {'dJ/token':>8s} {'ITL ms':>7s} {'TTFT s':>7s} {'prefill J':>9s} {'peak GB':>7s} {'KV GB':>6s}")
     for label, row in m.iterrows():
