@@ -19,6 +19,12 @@ below ``dense_layers`` attend densely; the others select pages from the query (i
 scope ``kvlab::quest_select``, so the anatomy shows the selection's own cost on eager steps; on CUDA
 the bounds' append is one kernel and the selection two, :mod:`kvlab.kernels.quest_bounds` and
 :mod:`kvlab.kernels.quest_select`) and read only those (``quest_decode_attention``).
+
+``format``: ``model-dtype`` (the above) or a kvq format (``int4-g64``, ``fp8``, ...): K/V are then kept as
+kvq codes (key offset ``prompt-mean``, as kvq's stores) while the page bounds still come from the exact
+keys; hf: :class:`QuantizedQuestLayer` (the prefill attends exactly, then kvq's semantics), fast:
+:class:`QuantizedQuestStore`, which gathers and dequantizes only the selected pages' codes. Both are
+torch: the sparse kernel reads model-dtype pages, so the combination is refused on CUDA.
 """
 
 from __future__ import annotations
