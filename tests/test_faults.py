@@ -260,6 +260,12 @@ def test_notebook_parameters_unknown_names_text_lists_and_baseline(tmp_path):
     with pytest.raises(ReportError, match="baseline 'nope' is no method in .*: its records hold full"):
         report.notebook_study({"records_dir": str(out), "baseline": "nope"})
     assert report.notebook_study({"records_dir": str(out), "baseline": "full", "study": None}).records is not None
+    records = out / "records.jsonl"  # a folder without full runs renders under the default baseline
+    lines = records.read_text().splitlines()
+    kept = [line for line in lines if '"method": "full"' not in line]
+    assert 0 < len(kept) < len(lines)
+    records.write_text("\n".join(kept) + "\n")
+    assert report.notebook_study({"records_dir": str(out), "baseline": "full"}).records is not None
 
 
 def papermill(tmp: Path, notebook: str, *params: str) -> subprocess.CompletedProcess:
