@@ -423,6 +423,11 @@ CASES = [
      "budget=32 tokens must hold two pages of 32"),
     ("params-quest-group-reduce", SWEEP, params_file({"methods": [{"method": "quest", "group_reduce": "head"}]}),
      "group_reduce='head'"),
+    ("params-quest-format", SWEEP, params_file({"methods": [{"method": "quest", "format": "int3"}]}),
+     "format='int3' is not a quest format"),
+    ("params-quest-format-group-not-dividing", SWEEP, params_file({"methods": [{"method": "quest",
+                                                                              "format": "int4-g64"}]}),
+     "quest format=int4-g64 cannot store tiny-llama"),
     # --- codec storages (nvfp4, turboquant, kvq-rot) ---------------------------------------------------
     ("params-nvfp4-four-over-six-not-bool", SWEEP,
      params_file({"methods": [{"method": "nvfp4", "four_over_six": 3}]}), "four_over_six must be true or false"),

@@ -260,6 +260,11 @@ def test_notebook_parameters_unknown_names_text_lists_and_baseline(tmp_path):
     with pytest.raises(ReportError, match="baseline 'nope' is no method in .*: its records hold full"):
         report.notebook_study({"records_dir": str(out), "baseline": "nope"})
     assert report.notebook_study({"records_dir": str(out), "baseline": "full", "study": None}).records is not None
+    records = out / "records.jsonl"  # a folder without full runs renders under the default baseline
+    text = records.read_text()
+    records.write_text(text.replace('"method":"full"', '"method":"kvq-int4"').replace('"label":"full"', '"label":"kvq"'))
+    assert '"method":"full"' in text and '"full"' not in records.read_text()
+    assert report.notebook_study({"records_dir": str(out), "baseline": "full"}).records is not None
 
 
 def papermill(tmp: Path, notebook: str, *params: str) -> subprocess.CompletedProcess:

@@ -265,3 +265,32 @@ def test_a_chunked_prefill_under_quest_attends_densely(tiny32):
         got = prefill(tiny32.model, prompt, policy.make_cache(tiny32.model), 32, logits_to_keep=0)
     want = prefill(tiny32.model, prompt, make_policy("full").make_cache(tiny32.model), 32, logits_to_keep=0)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["int4-g32", "fp8"])
+def test_quest_over_a_kvq_format_fast_equals_hf_token_for_token(tiny32, fmt):
+    """Quest beside a quantized store: the bounds come from the exact keys, the selected pages are read
+    from the codes (fast: only those pages' codes; hf: the dequantized store), on both engines alike."""
+    from kvlab.storage.quest import QuantizedQuestStore
+
+    policy = make_policy("quest", page=4, budget=32, dense_layers=1, format=fmt)
+    ref, fast, decoder, cache = run_both(tiny32, policy, ids(), 24)
+    assert torch.equal(ref, fast), f"first difference at step {(ref != fast).nonzero()[0].tolist()}"
+    assert isinstance(decoder.store, QuantizedQuestStore)
+    assert decoder.stats(24)["bytes"] == cache_stats(cache)["bytes"]
+    assert decoder.columns()["kv_format"] == policy.storage().kv_format == f"{fmt}, keys - prompt-mean, quest p4-b32-max-d1"
+    dense, *_ = run_both(tiny32, make_policy("quest", page=4, budget=32, dense_layers=1), ids(), 24)
+    kvq, *_ = run_both(tiny32, make_policy("kvq-int4" if fmt.startswith("int4") else "kvq-fp8",
+                                           **({"q_group_size": 32} if fmt.startswith("int4") else {})), ids(), 24)
+    assert not torch.equal(ref, dense) and not torch.equal(ref, kvq)  # both the codes and the sparse read count
+
+
+def test_quest_over_a_kvq_format_is_refused_on_cuda_and_keeps_run_ids():
+    from kvlab.models import get_spec
+    from kvlab.storage.base import model_shape
+
+    with pytest.raises(PolicyError, match="format=model-dtype on a GPU"):
+        make_policy("quest", format="int4-g64").storage().check(model_shape(get_spec("llama-3.1-8b")), True)
+    assert "format" not in make_policy("quest").params()  # the runs before the parameter keep their ids
+    assert make_policy("quest", format="fp8").params()["format"] == "fp8"
+    assert make_policy("quest", budget=512, format="fp8").label == "quest 512 fp8"

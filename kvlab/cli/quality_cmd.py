@@ -7,8 +7,8 @@ fidelity) for one model and a set of cache policies; records go to DIR/records.j
 Any policy parameter a sweep takes: `--param KEY=VALUE` gives it to every listed method that takes it
 (`kvlab policies` lists them), and a method may be a sweep's `methods:` entry in YAML:
 
-    kvlab quality --methods full quest kivi --param budget=256 --param key_bits=2 --bits 2 -o runs/q
-    kvlab quality --methods full '{method: kivi, bits: [2, 4], residual_length: 32}' -o runs/q
+    kvlab quality --methods full snapkv tova --param window_size=32 --keep 0.25 -o runs/q
+    kvlab quality --methods full '{method: snapkv, keep: [0.25, 0.5], window_size: 32}' -o runs/q
 
 Rerunning into the same folder resumes: items recorded ok are not run again. Exit status: 0 when
 every record is ok, 3 when some failed (their errors are in the records), 2 for bad input.
@@ -42,7 +42,7 @@ def register(subparsers) -> None:
     p.add_argument("--samples", type=int, default=2, help="items per (task, length, depth)")
     p.add_argument("--methods", nargs="+", type=method_arg, default=["full"],
                    help="policy names (see `kvlab policies`), or a sweep's method entry in YAML, "
-                        "e.g. '{method: quest, budget: 256}'")
+                        "e.g. '{method: snapkv, keep: 0.25}'")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                    help="a policy parameter (value parsed as YAML) for every listed method that takes it; repeatable")
     p.add_argument("--keep", nargs="+", type=float, default=None, help="kept fractions for eviction methods")

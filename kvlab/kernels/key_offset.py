@@ -2,8 +2,8 @@
 
 Why: some models (Qwen2's k_proj bias) give a few key channels a large, almost constant offset
 (-355 +- 1.3 in Qwen2.5-Coder-1.5B's layer 0). A format with one scale per token (``int4-g64``,
-``fp8``) then spends its range on the offset and loses the quiet channels: garbage output
-(reports/cpu-qwen-kvq-2026-12-07). Subtracting each (row, KV head, channel)'s offset ``m`` before
+``fp8``) then spends its range on the offset and loses the quiet channels: garbage output.
+Subtracting each (row, KV head, channel)'s offset ``m`` before
 quantizing keeps the range on what varies. Attention needs no correction: for any query,
 ``q . (k - m) = q . k - q . m`` and ``q . m`` is the same for every key, so softmax is unchanged;
 the stores hold codes of ``k - m`` and the decode kernels read them as they are. The offset costs

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.kernels.formats import FormatError
+from kvlab.kernels.formats import FormatError, KVStore
 
 GROUP_REDUCE = ("max", "sum", "head")
 SELECT_BACKENDS = ("auto", "triton", "reference")
@@ -114,6 +114,22 @@ def load_bounds(bounds: PageBounds, keys: torch.Tensor) -> None:
     hi = torch.cat([keys, keys.new_full((b, h, pad, d), float("-inf"))], 2).view(b, h, pages, page, d).amax(3)
     bounds.kmin[:, :, :pages].copy_(lo)
     bounds.kmax[:, :, :pages].copy_(hi)
+
+
+def fold_bounds(bounds: PageBounds, keys: torch.Tensor, start: int) -> None:
+    """Fold ``[B, H, n, D]`` keys at positions ``start ..`` into the bounds: each page they touch takes the
+    min/max of its bounds so far and theirs (a page never written holds ``+-inf``), so the stored keys
+    are never read again (they may be codes)."""
+    b, h, n, d = keys.shape
+    page = bounds.spec.page
+    first, lead = divmod(start, page)
+    pages = math.ceil((lead + n) / page)
+    tail = pages * page - lead - n
+    lo, hi = (torch.cat([keys.new_full((b, h, lead, d), fill), keys, keys.new_full((b, h, tail, d), fill)], 2)
+              .view(b, h, pages, page, d) for fill in (float("inf"), float("-inf")))
+    kmin, kmax = bounds.kmin[:, :, first:first + pages], bounds.kmax[:, :, first:first + pages]
+    torch.minimum(kmin, lo.amin(3), out=kmin)
+    torch.maximum(kmax, hi.amax(3), out=kmax)
 
 
 def uses_triton(backend: str, tensor: torch.Tensor) -> bool:
@@ -240,27 +256,67 @@ def reference_scores(q: torch.Tensor, bounds: PageBounds, lengths: torch.Tensor)
 
 
 
+def page_tokens(pages: torch.Tensor, lengths: torch.Tensor, page: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token slots of the selected ``pages`` (``[B, Hsel, k]``, ``-1`` skipped): int64 ``[B, Hsel, k * page]``
+    (clamped into the ``capacity``) and whether each is read (its page selected, before ``lengths[b]``)."""
+    batch = pages.shape[0]
+    tokens = (pages.clamp_min(0).unsqueeze(-1) * page + torch.arange(page, device=pages.device)).flatten(-2)
+    valid = (pages >= 0).repeat_interleave(page, -1) & (tokens < lengths.view(batch, 1, 1).to(tokens.device))
+    return tokens.clamp(max=capacity - 1), valid
+
+
+def selection_heads(q_heads: int, kv_heads: int, sel_heads: int, device) -> torch.Tensor:
+    """The KV head each selection reads (one per KV head, or one per query head for ``"head"``)."""
+    return torch.arange(sel_heads, device=device) * kv_heads // sel_heads
+
+
+def attend_tokens(q: torch.Tensor, sk: torch.Tensor, sv: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of ``q [B, Hq, D]`` over gathered ``sk``/``sv [B, Hsel, n, D]`` where ``valid [B, Hsel, n]``;
+    float32 ``[B, Hq, D]``."""
+    batch, q_heads, d = q.shape
+    sel_heads = sk.shape[1]
+    qf = q.float().view(batch, sel_heads, q_heads // sel_heads, d)
+    logits = torch.einsum("bhgd,bhtd->bhgt", qf, sk.float()) * scale
+    logits = logits.masked_fill(~valid.unsqueeze(2), float("-inf"))
+    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
+    return torch.einsum("bhgt,bhtd->bhgd", probs, sv.float()).reshape(batch, q_heads, d)
+
+
 def sparse_attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pages: torch.Tensor,
                   lengths: torch.Tensor, scale: float, page: int) -> torch.Tensor:
     """Attention of ``q [B, Hq, D]`` over the tokens of the selected ``pages`` (``[B, Hsel, k]``, ``-1``
     skipped) of ``keys``/``values [B, H, T, D]``, tokens past ``lengths[b]`` masked; float32 ``[B, Hq, D]``."""
-    batch, q_heads, d = q.shape
-    kv_heads, cap = keys.shape[1], keys.shape[2]
-    sel_heads = pages.shape[1]
-    tokens = (pages.clamp_min(0).unsqueeze(-1) * page + torch.arange(page, device=q.device)).flatten(-2)  # [B, Hs, k * page]
-    valid = (pages >= 0).repeat_interleave(page, -1) & (tokens < lengths.view(batch, 1, 1).to(tokens.device))
-    tokens = tokens.clamp(max=cap - 1)
-    per_sel = q_heads // sel_heads  # query heads sharing one selection
-    kv_of_sel = torch.arange(sel_heads, device=q.device) * kv_heads // sel_heads
-    src_k = keys.float()[:, kv_of_sel]  # [B, Hs, T, D]
-    src_v = values.float()[:, kv_of_sel]
+    d = q.shape[-1]
+    tokens, valid = page_tokens(pages, lengths, page, keys.shape[2])
+    kv_of_sel = selection_heads(q.shape[1], keys.shape[1], pages.shape[1], q.device)
     idx = tokens.unsqueeze(-1).expand(-1, -1, -1, d)
-    sk, sv = src_k.gather(2, idx), src_v.gather(2, idx)  # [B, Hs, k*P, D]
-    qf = q.float().view(batch, sel_heads, per_sel, d)
-    logits = torch.einsum("bhgd,bhtd->bhgt", qf, sk) * scale
-    logits = logits.masked_fill(~valid.unsqueeze(2), float("-inf"))
-    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
-    return torch.einsum("bhgt,bhtd->bhgd", probs, sv).reshape(batch, q_heads, d)
+    sk = keys.float()[:, kv_of_sel].gather(2, idx)  # [B, Hs, k*P, D]
+    sv = values.float()[:, kv_of_sel].gather(2, idx)
+    return attend_tokens(q, sk, sv, valid, scale)
+
+
+def gather_slots(t: torch.Tensor, heads: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``t [B, H, T, ...]`` at KV heads ``heads`` and token slots ``tokens [B, Hsel, n]``: ``[B, Hsel, n, ...]``
+    (one-byte floats gathered as bytes: CPU torch has no float8 gather)."""
+    raw = t.view(torch.uint8) if t.dtype.is_floating_point and t.element_size() == 1 else t
+    idx = tokens.view(*tokens.shape, *(1,) * (t.dim() - 3)).expand(*tokens.shape, *t.shape[3:])
+    out = raw[:, heads].gather(2, idx)
+    return out.view(t.dtype) if raw is not t else out
+
+
+def sparse_attend_codes(q: torch.Tensor, keys, values, pages: torch.Tensor, lengths: torch.Tensor, scale: float,
+                        page: int) -> torch.Tensor:
+    """:func:`sparse_attend` over K/V kept as kvlab format stores (``kvlab.kernels.KVStore``): only the
+    selected pages' codes and scales are gathered and dequantized (each token's codes dequantize on
+    their own, so this equals dequantizing the whole store, then :func:`sparse_attend`)."""
+    tokens, valid = page_tokens(pages, lengths, page, keys.capacity)
+    heads = selection_heads(q.shape[1], keys.codes.shape[1], pages.shape[1], q.device)
+
+    def gathered(store):
+        parts = (None if t is None else gather_slots(t, heads, tokens) for t in (store.codes, store.scale, store.zero))
+        return KVStore(store.format, *parts, store.head_dim).dequantize()
+
+    return attend_tokens(q, gathered(keys), gathered(values), valid, scale)
 
 
 def quest_attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bounds: PageBounds,

@@ -31,6 +31,15 @@ class StoredPolicy(Policy):
     def storage(self):
         return self._storage
 
+    def params(self) -> dict[str, Any]:
+        """The policy's params, less a field marked ``omit_default`` that holds its default (a parameter
+        added to a storage leaves the run ids of the runs before it unchanged)."""
+        out = super().params()
+        for f in fields(self.storage_class):
+            if f.metadata.get("omit_default") and getattr(self, f.name) == f.default:
+                del out[f.name]
+        return out
+
     @property
     def bits(self) -> int | None:
         return self._storage.bits

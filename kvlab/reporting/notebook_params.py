@@ -97,8 +97,9 @@ def notebook_study(namespace: dict):
     study = load_study(project_path(namespace.get("records_dir") or "outputs/smoke"))
     baseline = namespace.get("baseline") or "full"
     columns = [c for c in ("method", "label") if c in study.records.columns]
+    # full is the notebook's default: a folder without it (quantized or decoding runs alone) still renders
     problem = baseline_problem(study.records[columns].to_dict("records"), baseline, str(study.folder),
-                               flag="baseline") if columns else None
+                               flag="baseline") if columns and baseline != "full" else None
     if problem:
         raise ReportError(problem + " (-p baseline NAME)")
     return study

@@ -56,6 +56,8 @@ def stack_summary(records: pd.DataFrame, baseline: str = "full", n_boot: int = 2
     if "weights_quant" not in records.columns:
         return pd.DataFrame()
     perf = perf_records(records)
+    if perf.empty:  # a quality pass alone (perf: false)
+        return pd.DataFrame()
     perf = perf[~contended_mask(perf)]
     perf = perf.assign(weights_quant=perf["weights_quant"].fillna("none"),
                        cache=perf["label"].astype(str).str.split(WEIGHTS_SUFFIX, regex=False).str[0])

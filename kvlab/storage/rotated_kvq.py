@@ -5,7 +5,7 @@ The rotation is exact for attention (queries and keys rotated by the same orthog
 rotated back after the weighted sum: :mod:`kvlab.storage.codec`); what it changes is the quantizer's
 input. A group's outlier channel is spread over every coordinate, so the per-token groups' range
 shrinks. It does not remove a per-channel offset (a bias-driven key channel spreads into a constant
-on every coordinate): reports/ of the real-model quality work, Qwen2.5 1.5B, KL 7.25 -> 5.55.
+on every coordinate).
 
 Both engines run the torch reference of the format (dequantize, then attend). The fused kvq kernels
 would read the same codes with the query rotated once per step; that wiring is not here.

@@ -3,7 +3,7 @@
 Why: a model whose ``k_proj`` has a large bias (Qwen2's reaches 354 in layer 0) gives a few key
 channels a large, nearly constant offset; a store that quantizes each token's keys with one range
 (kvq without a key offset, quanto/hqq along head_dim, transformers' fp8) then loses the quiet
-channels and the model answers garbage (reports/cpu-qwen-kvq-2026-12-07). The weights tell before
+channels and the model answers garbage. The weights tell before
 any prompt runs.
 """
 
