@@ -31,7 +31,7 @@ ATTENTION = ("reference", "triton")
 class ServingEngine:
     """Continuous batching over a block pool (see the module docstring)."""
 
-    def __init__(self, loaded, policy, layout: BlockLayout, fmt, num_blocks: int, *,
+    def __init__(self, loaded, policy, layout: BlockLayout, num_blocks: int, *,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, attention: str | None = None):
         if num_blocks < 1:
             raise ServeError(f"the pool holds {num_blocks} blocks of {layout.bytes_per_block} B: give it more memory "
@@ -43,12 +43,12 @@ class ServingEngine:
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.spec.name
         dtype = next(model.parameters()).dtype
-        self.pool = make_pool(policy, fmt, loaded.spec, num_blocks, layout.block_size, dtype, loaded.device)
+        self.pool = make_pool(policy, loaded.spec, num_blocks, layout.block_size, dtype, loaded.device)
         self.allocator = BlockAllocator(num_blocks)
         self.scheduler = Scheduler(layout, self.allocator, max_num_seqs, max_num_batched_tokens)
         if attention is None:  # the paged kernel where it runs compiled: CUDA, a dense pool
-            attention = "triton" if str(loaded.device).startswith("cuda") and fmt is None else "reference"
-        if attention not in ATTENTION or (attention == "triton" and fmt is not None):
+            attention = "triton" if str(loaded.device).startswith("cuda") and self.pool.paged_kernel else "reference"
+        if attention not in ATTENTION or (attention == "triton" and not self.pool.paged_kernel):
             raise ServeError(f"attention={attention!r}: use 'reference' (any store) or 'triton' (the paged kernel, "
                              f"dense pools: full and snapkv)")
         self.attention = attention
@@ -126,7 +126,8 @@ class ServingEngine:
             window_start = seq.prompt_len - min(self.layout.window, seq.prompt_len)
             if seq.fed + n > window_start:
                 observe = max(0, window_start - seq.fed)
-        return Chunk(seq.blocks, seq.tokens[seq.fed:seq.fed + n], seq.fed, seq.stored, observe)
+        return Chunk(seq.blocks, seq.tokens[seq.fed:seq.fed + n], seq.fed, seq.stored, observe,
+                     decode_from=max(0, seq.prompt_len - seq.fed))
 
     def evict(self, seq: Sequence, chunk: Chunk) -> None:
         """The prompt's selection, each KV head's survivors compacted into the first blocks."""
@@ -193,12 +194,12 @@ def make_serving_engine(model, method: str, *, pool_gb=None, block_size=16, devi
 
         model = load_model(model, device=device)
     dtype = next(model.model.parameters()).dtype
-    layout, fmt = layout_for(policy, model.spec, dtype, block_size)
+    layout = layout_for(policy, model.spec, dtype, block_size, str(model.device).startswith("cuda"))
     num_blocks = engine_opts.pop("num_blocks", None)
     reserve_gb = engine_opts.pop("reserve_gb", 2.0)
     if num_blocks is None:
         num_blocks = layout.pool_blocks(pool_bytes(pool_gb, model.device, reserve_gb))
-    return ServingEngine(model, policy, layout, fmt, int(num_blocks), **engine_opts)
+    return ServingEngine(model, policy, layout, int(num_blocks), **engine_opts)
 
 
 def pool_bytes(pool_gb, device, reserve_gb: float) -> float:
