@@ -126,16 +126,23 @@ def test_block_bytes_come_from_the_storage_protocol_as_before(method, params, to
     assert layout.keep == params.get("keep", 1.0) and layout.window == (64 if method == "snapkv" else 0)
 
 
-def test_quests_block_holds_its_pages_bounds_and_kivi_is_refused_naming_what_is_served():
+def test_quest_and_kivi_blocks_weigh_what_their_storage_says():
     from kvlab.policies import make_policy
     from kvlab.serve.methods import layout_for
 
     spec = get_spec("llama-3.1-8b")
     layout = layout_for(make_policy("quest", budget=2048), spec, torch.bfloat16, 16)
     assert layout.bytes_per_block == 16 * 131072 + 32 * 2 * 8 * 128 * 2  # K/V, then a key min and max per layer
-    assert layout.resident_tokens(1000) == 1000  # every block kept
-    with pytest.raises(ServeError, match="kivi.*residual window.*supports full, snapkv, kvq-fp8.*quest"):
-        make_serving_engine("tiny-llama", "kivi")
+    assert layout.resident_tokens(1000) == 1000 and layout.sequence_bytes == 0  # every block kept
+    kivi = layout_for(make_policy("kivi", q_group_size=16), spec, torch.bfloat16, 16)
+    # per token and KV head: 2-bit K and V codes (2 x 32 B), K's scale and zero per channel per group of
+    # 16 (2 x 128 x 2 B / 16), V's per 32 elements (2 x 4 x 2 B)
+    assert kivi.bytes_per_block == 32 * 8 * 16 * (64 + 32 + 16)
+    assert kivi.sequence_bytes == 32 * 2 * 8 * 128 * 2 * (128 + 16 - 1)  # the bf16 tail, outside the blocks
+    with pytest.raises(ServeError, match="kivi key groups of 32 tokens.*block_size=32"):
+        layout_for(make_policy("kivi"), spec, torch.bfloat16, 16)
+    with pytest.raises(ServeError, match="'tova' is not served yet.*supports full, snapkv, kvq-fp8.*quest, kivi"):
+        make_serving_engine("tiny-llama", "tova")
 
 
 def test_block_bytes_and_blocks_per_method():
@@ -200,7 +207,7 @@ def test_abort_frees_blocks_and_stops_events(tiny):
 
 
 @pytest.mark.parametrize("method, params, words", [
-    ("kivi", {}, "supports full, snapkv"),
+    ("tova", {}, "supports full, snapkv"),
     ("quest", {"num_blocks": 4, "page": 32}, "block_size=32"),
     ("full", {"num_blocks": 0}, "pool holds 0 blocks"),
     ("full", {}, "pass pool_gb"),
@@ -232,7 +239,7 @@ def test_predicted_concurrency_is_the_pool_over_a_mean_requests_blocks():
     ({"arrival": "gamma", "burstiness": -1, "rate": 1, "requests": 2, "lengths": FIXED}, "full", "burstiness"),
     ({"arrival": "burst", "requests": 2, "lengths": FIXED, "server": {"block_size": 0}}, "full", "block_size"),
     ({"arrival": "burst", "requests": 2, "lengths": FIXED, "slo": {"ttft": -1}}, "full", "slo.ttft"),
-    ({"arrival": "burst", "requests": 2, "lengths": FIXED}, "kivi", "not served yet"),
+    ({"arrival": "burst", "requests": 2, "lengths": FIXED}, "tova", "not served yet"),
     ({"arrival": "burst", "requests": 2, "lengths": FIXED, "server": {"block_size": 8}}, "quest", "block_size=16"),
 ])
 def test_the_serving_sweep_refuses_bad_params_before_any_model_loads(tmp_path, traffic, method, words):

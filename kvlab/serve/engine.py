@@ -183,7 +183,9 @@ def make_serving_engine(model, method: str, *, pool_gb=None, block_size=16, devi
     """A serving engine over ``model`` (a ``LoadedModel`` or a model name to load) for ``method``.
 
     The pool holds ``pool_gb`` GB of blocks (``num_blocks=`` sets the count instead); on CUDA without
-    either, the GPU's free memory after the weights minus ``reserve_gb`` (default 2) for activations.
+    either, the GPU's free memory after the weights minus ``reserve_gb`` (default 2) for activations and
+    minus what ``max_num_seqs`` requests hold outside their blocks (KIVI's bf16 tails; with ``pool_gb``
+    those are outside the pool).
     ``max_num_seqs`` and ``max_num_batched_tokens`` go to the scheduler; other keywords are the
     method's policy parameters (``keep=0.25`` for snapkv).
     """
@@ -197,8 +199,9 @@ def make_serving_engine(model, method: str, *, pool_gb=None, block_size=16, devi
     layout = layout_for(policy, model.spec, dtype, block_size, str(model.device).startswith("cuda"))
     num_blocks = engine_opts.pop("num_blocks", None)
     reserve_gb = engine_opts.pop("reserve_gb", 2.0)
-    if num_blocks is None:
-        num_blocks = layout.pool_blocks(pool_bytes(pool_gb, model.device, reserve_gb))
+    if num_blocks is None:  # sized from the GPU's free memory: the requests' bytes outside blocks come off first
+        outside = 0 if pool_gb is not None else engine_opts.get("max_num_seqs", 256) * layout.sequence_bytes
+        num_blocks = layout.pool_blocks(pool_bytes(pool_gb, model.device, reserve_gb) - outside)
     return ServingEngine(model, policy, layout, int(num_blocks), **engine_opts)
 
 

@@ -33,6 +33,7 @@ class BlockLayout:
     store: str
     keep: float = 1.0  # prompt fraction kept per KV head after the prefill (1.0: no eviction)
     window: int = 0  # last prompt queries whose attention scores the prompt (evicting methods)
+    sequence_bytes: int = 0  # what a running request holds outside its blocks (KIVI's bf16 tail, at most)
 
     @property
     def evicts(self) -> bool:

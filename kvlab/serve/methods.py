@@ -1,8 +1,11 @@
 """The one place a cache method meets the serving engine: which methods serve, their block layout
 (the storage protocol's paged layout, :func:`kvlab.serve.layout.block_layout`) and the pool that
-stores their blocks (one per storage family: model dtype, a kvq format, Quest's bounds beside)."""
+stores their blocks (one per storage family: model dtype, a kvq format, Quest's bounds beside, KIVI's
+key groups with bf16 tails)."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
@@ -10,24 +13,21 @@ from kvlab.errors import PolicyError
 from kvlab.kernels.formats import parse_format
 from kvlab.models import ModelSpec
 from kvlab.serve import SERVED, block_size_problem
+from kvlab.serve.kivi_pool import KiviPool, tail_bytes
 from kvlab.serve.layout import BlockLayout, block_layout
 from kvlab.serve.pool import DensePool, FormatPool
 from kvlab.serve.quest_pool import QuestPool
 from kvlab.serve.request import ServeError
 from kvlab.storage.base import model_shape
 from kvlab.storage.dense import DenseStorage
+from kvlab.storage.kivi import KiviStorage
 from kvlab.storage.kvq import KVQStorage
 from kvlab.storage.quest import QuestStorage
-
-NOT_SERVED = {  # why a method in the registry has no serving pool yet
-    "kivi": "its per-channel key groups of q_group_size tokens and its bf16 residual window have no paged pool yet",
-}
 
 
 def check_method(method: str) -> None:
     if method not in SERVED:
-        why = f" ({NOT_SERVED[method]})" if method in NOT_SERVED else ""
-        raise ServeError(f"method {method!r} is not served yet{why}: the serving engine supports "
+        raise ServeError(f"method {method!r} is not served yet: the serving engine supports "
                          f"{', '.join(SERVED)} (the others run in kvlab sweep's static batches)")
 
 
@@ -54,7 +54,9 @@ def layout_for(policy, spec: ModelSpec, dtype: torch.dtype, block_size: int, cud
     problem = block_size_problem(storage, block_size)
     if problem:
         raise ServeError(problem)
-    return block_layout(storage, policy.name, spec, dtype.itemsize, block_size)
+    layout = block_layout(storage, policy.name, spec, dtype.itemsize, block_size)
+    outside = SEQUENCE_BYTES.get(type(storage))
+    return replace(layout, sequence_bytes=outside(storage, spec)) if outside else layout
 
 
 def dense_pool(storage, shape, dtype, device):
@@ -69,7 +71,16 @@ def quest_pool(storage: QuestStorage, shape, dtype, device):
     return QuestPool(storage.read, *shape, dtype=dtype, device=device)
 
 
-POOLS = {DenseStorage: dense_pool, KVQStorage: format_pool, QuestStorage: quest_pool}  # storage family -> its pool
+def kivi_pool(storage: KiviStorage, shape, dtype, device):
+    return KiviPool(storage.spec, *shape, dtype=dtype, device=device)
+
+
+def kivi_tails(storage: KiviStorage, spec: ModelSpec) -> int:
+    return tail_bytes(storage.spec, spec.num_layers, spec.num_kv_heads, spec.head_dim)
+
+
+SEQUENCE_BYTES = {KiviStorage: kivi_tails}  # storage family -> bytes a running request holds outside its blocks
+POOLS = {DenseStorage: dense_pool, KVQStorage: format_pool, QuestStorage: quest_pool, KiviStorage: kivi_pool}  # storage family -> its pool
 
 
 def make_pool(policy, spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype, device):

@@ -1,5 +1,6 @@
-"""Quest served over block tables: every block kept, each decode step reading only the selected pages
-(page bounds per block beside the pool), token for token what the static hf engine's Quest decodes."""
+"""Quest and KIVI served over block tables, token for token what the static hf engine decodes: Quest keeps
+every block and reads the selected pages (bounds per block beside the pool); KIVI stores key groups of
+one block each, with each request's bf16 tail beside the pool."""
 
 from __future__ import annotations
 
@@ -61,4 +62,27 @@ def test_quest_in_a_batch_with_chunked_prefill_and_preemption_keeps_each_request
     got = served(engine, ps, 14)
     assert engine.stats()["preemptions_total"] > 0
     assert got == [static_hf(tiny32, "quest", p, 14, **QUEST) for p in ps]
+    assert engine.stats()["blocks_used"] == 0
+
+
+KIVI = {"residual_length": 16, "q_group_size": 16, "value_group": 16}  # groups flush inside the prompt and while decoding
+
+
+def test_kivi_alone_decodes_the_static_hf_engines_tokens_and_frees_its_blocks(tiny32):
+    prompt = prompts(1, n=50)[0]
+    engine = make_serving_engine(tiny32, "kivi", num_blocks=16, block_size=16, **KIVI)
+    got = served(engine, [prompt], 24)[0]
+    assert got == static_hf(tiny32, "kivi", prompt, 24, **KIVI)
+    assert got != static_hf(tiny32, "full", prompt, 24)  # the 2-bit groups change the tokens
+    assert engine.stats()["blocks_used"] == 0
+
+
+def test_kivi_preempted_requests_re_fed_in_one_chunk_keep_their_tokens(tiny32):
+    """Prompts whole in one chunk (the static prefill's exact read); generated tokens re-fed after a
+    preemption are read row by row as their decode steps read them."""
+    ps = prompts(3, n=50)
+    engine = make_serving_engine(tiny32, "kivi", num_blocks=9, block_size=16, max_num_batched_tokens=1024, **KIVI)
+    got = served(engine, ps, 30)
+    assert engine.stats()["preemptions_total"] > 0
+    assert got == [static_hf(tiny32, "kivi", p, 30, **KIVI) for p in ps]
     assert engine.stats()["blocks_used"] == 0
