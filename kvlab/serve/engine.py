@@ -43,7 +43,8 @@ class ServingEngine:
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.spec.name
         dtype = next(model.parameters()).dtype
-        self.pool = make_pool(policy, loaded.spec, num_blocks, layout.block_size, dtype, loaded.device)
+        # one spare block past the allocator's: a captured decode step's padding rows write there
+        self.pool = make_pool(policy, loaded.spec, num_blocks + 1, layout.block_size, dtype, loaded.device)
         self.allocator = BlockAllocator(num_blocks)
         self.scheduler = Scheduler(layout, self.allocator, max_num_seqs, max_num_batched_tokens)
         if attention is None:  # the paged kernel where it runs compiled: CUDA, a dense pool
@@ -52,8 +53,9 @@ class ServingEngine:
             raise ServeError(f"attention={attention!r}: use 'reference' (any store) or 'triton' (the paged kernel, "
                              f"dense pools: full and snapkv)")
         self.attention = attention
-        self.runner = PagedForward(model, self.pool, layout.block_size, attention)
         self.max_model_len = min(loaded.spec.max_context, num_blocks * layout.block_size)
+        self.runner = PagedForward(model, self.pool, layout.block_size, attention,
+                                   max_blocks=layout.blocks_for(self.max_model_len), spare_block=num_blocks)
         self.eos_id = getattr(self.tokenizer, "eos_token_id", None)
         self.seqs: dict[str, Sequence] = {}
         self.finished: dict[str, dict] = {}  # request id -> what the engine knows of it (records read it)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvlab.engine.llama import LlamaFamilyStep, attention_inputs, layer_output, rms_norm, step_inputs
+from kvlab.serve.decode_graphs import DecodeGraphs
 from kvlab.serve.pool import attend, slots_of
 
 
@@ -39,19 +40,27 @@ class Chunk:
 class PagedForward:
     """``forward(chunks) -> logits [len(chunks), V]`` of each chunk's last token."""
 
-    def __init__(self, model, pool, block_size: int, attention: str = "reference"):
+    def __init__(self, model, pool, block_size: int, attention: str = "reference", max_blocks: int = 0,
+                 spare_block: int | None = None):
         self.step = LlamaFamilyStep(model)  # fused q/k/v and gate/up views of the model's own weights
         self.pool = pool
         self.block_size = block_size
         self.device = next(model.parameters()).device
-        self.decode_kernel = None
+        self.decode_kernel = self.graphs = None
         if attention == "triton":  # decode tokens batched through the paged kernel (dense pools)
             from kvlab.serve.paged_triton import paged_decode
 
             self.decode_kernel = paged_decode
+            if spare_block is not None:  # a step of decode tokens only: a CUDA graph per batch bucket
+                self.graphs = DecodeGraphs(self.step, pool, block_size, max_blocks, spare_block, paged_decode)
 
     @torch.no_grad()
     def forward(self, chunks: list[Chunk]) -> torch.Tensor:
+        if self.graphs is not None and all(len(c.tokens) == 1 and c.observe_from is None for c in chunks):
+            bs = self.block_size
+            return self.graphs.decode([c.tokens[0] for c in chunks], [c.start for c in chunks],
+                                      [c.blocks[c.stored // bs] * bs + c.stored % bs for c in chunks],
+                                      [c.blocks for c in chunks], [c.stored + 1 for c in chunks])
         s = self.step
         tokens = torch.tensor([t for c in chunks for t in c.tokens], device=self.device).unsqueeze(1)
         positions = torch.cat([torch.arange(c.start, c.start + len(c.tokens)) for c in chunks]).to(self.device)
