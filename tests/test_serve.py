@@ -241,6 +241,8 @@ def test_predicted_concurrency_is_the_pool_over_a_mean_requests_blocks():
     ({"arrival": "burst", "requests": 2, "lengths": FIXED, "slo": {"ttft": -1}}, "full", "slo.ttft"),
     ({"arrival": "burst", "requests": 2, "lengths": FIXED}, "tova", "not served yet"),
     ({"arrival": "burst", "requests": 2, "lengths": FIXED, "server": {"block_size": 8}}, "quest", "block_size=16"),
+    ({"arrival": "burst", "requests": 2, "lengths": FIXED}, {"method": "kivi", "value_group": 16},
+     "kivi key groups of 32 tokens"),
 ])
 def test_the_serving_sweep_refuses_bad_params_before_any_model_loads(tmp_path, traffic, method, words):
     from kvlab.errors import UserError
