@@ -289,7 +289,7 @@ def test_papermill_bad_parameters_print_kvlabs_line_before_the_traceback(tmp_pat
     assert run.stderr.index("kvlab: error: baseline 'nope' is no method in") < run.stderr.index("Traceback")
 
 
-@pytest.mark.parametrize("notebook", ["sweep", "report"])
+@pytest.mark.parametrize("notebook", ["sweep", "report", "serving"])
 def test_the_names_a_notebook_assigns_are_known_as_its_own(notebook):
     """A rerun in JupyterLab finds them in globals(): they must not read as unknown parameters."""
     import ast

@@ -93,6 +93,26 @@ def test_byte_budget_executes(tmp_path):
     assert [("application/vnd.plotly.v1+json" in o["data"]) for o in outputs[0]] == [False] + [True] * 4
 
 
+@pytest.mark.slow(reason="a Jupyter kernel runs a serving sweep on the tiny model and draws its figures")
+def test_serving_notebook_takes_its_rates_and_trace_from_papermill(tmp_path):
+    trace = tmp_path / "trace.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n0.0,14,3\n0.1,10,2\n0.2,12,3\n")
+    params = tmp_path / "serve.yaml"
+    params.write_text("models: [tiny-llama]\nweights: synthetic\nthreads: 1\nmethods: [full, kvq-fp8]\nctx: [32]\n"
+                      "traffic: {arrival: poisson, rate: [5], requests: 3, lengths: {kind: fixed, input: 8, output: 2},"
+                      " server: {num_blocks: 16, block_size: 4}, slo: {ttft: 10, tpot: 5}}\n")
+    out = tmp_path / "runs"
+    nb, _ = execute("serving", tmp_path, params_file=str(params), out=str(out), rate=[50, 100], trace=str(trace),
+                    method="kvq-fp8 ")
+    rows = [json.loads(line) for line in (out / "serve_runs.jsonl").read_text().splitlines()]
+    assert sorted({r["rate"] for r in rows}) == [50.0, 100.0] and all(r["status"] == "complete" for r in rows)
+    records = [json.loads(line) for line in (out / rows[0]["run"] / "requests.jsonl").read_text().splitlines()]
+    assert sorted(r["input_tokens"] for r in records) == [10, 12, 14]  # the trace's lengths, not the file's 8
+    state = nb.metadata.widgets["application/vnd.jupyter.widget-state+json"]["state"]
+    outputs = [m["state"]["outputs"] for m in state.values() if m["model_name"] == "OutputModel"]
+    assert len(outputs) == 1 and "kvq-fp8" in json.dumps(outputs[0])
+
+
 # The report notebook on CPU-like records runs in tests/test_report.py
 # (test_kvlab_report_on_cpu_records_prints_no_warning): one kernel start covers both.
 

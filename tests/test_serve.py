@@ -12,7 +12,7 @@ import torch
 from kvlab.models import get_spec
 from kvlab.serve import metrics
 from kvlab.serve.engine import Request, ServeError, make_serving_engine
-from kvlab.serve.layout import BlockLayout, dense_token_bytes, format_token_bytes
+from kvlab.serve.layout import BlockLayout
 from kvlab.serve.traffic import MOONCAKE, TrafficError, arrival_times, lognormal_from_mean_p99, parse_traffic
 from kvlab.serve.workload import build_workload, read_trace
 
@@ -103,11 +103,50 @@ def test_trace_file_gives_arrivals_and_lengths(tmp_path):
 
 
 # -- layouts ----------------------------------------------------------------------------------------
-def test_block_bytes_and_blocks_per_method():
-    spec = get_spec("llama-3.1-8b")
-    assert dense_token_bytes(spec, "bfloat16") == 131072  # 2 x 32 x 8 x 128 x 2 B
+@pytest.mark.parametrize("method, params, token_bytes", [
+    ("full", {}, 131072),  # 2 x 32 x 8 x 128 x 2 B: kvlab.budget's element count at bf16
+    ("snapkv", {"keep": 0.25}, 131072),
+    ("kvq-fp8", {}, 2 * 32 * 8 * (128 + 4)),  # the format's codes and float32 scale per token
+    ("kvq-int4", {}, 2 * 32 * 8 * (64 + 2 * 2 * 2)),  # int4-g64: codes, a bf16 scale and zero per 64
+])
+def test_block_bytes_come_from_the_storage_protocol_as_before(method, params, token_bytes):
+    from kvlab.budget import kv_elements_per_token
     from kvlab.kernels.formats import parse_format
-    assert format_token_bytes(spec, parse_format("int4-g64")) == 2 * 32 * 8 * (64 + 2 * 2 * 2)
+    from kvlab.policies import make_policy
+    from kvlab.serve.methods import layout_for
+
+    spec = get_spec("llama-3.1-8b")
+    policy = make_policy(method, **params)
+    layout = layout_for(policy, spec, torch.bfloat16, 16)
+    storage = policy.storage()
+    if storage.kv_format == "model dtype":  # the serving layout's formulas before the storage protocol backed it
+        before = kv_elements_per_token(spec) * 16 // 8
+    else:
+        before = 2 * spec.num_layers * spec.num_kv_heads * parse_format(storage.format).token_bytes(spec.head_dim)
+    assert before == token_bytes and layout.bytes_per_block == 16 * before
+    assert layout.keep == params.get("keep", 1.0) and layout.window == (64 if method == "snapkv" else 0)
+
+
+def test_quest_and_kivi_blocks_weigh_what_their_storage_says():
+    from kvlab.policies import make_policy
+    from kvlab.serve.methods import layout_for
+
+    spec = get_spec("llama-3.1-8b")
+    layout = layout_for(make_policy("quest", budget=2048), spec, torch.bfloat16, 16)
+    assert layout.bytes_per_block == 16 * 131072 + 32 * 2 * 8 * 128 * 2  # K/V, then a key min and max per layer
+    assert layout.resident_tokens(1000) == 1000 and layout.sequence_bytes == 0  # every block kept
+    kivi = layout_for(make_policy("kivi", q_group_size=16), spec, torch.bfloat16, 16)
+    # per token and KV head: 2-bit K and V codes (2 x 32 B), K's scale and zero per channel per group of
+    # 16 (2 x 128 x 2 B / 16), V's per 32 elements (2 x 4 x 2 B)
+    assert kivi.bytes_per_block == 32 * 8 * 16 * (64 + 32 + 16)
+    assert kivi.sequence_bytes == 32 * 2 * 8 * 128 * 2 * (128 + 16 - 1)  # the bf16 tail, outside the blocks
+    with pytest.raises(ServeError, match="kivi key groups of 32 tokens.*block_size=32"):
+        layout_for(make_policy("kivi"), spec, torch.bfloat16, 16)
+    with pytest.raises(ServeError, match="'tova' is not served yet.*supports full, snapkv, kvq-fp8.*quest, kivi"):
+        make_serving_engine("tiny-llama", "tova")
+
+
+def test_block_bytes_and_blocks_per_method():
     snap = BlockLayout("snapkv", 16, 1, "dense", keep=0.25, window=64)
     assert snap.prefill_blocks(1000) == 63 and snap.resident_tokens(1000) == 250
     assert snap.peak_blocks(1000, 300) == max(63, math.ceil(550 / 16))
@@ -169,7 +208,8 @@ def test_abort_frees_blocks_and_stops_events(tiny):
 
 
 @pytest.mark.parametrize("method, params, words", [
-    ("quest", {}, "supports full, snapkv"),
+    ("tova", {}, "supports full, snapkv"),
+    ("quest", {"num_blocks": 4, "page": 32}, "block_size=32"),
     ("full", {"num_blocks": 0}, "pool holds 0 blocks"),
     ("full", {}, "pass pool_gb"),
     ("full", {"num_blocks": 4, "attention": "flash"}, "attention='flash'"),
@@ -200,7 +240,10 @@ def test_predicted_concurrency_is_the_pool_over_a_mean_requests_blocks():
     ({"arrival": "gamma", "burstiness": -1, "rate": 1, "requests": 2, "lengths": FIXED}, "full", "burstiness"),
     ({"arrival": "burst", "requests": 2, "lengths": FIXED, "server": {"block_size": 0}}, "full", "block_size"),
     ({"arrival": "burst", "requests": 2, "lengths": FIXED, "slo": {"ttft": -1}}, "full", "slo.ttft"),
-    ({"arrival": "burst", "requests": 2, "lengths": FIXED}, "quest", "not served yet"),
+    ({"arrival": "burst", "requests": 2, "lengths": FIXED}, "tova", "not served yet"),
+    ({"arrival": "burst", "requests": 2, "lengths": FIXED, "server": {"block_size": 8}}, "quest", "block_size=16"),
+    ({"arrival": "burst", "requests": 2, "lengths": FIXED}, {"method": "kivi", "value_group": 16},
+     "kivi key groups of 32 tokens"),
 ])
 def test_the_serving_sweep_refuses_bad_params_before_any_model_loads(tmp_path, traffic, method, words):
     from kvlab.errors import UserError

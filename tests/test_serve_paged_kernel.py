@@ -41,3 +41,42 @@ def test_the_engine_with_the_paged_kernel_gives_the_reference_tokens(tiny, metho
                 out.setdefault(ev.request_id, []).append(ev.token_id)
         tokens[attention] = out
     assert tokens["triton"] == tokens["reference"] and all(len(v) == 6 for v in tokens["triton"].values())
+
+
+def test_a_decode_batch_takes_the_smallest_bucket_that_holds_it():
+    from kvlab.serve.decode_graphs import BUCKETS, bucket_for
+
+    assert [bucket_for(n) for n in (1, 2, 3, 5, 8, 9, 33, 256)] == [1, 2, 4, 8, 8, 16, 64, 256]
+    assert bucket_for(257) is None  # past the largest: the step runs eagerly
+    assert bucket_for(3, (16, 4)) == 4 and BUCKETS[-1] == 256
+    with pytest.raises(ValueError, match="at least one row"):
+        bucket_for(0)
+
+
+def test_padding_a_decode_step_to_its_bucket_changes_no_real_row_and_writes_only_the_spare_block(tiny):
+    """What a captured bucket runs, eagerly on CPU: the real rows' logits and K/V as unpadded, padding
+    rows writing the spare block only."""
+    from kvlab.serve.decode_graphs import DecodeGraphs
+    from kvlab.serve.engine import Request, make_serving_engine
+
+    engine = make_serving_engine(tiny, "full", num_blocks=8, block_size=4)
+    for i in range(3):
+        engine.add(Request(f"q{i}", list(range(3 + i, 9 + 2 * i)), 4, 0.0))
+    engine.step()  # the prompts in; the next step is decode tokens only
+    seqs = engine.scheduler.running
+    for seq in seqs:  # the decode token's block, as schedule() reserves it
+        assert engine.scheduler.reserve(seq, 1)
+    rows = ([s.tokens[s.fed] for s in seqs], [s.fed for s in seqs],
+            [s.blocks[s.stored // 4] * 4 + s.stored % 4 for s in seqs], [s.blocks for s in seqs],
+            [s.stored + 1 for s in seqs])
+    graphs = DecodeGraphs(engine.runner.step, engine.pool, 4, max_blocks=8, spare_block=8,
+                          kernel=paged_decode_reference)
+    before = engine.pool.k.clone()
+    plain = graphs.run(**graphs.inputs(3, *rows))
+    k_plain = engine.pool.k.clone()
+    engine.pool.k.copy_(before)
+    padded = graphs.run(**graphs.inputs(8, *rows))  # five padding rows
+    torch.testing.assert_close(padded[:3], plain)
+    written = (engine.pool.k != before).any(-1).any(-1).any(0).nonzero().flatten().tolist()  # slots, any layer
+    assert written == sorted(rows[2]) + [32]  # the real rows' new slots, then the spare block's first slot
+    torch.testing.assert_close(engine.pool.k[:, :32], k_plain[:, :32])  # real K/V as the unpadded step wrote

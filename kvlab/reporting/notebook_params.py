@@ -25,6 +25,7 @@ REPORT_PARAMETERS = ("records_dir", "ctx", "baseline", "pattern", "n_boot", "par
 SWEEP_NOTEBOOK_PARAMETERS = ("params_file", "out_dir", *SweepParams.model_fields)
 NOTEBOOK_OWN_NAMES = {
     "sweep": {"params", "folder", "engines"},
+    "serving": {"params", "rows", "df"},
     "report": {"study", "summary", "at", "caption", "parity_file", "methods", "per_ctx", "ctx_caption", "dist",
                "pays", "no_energy", "engines", "rel", "batch", "batch_ctx", "batch_caption", "at_budget", "stack",
                "metric", "metric_title", "gap", "gap_sentence"},

@@ -31,7 +31,7 @@ ATTENTION = ("reference", "triton")
 class ServingEngine:
     """Continuous batching over a block pool (see the module docstring)."""
 
-    def __init__(self, loaded, policy, layout: BlockLayout, fmt, num_blocks: int, *,
+    def __init__(self, loaded, policy, layout: BlockLayout, num_blocks: int, *,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, attention: str | None = None):
         if num_blocks < 1:
             raise ServeError(f"the pool holds {num_blocks} blocks of {layout.bytes_per_block} B: give it more memory "
@@ -43,17 +43,19 @@ class ServingEngine:
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.spec.name
         dtype = next(model.parameters()).dtype
-        self.pool = make_pool(policy, fmt, loaded.spec, num_blocks, layout.block_size, dtype, loaded.device)
+        # one spare block past the allocator's: a captured decode step's padding rows write there
+        self.pool = make_pool(policy, loaded.spec, num_blocks + 1, layout.block_size, dtype, loaded.device)
         self.allocator = BlockAllocator(num_blocks)
         self.scheduler = Scheduler(layout, self.allocator, max_num_seqs, max_num_batched_tokens)
         if attention is None:  # the paged kernel where it runs compiled: CUDA, a dense pool
-            attention = "triton" if str(loaded.device).startswith("cuda") and fmt is None else "reference"
-        if attention not in ATTENTION or (attention == "triton" and fmt is not None):
+            attention = "triton" if str(loaded.device).startswith("cuda") and self.pool.paged_kernel else "reference"
+        if attention not in ATTENTION or (attention == "triton" and not self.pool.paged_kernel):
             raise ServeError(f"attention={attention!r}: use 'reference' (any store) or 'triton' (the paged kernel, "
                              f"dense pools: full and snapkv)")
         self.attention = attention
-        self.runner = PagedForward(model, self.pool, layout.block_size, attention)
         self.max_model_len = min(loaded.spec.max_context, num_blocks * layout.block_size)
+        self.runner = PagedForward(model, self.pool, layout.block_size, attention,
+                                   max_blocks=layout.blocks_for(self.max_model_len), spare_block=num_blocks)
         self.eos_id = getattr(self.tokenizer, "eos_token_id", None)
         self.seqs: dict[str, Sequence] = {}
         self.finished: dict[str, dict] = {}  # request id -> what the engine knows of it (records read it)
@@ -126,7 +128,8 @@ class ServingEngine:
             window_start = seq.prompt_len - min(self.layout.window, seq.prompt_len)
             if seq.fed + n > window_start:
                 observe = max(0, window_start - seq.fed)
-        return Chunk(seq.blocks, seq.tokens[seq.fed:seq.fed + n], seq.fed, seq.stored, observe)
+        return Chunk(seq.blocks, seq.tokens[seq.fed:seq.fed + n], seq.fed, seq.stored, observe,
+                     decode_from=max(0, seq.prompt_len - seq.fed))
 
     def evict(self, seq: Sequence, chunk: Chunk) -> None:
         """The prompt's selection, each KV head's survivors compacted into the first blocks."""
@@ -182,7 +185,9 @@ def make_serving_engine(model, method: str, *, pool_gb=None, block_size=16, devi
     """A serving engine over ``model`` (a ``LoadedModel`` or a model name to load) for ``method``.
 
     The pool holds ``pool_gb`` GB of blocks (``num_blocks=`` sets the count instead); on CUDA without
-    either, the GPU's free memory after the weights minus ``reserve_gb`` (default 2) for activations.
+    either, the GPU's free memory after the weights minus ``reserve_gb`` (default 2) for activations and
+    minus what ``max_num_seqs`` requests hold outside their blocks (KIVI's bf16 tails; with ``pool_gb``
+    those are outside the pool).
     ``max_num_seqs`` and ``max_num_batched_tokens`` go to the scheduler; other keywords are the
     method's policy parameters (``keep=0.25`` for snapkv).
     """
@@ -193,12 +198,13 @@ def make_serving_engine(model, method: str, *, pool_gb=None, block_size=16, devi
 
         model = load_model(model, device=device)
     dtype = next(model.model.parameters()).dtype
-    layout, fmt = layout_for(policy, model.spec, dtype, block_size)
+    layout = layout_for(policy, model.spec, dtype, block_size, str(model.device).startswith("cuda"))
     num_blocks = engine_opts.pop("num_blocks", None)
     reserve_gb = engine_opts.pop("reserve_gb", 2.0)
-    if num_blocks is None:
-        num_blocks = layout.pool_blocks(pool_bytes(pool_gb, model.device, reserve_gb))
-    return ServingEngine(model, policy, layout, fmt, int(num_blocks), **engine_opts)
+    if num_blocks is None:  # sized from the GPU's free memory: the requests' bytes outside blocks come off first
+        outside = 0 if pool_gb is not None else engine_opts.get("max_num_seqs", 256) * layout.sequence_bytes
+        num_blocks = layout.pool_blocks(pool_bytes(pool_gb, model.device, reserve_gb) - outside)
+    return ServingEngine(model, policy, layout, int(num_blocks), **engine_opts)
 
 
 def pool_bytes(pool_gb, device, reserve_gb: float) -> float:

@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from kvlab.engine.llama import LlamaFamilyStep, attention_inputs, layer_output, rms_norm, step_inputs
-from kvlab.serve.pool import slots_of
+from kvlab.serve.decode_graphs import DecodeGraphs
+from kvlab.serve.pool import attend, slots_of
 
 
 @dataclass
@@ -24,7 +24,8 @@ class Chunk:
     """``tokens`` of one request at logical positions ``start..``, stored after its ``stored`` slots.
 
     ``observe_from``: rows from which the post-RoPE queries are kept (an evicting method scores the
-    prompt with its last window of queries); None keeps none.
+    prompt with its last window of queries); None keeps none. ``decode_from``: the first row past the
+    prompt (a decode token, or a generated token re-fed after a preemption): Quest reads those sparsely.
     """
 
     blocks: list[int]
@@ -32,25 +33,34 @@ class Chunk:
     start: int
     stored: int
     observe_from: int | None = None
+    decode_from: int = 0
     queries: list[torch.Tensor] = field(default_factory=list)  # per layer [Hq, w, D], filled by the forward
 
 
 class PagedForward:
     """``forward(chunks) -> logits [len(chunks), V]`` of each chunk's last token."""
 
-    def __init__(self, model, pool, block_size: int, attention: str = "reference"):
+    def __init__(self, model, pool, block_size: int, attention: str = "reference", max_blocks: int = 0,
+                 spare_block: int | None = None):
         self.step = LlamaFamilyStep(model)  # fused q/k/v and gate/up views of the model's own weights
         self.pool = pool
         self.block_size = block_size
         self.device = next(model.parameters()).device
-        self.decode_kernel = None
+        self.decode_kernel = self.graphs = None
         if attention == "triton":  # decode tokens batched through the paged kernel (dense pools)
             from kvlab.serve.paged_triton import paged_decode
 
             self.decode_kernel = paged_decode
+            if spare_block is not None:  # a step of decode tokens only: a CUDA graph per batch bucket
+                self.graphs = DecodeGraphs(self.step, pool, block_size, max_blocks, spare_block, paged_decode)
 
     @torch.no_grad()
     def forward(self, chunks: list[Chunk]) -> torch.Tensor:
+        if self.graphs is not None and all(len(c.tokens) == 1 and c.observe_from is None for c in chunks):
+            bs = self.block_size
+            return self.graphs.decode([c.tokens[0] for c in chunks], [c.start for c in chunks],
+                                      [c.blocks[c.stored // bs] * bs + c.stored % bs for c in chunks],
+                                      [c.blocks for c in chunks], [c.stored + 1 for c in chunks])
         s = self.step
         tokens = torch.tensor([t for c in chunks for t in c.tokens], device=self.device).unsqueeze(1)
         positions = torch.cat([torch.arange(c.start, c.start + len(c.tokens)) for c in chunks]).to(self.device)
@@ -80,9 +90,8 @@ class PagedForward:
             for j, (c, (_, held), lo, hi) in enumerate(zip(chunks, slots, bounds, bounds[1:], strict=False)):
                 if out[j] is not None:
                     continue
-                keys, values = self.pool.read(i, held)  # [Hkv, n_held, D]
                 qc = q[lo:hi, :, 0].transpose(0, 1)  # [Hq, n, D]
-                out[j] = attend(qc, keys, values, s.scaling).transpose(0, 1)
+                out[j] = self.pool.attend(i, qc, held, s.scaling, c.decode_from).transpose(0, 1)
                 if c.observe_from is not None:
                     c.queries.append(qc[:, c.observe_from:])
             attn = layer.self_attn
@@ -104,13 +113,3 @@ def paged_decode_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
                           scale)[:, 0])
     return torch.stack(out)
 
-
-def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-    """``q [Hq, n, D]``, the last ``n`` of the ``m`` held rows being its own: causal over the held K/V
-    ``[Hkv, m, D]`` (earlier held rows are all visible). -> ``[Hq, n, D]``."""
-    n, m = q.shape[1], keys.shape[1]
-    mask = None
-    if n > 1:
-        mask = torch.ones(n, m, dtype=torch.bool, device=q.device).tril(m - n)
-    return F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-                                          attn_mask=mask, scale=scale, enable_gqa=True)[0]

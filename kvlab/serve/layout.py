@@ -10,8 +10,9 @@ Head-adaptive budgets (AdaKV) keep a different count per head; in this layout a 
 head, so a request needs the blocks of its *largest* head and the nominal saving frees nothing
 unless heads are padded to the same count (they are, in the hf engine) or get their own tables.
 
-This is the interface the storage protocol's paged layouts will back: ``bytes_per_block``,
-``prefill_blocks(n)``, ``resident_tokens(n)``, ``blocks_for(tokens)``.
+The bytes come from the storage protocol (:func:`block_layout`: the policy's storage's ``paged``
+layout, one layer's block, times the layers), so a new storage family's blocks weigh what that
+family says, scales and bounds included.
 """
 
 from __future__ import annotations
@@ -19,13 +20,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvlab.budget import DTYPE_BITS, kv_elements_per_token
 from kvlab.models import ModelSpec
 
 
 @dataclass(frozen=True)
 class BlockLayout:
-    """A method's block accounting. ``store`` names the pool kind: ``"dense"`` or a format label."""
+    """A method's block accounting. ``store`` names what a block holds (the storage's ``kv_format``)."""
 
     method: str
     block_size: int
@@ -33,6 +33,7 @@ class BlockLayout:
     store: str
     keep: float = 1.0  # prompt fraction kept per KV head after the prefill (1.0: no eviction)
     window: int = 0  # last prompt queries whose attention scores the prompt (evicting methods)
+    sequence_bytes: int = 0  # what a running request holds outside its blocks (KIVI's bf16 tail, at most)
 
     @property
     def evicts(self) -> bool:
@@ -69,11 +70,11 @@ def predicted_concurrency(layout: BlockLayout, pool_blocks: int, lengths: list[t
     return min(float(len(lengths)), pool_blocks / held)
 
 
-def dense_token_bytes(spec: ModelSpec, dtype_name: str) -> int:
-    """K and V bytes one token adds in the model dtype (``kvlab.budget``'s element count)."""
-    return kv_elements_per_token(spec) * DTYPE_BITS[dtype_name] // 8
-
-
-def format_token_bytes(spec: ModelSpec, fmt) -> int:
-    """K and V bytes one token adds in a ``kvlab.kernels`` format, its scales included."""
-    return 2 * spec.num_layers * spec.num_kv_heads * fmt.token_bytes(spec.head_dim)
+def block_layout(storage, method: str, spec: ModelSpec, element_size: int, block_size: int) -> BlockLayout:
+    """The serving block of ``storage`` (a policy's ``storage()``): its paged layout's block of one
+    layer, over every layer; an evicting prefill policy (``storage.prefill``) gives the prompt
+    fraction kept and the query window that scores it."""
+    paged = storage.paged(spec.num_kv_heads, spec.head_dim, block_size, element_size)
+    evicting = storage.prefill
+    return BlockLayout(method, paged.block_tokens, spec.num_layers * paged.block_bytes, storage.kv_format,
+                       keep=getattr(evicting, "keep", 1.0), window=getattr(evicting, "window_size", 0))

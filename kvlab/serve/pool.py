@@ -2,7 +2,10 @@
 
 Slots are addressed flat: slot ``block * block_size + offset``. ``write`` stores K/V rows at
 slots, ``read`` returns a request's K/V ``[Hkv, n, D]`` in the order of the slots it is given
-(its block table expanded to its stored length). A dense pool holds the model dtype; a format
+(its block table expanded to its stored length), ``attend`` is a chunk's attention over the slots it
+holds (every held slot, causally; a Quest pool reads only the selected pages of its decode rows:
+:mod:`kvlab.serve.quest_pool`). ``paged_kernel``: whether the Triton paged decode reads the pool in
+place (a dense pool). A dense pool holds the model dtype; a format
 pool holds a ``kvlab.kernels`` format's codes and scales and dequantizes on read, so a quantized
 request attends over exactly the bits its blocks store.
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 from collections import deque
 
 import torch
+import torch.nn.functional as F
 
 from kvlab.kernels.formats import KVStore
 from kvlab.kernels.key_offset import KEY_OFFSETS, shifted
@@ -54,8 +58,25 @@ def slots_of(blocks: list[int], start: int, stop: int, block_size: int) -> torch
     return table[idx // block_size] * block_size + idx % block_size
 
 
-class DensePool:
+class Reads:
+    """A pool's attention for one chunk: dense over every slot it holds (the reference of every pool)."""
+
+    paged_kernel = False
+
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def attend(self, layer: int, q: torch.Tensor, held: torch.Tensor, scale: float, decode_from: int) -> torch.Tensor:
+        """``q [Hq, n, D]`` of a chunk whose ``n`` tokens are the last of ``held`` (flat slots, in token
+        order) -> ``[Hq, n, D]``. ``decode_from``: the first row past the prompt (a dense read ignores it)."""
+        keys, values = self.read(layer, held)
+        return attend(q, keys, values, scale)
+
+
+class DensePool(Reads):
     """K and V per layer as ``[slots, Hkv, D]`` in the model dtype."""
+
+    paged_kernel = True
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device):
@@ -74,7 +95,7 @@ class DensePool:
         return self.k[layer, slots].transpose(0, 1), self.v[layer, slots].transpose(0, 1)
 
 
-class FormatPool:
+class FormatPool(Reads):
     """K and V per layer in a ``kvlab.kernels`` format: one ``KVStore`` of batch 1 whose token axis
     is the pool's slots; each token is quantized on its own (its scales are per token)."""
 
@@ -105,3 +126,14 @@ class FormatPool:
                                          for t in (store.codes, store.scale, store.zero)), self.head_dim)
             out.append(picked.dequantize(len(slots))[0].to(self.dtype))
         return out[0], out[1]
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """``q [Hq, n, D]``, the last ``n`` of the ``m`` held rows being its own: causal over the held K/V
+    ``[Hkv, m, D]`` (earlier held rows are all visible). -> ``[Hq, n, D]``."""
+    n, m = q.shape[1], keys.shape[1]
+    mask = None
+    if n > 1:
+        mask = torch.ones(n, m, dtype=torch.bool, device=q.device).tril(m - n)
+    return F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+                                          attn_mask=mask, scale=scale, enable_gqa=True)[0]

@@ -21,6 +21,7 @@ OpenAI-compatible server (``kvlab serve``, vLLM, ...) through kvlab's load gener
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Literal
@@ -197,3 +198,21 @@ def arrival_times(spec: TrafficSpec, rate: float | None) -> list[float] | None:
     if spec.duration_s is not None:
         times = times[times < spec.duration_s]
     return times.tolist()
+
+
+def traffic_sets(rate=None, lengths=None, trace=None, replay: bool = False) -> list[str]:
+    """``--set`` lines for the serving notebook's parameters: ``rate`` (one or a list), ``lengths`` (a
+    ``traffic.lengths`` mapping) or ``trace`` (a CSV or JSONL file: its lengths; with ``replay`` its
+    own arrival times too, in place of the params' arrival process)."""
+    if trace is not None and lengths is not None:
+        raise TrafficError("give trace (a file's lengths) or lengths, not both")
+    if replay and trace is None:
+        raise TrafficError("replay replays a trace file's arrival times: give trace too")
+    sets = [f"traffic.rate={json.dumps(rate)}"] if rate is not None else []
+    if trace is not None:
+        lengths = {"kind": "trace", "path": str(trace)}
+    if lengths is not None:
+        sets.append(f"traffic.lengths={json.dumps(lengths)}")
+    if replay:
+        sets.append("traffic.arrival=trace")
+    return sets

@@ -16,7 +16,7 @@ from kvlab.errors import UserError
 from kvlab.models import ModelError, get_spec
 from kvlab.preflight import compressions, device_problem, shape_problems, weights_problem
 from kvlab.quality import TaskSpec
-from kvlab.serve import SERVED
+from kvlab.serve import SERVED, block_size_problem
 from kvlab.sweep.params import (
     DTYPES,
     MethodVariant,
@@ -260,6 +260,8 @@ def check_params(params: SweepParams, check_device: bool = True,
             for spec in specs:  # e.g. a q_group_size that does not divide the model's head dim
                 policy.check(spec)
             problem = policy.shape_problem(shortest) if shortest else None
+            if serving and params.traffic is not None and not problem:
+                problem = block_size_problem(policy.storage(), params.traffic.server.block_size)
             if problem:
                 raise ValueError(problem)
         except ValueError as err:
