@@ -458,6 +458,11 @@ CASES = [
      "chunk_size must be >= 1, got 0"),
     ("params-kvzip-postfix-negative", SWEEP, params_file({"methods": [{"method": "kvzip", "prev_postfix_size": -1}]}),
      "prev_postfix_size must be >= 0"),
+    ("params-kvzap-surrogate-missing", SWEEP,
+     params_file({"methods": [{"method": "kvzap", "surrogate": "/no/such/kvzap.safetensors"}]}),
+     "surrogate '/no/such/kvzap.safetensors' is not a file"),
+    ("params-kvzap-no-surrogate-for-the-model", SWEEP,
+     params_file({"methods": [{"method": "kvzap"}]}), "no KVzap surrogate is packaged for tiny-llama"),
     # --- every other flag ---------------------------------------------------------------------------------
     ("generate-seed-text", "generate --model smollm2-135m --prompt hi --seed abc", None, "argument --seed"),
     ("generate-window-size-zero", "generate --model smollm2-135m --prompt hi --method snapkv --window-size 0", None,
