@@ -59,9 +59,9 @@ def worker(spec_path: str, out_dir: str) -> None:
             kept = torch.zeros(len(layers), model.config.num_key_value_heads, n, dtype=torch.bool)
             original = type(press).score
 
-            def score(self, module, *args, original=original, kept=kept):
+            def score(self, module, *args, original=original, kept=kept, n=n):
                 scores = original(self, module, *args)
-                n_kept = int(n * (1 - self.compression_ratio))  # ScorerPress.compress
+                n_kept = max(1, int(n * (1 - self.compression_ratio)))  # ScorerPress.compress (compute_n_kept)
                 kept[module.layer_idx].scatter_(-1, scores.topk(n_kept, dim=-1).indices[0], True)
                 return scores
 

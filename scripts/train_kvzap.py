@@ -104,7 +104,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
 
     from kvlab.models import load_model
-    from kvlab.policies.kvzap import packaged, save_surrogate
+    from kvlab.policies.kvzap import save_surrogate
     from kvlab.quality.continuation import stdlib_text
 
     torch.set_num_threads(args.threads)
