@@ -33,7 +33,9 @@ def worker(spec_path: str, out_dir: str) -> None:
     from kvpress.presses.kvzap_press import KVzapConfig, KVzapModel
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(spec["threads"])
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32, attn_implementation="sdpa").eval()
@@ -99,22 +101,26 @@ def main(argv=None) -> None:
     parser.add_argument("--venv", type=Path, default=None, help="default: outputs/kvpress-venv-<--kvpress>")
     parser.add_argument("--kvpress", default="0.5.5")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path, default=None, help="the parity JSON (required)")
     parser.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         worker(*args.worker)
         return
+    if args.out is None:
+        parser.error("--out is required")
 
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     from kvlab.card import cpu_card
     from kvlab.models import converted_gguf, get_spec, smollm2_gguf_path
     from kvlab.policies import make_policy
 
     torch.set_num_threads(args.threads)
+    hf_logging.disable_progress_bar()
     folder = converted_gguf(smollm2_gguf_path())
     tokenizer = AutoTokenizer.from_pretrained(folder)
     prompts = {f"{n}": prompt_ids(tokenizer, n) for n in args.lengths}
