@@ -8,7 +8,7 @@ The setup of ``benchmarks/kvpress_parity.py`` (its virtualenv, model folder, pro
 for one pair: kvpress's ``KVzapPress(model_type="linear", compression_ratio=1 - keep)`` whose
 ``KVzapModel`` is built from kvlab's packaged surrogate file (``post_init_from_model`` overridden: the
 hub's ``nvidia/KVzap-*`` models are not for SmolLM2, and nothing is downloaded) <-> ``kvzap`` with
-``surrogate='auto'`` (the same file). kvpress's kept positions are its own ``ScorerPress`` top-k on the
+``surrogate='auto'`` (the same file), ``n_sink=0, window=0`` (no positions protected, as the bare press). kvpress's kept positions are its own ``ScorerPress`` top-k on the
 scores its press computed (hooked ``score``).
 """
 
@@ -80,7 +80,7 @@ def kvlab_kept(model, ids, keep):
     from kvlab.engine.generation import prefill
     from kvlab.policies import kept_positions, make_policy
 
-    policy = make_policy("kvzap", keep=keep)
+    policy = make_policy("kvzap", keep=keep, n_sink=0, window=0)  # the bare KVzapPress
     started = time.perf_counter()
     with policy.attach(model, warm=False):
         cache = policy.make_cache(model)

@@ -461,6 +461,10 @@ CASES = [
     ("params-kvzap-surrogate-missing", SWEEP,
      params_file({"methods": [{"method": "kvzap", "surrogate": "/no/such/kvzap.safetensors"}]}),
      "surrogate '/no/such/kvzap.safetensors' is not a file"),
+    ("params-kvzap-n-sink-negative", SWEEP, params_file({"methods": [{"method": "kvzap", "n_sink": -1}]}),
+     "n_sink must be >= 0"),
+    ("params-kvzap-window-text", SWEEP, params_file({"methods": [{"method": "kvzap", "window": "all"}]}),
+     "window must be an integer"),
     ("params-kvzap-no-surrogate-for-the-model", SWEEP,
      params_file({"methods": [{"method": "kvzap"}]}), "no KVzap surrogate is packaged for tiny-llama"),
     # --- every other flag ---------------------------------------------------------------------------------

@@ -52,7 +52,7 @@ def selection(lm, policy, ids):
 def test_kvzap_keeps_the_top_k_of_the_linear_surrogate_on_each_attention_input(lm, surrogate_file):
     path, weight, bias = surrogate_file
     ids = torch.randint(3, 500, (2, N), generator=torch.Generator().manual_seed(1))
-    kept = selection(lm, make_policy("kvzap", keep=0.25, surrogate=str(path)), ids)
+    kept = selection(lm, make_policy("kvzap", keep=0.25, surrogate=str(path), n_sink=0), ids)
     inputs = attention_inputs(lm.model, ids)
     n_kept = int(N * 0.25)
     for layer, hidden in enumerate(inputs):
@@ -60,6 +60,18 @@ def test_kvzap_keeps_the_top_k_of_the_linear_surrogate_on_each_attention_input(l
         want = scores.topk(n_kept, dim=-1).indices.sort(dim=-1).values
         assert torch.equal(kept[layer], want)
     assert not torch.equal(kept[0][0, 0], kept[0][0, 1])  # heads choose their own positions
+
+
+def test_sinks_and_window_are_kept_whatever_their_scores(lm, surrogate_file):
+    path, _, _ = surrogate_file
+    ids = torch.randint(3, 500, (1, N), generator=torch.Generator().manual_seed(1))
+    for chunk in (None, 16):
+        kept = selection(lm, make_policy("kvzap", keep=0.25, surrogate=str(path), n_sink=2, window=3,
+                                         prefill_chunk=chunk), ids)
+        for layer in kept:
+            assert layer.shape[-1] == 16
+            for position in (0, 1, N - 3, N - 2, N - 1):
+                assert (layer == position).any(-1).all()
 
 
 def test_chunked_kvzap_keeps_the_one_shot_selection(lm, surrogate_file):

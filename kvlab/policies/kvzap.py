@@ -5,7 +5,10 @@ forwards (kvpress ``KVzapPress`` at 0.5.5, arXiv 2601.07891).
 Rule: layer ``l``'s score of position ``t`` for KV head ``h`` is ``W[l, h] . x_t + b[l, h]``, where
 ``x_t`` is the attention module's input at ``t`` (the decoder layer's hidden state after its
 ``input_layernorm``: kvpress's ``hidden_states`` keyword of ``self_attn``); each layer keeps its
-``floor(n x keep)`` top positions per KV head (kvpress's ``ScorerPress`` top-k). kvpress also prunes by
+``floor(n x keep)`` top positions per KV head (kvpress's ``ScorerPress`` top-k), the first ``n_sink``
+and last ``window`` positions scored above everything (``n_sink=0, window=0`` is kvpress's bare
+``KVzapPress``; KVzip's targets score its sinks above everything, so the surrogate is trained without
+them and never learns to keep them). kvpress also prunes by
 a score threshold (``DMSPress(KVzapPress(), threshold)``, a content-dependent number per head, masked
 rather than freed); kvlab prunes by ``keep`` only. kvpress ships a linear and a 2-layer MLP surrogate;
 kvlab reads linear ones (``W`` ``[L, Hkv, hidden]``, ``b`` ``[L, Hkv]``).
@@ -35,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from kvlab.policies.base import PolicyError, hf_model, model_shape
+from kvlab.policies.base import PolicyError, hf_model, int_param, model_shape
 from kvlab.policies.cache import EvictionError
 from kvlab.policies.eviction import EvictionPolicy
 from kvlab.policies.mixed import mixed_cache
@@ -158,8 +161,14 @@ class HiddenScoresMixin:
 
     def _evict(self, keys, values, n_kept, attn, positions=None) -> None:
         scores = self.position_scores
-        if positions is not None:
-            scores = scores.gather(-1, positions.long().to(scores.device))
+        if positions is None:
+            where = torch.arange(keys.shape[-2], device=scores.device)
+        else:
+            where = positions.long().to(scores.device)
+            scores = scores.gather(-1, where)
+        total = self._stream_length or self.prompt_length
+        protected = (where < self.policy.n_sink) | (where >= total - self.policy.window)
+        scores = torch.where(protected, torch.full_like(scores, float("inf")), scores)
         super()._evict(keys, values, n_kept, scores, positions)
 
 
@@ -169,6 +178,10 @@ class KVzapPolicy(EvictionPolicy):
     name = "kvzap"
     summary = "KVzip's scores predicted from each layer's attention input by a linear surrogate (one matmul)"
 
+    n_sink: int = int_param(4, "first positions always kept (KVzip's sinks, which the surrogate is not trained on; "
+                               "0: kvpress's bare KVzapPress)", minimum=0)
+    window: int = int_param(0, "last prompt positions always kept (kvpress's DMSPress sliding window, 128 there)",
+                            minimum=0)
     surrogate: str = field(default="auto", metadata={
         "help": "'auto' (the packaged surrogate for the model: SmolLM2-135M), a safetensors path written by "
                 "scripts/train_kvzap.py, or 'random' (seeded, for cost runs on synthetic weights)"})
@@ -181,6 +194,13 @@ class KVzapPolicy(EvictionPolicy):
         if self.surrogate not in ("auto", "random") and not Path(self.surrogate).is_file():
             raise PolicyError(f"surrogate {self.surrogate!r} is not a file: pass 'auto', 'random' or the path of "
                               f"a surrogate written by scripts/train_kvzap.py")
+
+    @property
+    def label(self) -> str:
+        text = f"{self.name} {self.keep:.0%}"
+        text += "" if self.n_sink == 4 else f" sinks {self.n_sink}"
+        text += f" window {self.window}" if self.window else ""
+        return self.chunk_label(f"{text} + {self.quant.label}" if self.quant else text)
 
     def score(self, keys, values, attn, layer_idx):
         return attn  # the surrogate's scores at the rows held, [B, Hkv, n]
