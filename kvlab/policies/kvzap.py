@@ -25,7 +25,7 @@ module's forward. Scores depend on one token's hidden state alone, so a chunked 
 position's score from when it arrived and its selection is the one-shot selection (up to ties).
 
 Cost: ``n x hidden x Hkv`` multiply-adds per layer at the prefill (SmolLM2: 576 x 3 per token and
-layer, about 0.1% of its attention projections), and one float32 ``[B, Hkv, n]`` score tensor per
+layer, about 0.2% of its q, k, v and o projections), and one float32 ``[B, Hkv, n]`` score tensor per
 layer while the prompt streams in.
 """
 
