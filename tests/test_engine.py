@@ -22,6 +22,8 @@ def _kwargs(method, keep=0.25, window=8):
     kw = {"keep": keep}
     if method in ("snapkv", "pyramidkv"):
         kw["window_size"] = window
+    if method == "kvzap":  # no surrogate is trained for a random model
+        kw["surrogate"] = "random"
     return kw
 
 

@@ -11,7 +11,7 @@ from kvlab.policies import POLICIES, Policy, PolicyError, make_policy
 from kvlab.policies.pyramidkv import pyramid_budget
 from kvlab.policies.quantized import storage
 
-EVICTION = ["streamingllm", "snapkv", "pyramidkv", "tova", "knorm", "random", "expected_attention", "kvzip", "adakv"]
+EVICTION = ["streamingllm", "snapkv", "pyramidkv", "tova", "knorm", "random", "expected_attention", "kvzip", "kvzap", "adakv"]
 QUANTIZED = ["quanto", "hqq", "fp8", "kvq-fp8", "kvq-int4", "kvq-int2"]
 HAS_FP8 = Version(storage.installed_version("transformers")) >= Version(storage.FP8_MIN_TRANSFORMERS)
 needs_fp8 = pytest.mark.skipif(not HAS_FP8, reason="transformers < 5.21 has no fp8 cache")

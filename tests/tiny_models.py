@@ -40,6 +40,8 @@ def registry_kwargs(name: str, pyramid_beta: int | None = None) -> dict:
             kw["window_size"] = 8
         if "beta" in knobs and pyramid_beta is not None:
             kw["beta"] = pyramid_beta
+        if name == "kvzap":  # no surrogate is trained for a random model
+            kw["surrogate"] = "random"
     elif issubclass(cls, QuantizedPolicy) and "q_group_size" in knobs:
         kw["q_group_size"] = 32
     elif name == "kvq-rot":  # its format's groups must divide head_dim 32

@@ -32,6 +32,7 @@ from kvlab.policies.eviction import EvictionPolicy
 from kvlab.policies.expected_attention import ExpectedAttentionPolicy
 from kvlab.policies.full import FullPolicy
 from kvlab.policies.knorm import KnormPolicy
+from kvlab.policies.kvzap import KVzapPolicy
 from kvlab.policies.kvzip import KVzipPolicy
 from kvlab.policies.pyramidkv import PyramidKVPolicy
 from kvlab.policies.quantized import QuantizedPolicy, QuantSpec
@@ -58,7 +59,7 @@ POLICIES: dict[str, type[Policy]] = {
     cls.name: cls
     for cls in (FullPolicy, StreamingLLMPolicy, SnapKVPolicy, PyramidKVPolicy, TOVAPolicy, KnormPolicy,
                 RandomPolicy, QuantoPolicy, HQQPolicy, FP8Policy, KVQFp8Policy, KVQInt4Policy, KVQInt2Policy,
-                DecodingPolicy, ExpectedAttentionPolicy, KVzipPolicy, AdaKVPolicy)
+                DecodingPolicy, ExpectedAttentionPolicy, KVzipPolicy, KVzapPolicy, AdaKVPolicy)
 }
 POLICIES.update(storage_policies(KiviStorage, QuestStorage, Nvfp4Storage, TurboQuantStorage, RotatedKVQStorage))  # methods that are a storage alone
 
