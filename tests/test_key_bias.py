@@ -117,3 +117,18 @@ def test_a_sweep_dry_run_warns_per_model(biased_folder, tmp_path, capsys):
                    f"(|k_proj.bias| up to 300, layers 0) and kvq int4-g64 quantizes keys per token without a key "
                    f"offset: expect garbage output; use kvq-int4/kvq-fp8 with key_offset=prompt-mean (their "
                    f"default) or kivi (per-channel keys)"]
+
+
+def test_a_line_printed_before_the_load_is_not_warned_again_after_it(biased_folder, capsys):
+    from kvlab.models import load_model
+    from kvlab.preflight import print_warnings
+
+    policy = make_policy("kvq-int4", key_offset="none")
+    loaded = load_model(str(biased_folder))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        policy.check(loaded.model)  # no preflight: the loaded model's check warns
+        print_warnings("kvlab x", outlier_keys_warnings(str(biased_folder), None, [policy]))
+        policy.check(loaded.model)
+    assert [str(w.message)[:36] for w in seen] == ["this model has outlier key channels "]
+    assert capsys.readouterr().err.startswith("kvlab x: warning: this model has outlier key channels")
