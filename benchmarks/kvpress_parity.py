@@ -183,6 +183,16 @@ def jaccard(a, b):
     return inter / union
 
 
+def masks_folder(kvpress: str) -> str:
+    """Where the worker's masks for ``kvpress`` live: ``kvpress-<version>-<digest of the worker's source>``
+    (a mask made by an older worker, e.g. one that captured KVzip's scores before 0.5.5's sink
+    protection, is never compared again)."""
+    import hashlib
+    import inspect
+
+    return f"kvpress-{kvpress}-{hashlib.sha256(inspect.getsource(worker).encode()).hexdigest()[:12]}"
+
+
 def ensure_venv(venv: Path, kvpress: str) -> Path:
     import torch
 
@@ -236,9 +246,11 @@ def main(argv=None) -> None:
     spec = {"model": str(folder), "prompts": prompts, "keeps": args.keeps, "methods": args.methods,
             "threads": args.threads}
     (work / "spec.json").write_text(json.dumps(spec))
-    # kvpress's kept masks, one file per (tokens, keep, method) under outputs/kvpress-parity/kvpress/:
-    # a rerun computes only what is missing (delete the folder after changing the model or prompt text)
-    subprocess.run([str(python), __file__, "--worker", str(work / "spec.json"), str(work / "kvpress")], check=True)
+    # kvpress's kept masks, one file per (tokens, keep, method) under outputs/kvpress-parity/<masks_folder>:
+    # a rerun computes only what is missing (delete the folder after changing the model or prompt text);
+    # the folder is keyed by kvpress's version and the worker's code, so neither reuses stale masks
+    masks = work / masks_folder(args.kvpress)
+    subprocess.run([str(python), __file__, "--worker", str(work / "spec.json"), str(masks)], check=True)
     with subprocess.Popen([str(python), "-c", "import kvpress, transformers; "
                            "print(kvpress.__version__ if hasattr(kvpress, '__version__') else '', transformers.__version__)"],
                           stdout=subprocess.PIPE, text=True) as proc:
@@ -258,7 +270,7 @@ def main(argv=None) -> None:
                 if (int(name), keep, method) in measured:
                     continue
                 ours, seconds = kvlab_kept(model, ids_t, keep, method)
-                other = torch.load(work / "kvpress" / f"{name}|{keep}|{method}.pt")
+                other = torch.load(masks / f"{name}|{keep}|{method}.pt")
                 j = jaccard(ours, other["kept"])
                 rows.append({
                     "tokens": int(name), "keep": keep, "method": method,

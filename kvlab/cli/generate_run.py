@@ -19,6 +19,8 @@ from kvlab.policies.quantized import BACKENDS, DEFAULT_BACKEND
 from kvlab.preflight import (
     compressions,
     device_problem,
+    outlier_keys_warnings,
+    print_warnings,
     read_text_file,
     require,
     shape_problems,
@@ -143,6 +145,7 @@ def generate(args) -> int:
     policy.check(spec)
     _check_args(args, spec, policy)
     text = _prompt_text(args)
+    print_warnings("kvlab generate", outlier_keys_warnings(args.model, args.weights, [policy]))
     if args.engine == "fast":
         check_model_type(spec.model_type)
         policy.storage()  # formats the fast engine cannot store fail here, before the load

@@ -15,7 +15,15 @@ from kvlab.engine.engines import make_engine
 from kvlab.errors import UserError
 from kvlab.policies import POLICIES, make_policy
 from kvlab.policies.base import check_prefill_chunk
-from kvlab.preflight import check_out_dir, device_problem, require, shape_problems, weights_problem
+from kvlab.preflight import (
+    check_out_dir,
+    device_problem,
+    outlier_keys_warnings,
+    print_warnings,
+    require,
+    shape_problems,
+    weights_problem,
+)
 from kvlab.quality.notes import quality_notes, summarize
 from kvlab.quality.run import run_quality
 from kvlab.quality.spec import items_problem
@@ -99,6 +107,7 @@ def check_args(args, spec):
 def quality(args, spec) -> int:
     """``kvlab quality``: checks before the load, then the pass, its summary and notes."""
     spec, policies, out = check_args(args, spec)  # before the model loads
+    print_warnings("kvlab quality", outlier_keys_warnings(args.model, args.weights, policies))
     require(items_problem(spec, models.load_tokenizer(args.model), args.model))  # the tokenizer alone
     loaded = models.load_model(args.model, weights=args.weights, device=args.device, dtype=args.dtype, seed=args.seed)
     quantize_weights(loaded.model, args.weights_quant)

@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 from kvlab.cli import EXIT_USAGE, STATUS_EXIT
-from kvlab.preflight import check_out_dir
-from kvlab.sweep.checks import params_notes
+from kvlab.preflight import check_out_dir, print_warnings
+from kvlab.sweep.checks import outlier_keys_lines, params_notes
 from kvlab.sweep.lock import SweepLocked
 from kvlab.sweep.params import EXECUTORS, load_params, method_variants
 from kvlab.sweep.plan import count_by, planned_runs
@@ -40,9 +40,12 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def print_notes(params) -> None:
+def print_notes(params, join: bool = True) -> None:
+    """The plan's notes and the outlier-key warnings (``join=False``: a dry run joins no split preset)."""
     for note in params_notes(params):
         print(f"kvlab sweep: note: {note}", file=sys.stderr)
+    for model, lines in outlier_keys_lines(params, join).items():
+        print_warnings("kvlab sweep", lines, where=f"models {model}")
 
 
 def run(args) -> int:
@@ -57,7 +60,7 @@ def run(args) -> int:
     if args.dry_run:
         check_out_dir(out, flag, create=False)
         todo = planned_runs(params, out if out.is_dir() else None, check_device=False)
-        print_notes(params)
+        print_notes(params, join=False)
         if not params.perf:
             quality = params.quality or {}
             print(f"{out}: 0 runs to do (perf: false); the quality pass runs {len(method_variants(params))} "

@@ -150,6 +150,11 @@ class Policy:
     def check(self, model) -> None:
         """Raise :class:`PolicyError` if this policy cannot run on ``model`` (cheap, no tensors)."""
 
+    def stores_keys_per_token(self) -> bool:
+        """Whether each token's keys are quantized with one range and no key offset (a model with
+        outlier key channels breaks that; the preflight warns)."""
+        return False
+
     def shape_problem(self, ctx: int) -> str | None:
         """Why this policy would fail, or silently become another method, on a ``ctx``-token prompt
         (a plan's shortest is asked before any load); None when it runs as written."""

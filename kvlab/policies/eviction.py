@@ -17,6 +17,7 @@ import torch
 
 from kvlab.policies.base import Policy, check_keep, hf_model, model_shape
 from kvlab.policies.cache import EvictingLayer, EvictionCache
+from kvlab.policies.quantized.key_outliers import warn_per_token_keys
 from kvlab.policies.quantized.storage import QuantSpec
 from kvlab.storage import attention
 from kvlab.storage.dense import DenseStorage
@@ -85,6 +86,11 @@ class EvictionPolicy(Policy):
         shape.check_full_attention(f"{self.name} evicts")
         if self.quant:
             self.quant.check(shape)
+        if self.stores_keys_per_token():
+            warn_per_token_keys(model, self.label)
+
+    def stores_keys_per_token(self) -> bool:
+        return self.quant is not None and self.quant.impl.per_token_keys(self.quant)
 
     def prepare(self, model) -> None:
         if self.needs_attention:

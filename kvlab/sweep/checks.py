@@ -14,7 +14,13 @@ from kvlab.budget import context_problem
 from kvlab.engine import check_model_type
 from kvlab.errors import UserError
 from kvlab.models import ModelError, get_spec
-from kvlab.preflight import compressions, device_problem, shape_problems, weights_problem
+from kvlab.preflight import (
+    compressions,
+    device_problem,
+    outlier_keys_warnings,
+    shape_problems,
+    weights_problem,
+)
 from kvlab.quality import TaskSpec
 from kvlab.serve import SERVED, block_size_problem
 from kvlab.sweep.params import (
@@ -134,6 +140,20 @@ def params_notes(params: SweepParams) -> list[str]:
             if note:
                 notes.append(note)
     return notes
+
+
+def outlier_keys_lines(params: SweepParams, join: bool = True) -> dict[str, list[str]]:
+    """Model -> the preflight's outlier-key warnings for every method variant that quantizes keys per
+    token without a key offset (:func:`kvlab.preflight.outlier_keys_warnings`)."""
+    from kvlab.policies import make_policy  # torch: a params file is read and parsed without it
+
+    policies = []
+    for _, v in method_variants(params):
+        try:
+            policies.append(make_policy(v.method, **v.kwargs))
+        except ValueError:
+            pass  # check_params reports it
+    return {name: outlier_keys_warnings(name, params.weights, policies, join) for name in params.models}
 
 
 def check_params(params: SweepParams, check_device: bool = True,

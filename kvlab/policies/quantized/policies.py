@@ -48,8 +48,11 @@ class QuantizedPolicy(Policy):
 
     def check(self, model) -> None:
         self.spec.check(model_shape(model))
-        if self.spec.impl.per_token_keys(self.spec):
+        if self.stores_keys_per_token():
             warn_per_token_keys(model, self.label)
+
+    def stores_keys_per_token(self) -> bool:
+        return self.spec.impl.per_token_keys(self.spec)
 
     def warmup(self, model) -> None:
         self.spec.warmup(model)
