@@ -18,7 +18,7 @@ import lzma
 from pathlib import Path
 
 LIMIT = 20_000
-RECORDS_LIMIT = 150_000
+RECORDS_LIMIT = 30_000
 ALWAYS = {"timelines.jsonl", "warmup.jsonl"}
 NEVER = {"manifest.json", "parity.json"}
 SIZED = {".json", ".jsonl", ".ipynb", ".log", ".txt"}
