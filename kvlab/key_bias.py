@@ -4,7 +4,7 @@ warning a store that quantizes keys per token gets.
 Why: a large k_proj bias (Qwen2's reaches 354 in layer 0) gives a few key channels a large, nearly
 constant offset; a store that quantizes each token's keys with one range (kvq without a key offset,
 quanto/hqq along head_dim, transformers' fp8) then loses the quiet channels and the model answers
-garbage (reports/cpu-qwen-kvq-2026-12-07). The bias tensors alone tell, so the preflight reads just
+garbage. The bias tensors alone tell, so the preflight reads just
 them from the weight files (one safetensors tensor at a time, or the GGUF's tensors through its
 memory-mapped header) before any model loads.
 """
