@@ -157,12 +157,17 @@ def kvlab_policy(keep, method):
 
 
 def kvlab_kept(model, ids, keep, method):
+    """kvlab's kept masks ``[L, H, n]`` for a parity row, and the prefill's seconds."""
+    return policy_kept(model, ids, kvlab_policy(keep, method))
+
+
+def policy_kept(model, ids, policy):
+    """``policy``'s kept masks ``[L, H, n]`` after a prefill of ``ids``, and its seconds."""
     import torch
 
     from kvlab.engine.generation import prefill
     from kvlab.policies import kept_positions
 
-    policy = kvlab_policy(keep, method)
     started = time.perf_counter()
     with policy.attach(model, warm=False):
         cache = policy.make_cache(model)

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvpress_parity import ensure_venv, jaccard, prompt_ids
+from kvpress_parity import ensure_venv, jaccard, policy_kept, prompt_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -75,23 +75,11 @@ def worker(spec_path: str, out_dir: str) -> None:
 
 
 def kvlab_kept(model, ids, keep):
-    import torch
-
-    from kvlab.engine.generation import prefill
-    from kvlab.policies import kept_positions, make_policy
+    from kvlab.policies import make_policy
 
     policy = make_policy("kvzap", keep=keep, n_sink=0, window=0)  # the bare KVzapPress
-    started = time.perf_counter()
-    with policy.attach(model, warm=False):
-        cache = policy.make_cache(model)
-        prefill(model, ids, cache)
-    n = ids.shape[1]
-    masks = []
-    for kept in kept_positions(cache):
-        mask = torch.zeros(kept.shape[1], n, dtype=torch.bool)
-        mask.scatter_(-1, kept[0], True)
-        masks.append(mask)
-    return torch.stack(masks), time.perf_counter() - started, policy.params()
+    masks, seconds = policy_kept(model, ids, policy)
+    return masks, seconds, policy.params()
 
 
 def main(argv=None) -> None:

@@ -49,6 +49,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernel_timing import graph_of  # noqa: E402
 
 
 class MinimalStep:
@@ -120,19 +122,7 @@ class MinimalStep:
 
 def capture(fn, device):
     """``fn`` captured in a CUDA graph after 3 warm-up calls on a side stream (None on CPU)."""
-    if not str(device).startswith("cuda"):
-        return None
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    torch.cuda.synchronize()
-    return graph
+    return graph_of(fn, device) if str(device).startswith("cuda") else None
 
 
 class Runner:

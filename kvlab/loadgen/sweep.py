@@ -6,15 +6,13 @@ Prompts are seeded token ids of the drawn lengths (no tokenizer needed on the cl
 
 from __future__ import annotations
 
-import json
-import time
-import traceback
 from pathlib import Path
 
 from kvlab.errors import UserError
 from kvlab.loadgen.run import run_load
 from kvlab.loadgen.trace import items_from_workload
 from kvlab.models import get_spec
+from kvlab.serve.sweep_rows import append_row, failure
 from kvlab.serve.workload import build_workload
 
 
@@ -42,11 +40,6 @@ def run_target_sweep(params, out_dir, *, log=print) -> list[dict]:
                                slo=traffic.slo.as_dict() if traffic.slo else None)
                 row.update(status=res.status, **res.card, **res.metrics)
             except Exception as err:  # a failed run is recorded, the sweep goes on
-                row.update(status="failed", error=f"{type(err).__name__}: {err}",
-                           traceback=traceback.format_exc(limit=5))
-            row["finished_at"] = time.time()
-            rows.append(row)
-            with open(out / "serve_runs.jsonl", "a") as f:
-                f.write(json.dumps(row) + "\n")
-            log(f"{label}: {row['status']}")
+                row.update(failure(err))
+            append_row(out, rows, row, log)
     return rows

@@ -9,9 +9,6 @@ that fails is recorded with its error and the sweep goes on.
 
 from __future__ import annotations
 
-import json
-import time
-import traceback
 from pathlib import Path
 
 import torch
@@ -20,6 +17,7 @@ from kvlab.card import device_card
 from kvlab.records import canonical_json
 from kvlab.serve.engine import make_serving_engine
 from kvlab.serve.run import run_workload
+from kvlab.serve.sweep_rows import append_row, failure
 from kvlab.serve.workload import build_workload
 from kvlab.sweep.checks import check_params
 from kvlab.sweep.params import SweepParams
@@ -68,11 +66,7 @@ def run_serving_sweep(params: SweepParams, out_dir, *, loader=None, log=print) -
                                    bytes_per_block=engine.layout.bytes_per_block, **res["metrics"])
                         del engine
                     except Exception as err:  # a failed run is recorded, the sweep goes on
-                        row.update(status="failed", error=f"{type(err).__name__}: {err}",
-                                   traceback=traceback.format_exc(limit=5))
-                    row["finished_at"] = time.time()
-                    rows.append(row)
-                    with open(out / "serve_runs.jsonl", "a") as f:
-                        f.write(json.dumps(row) + "\n")
-                    log(f"{label}: {row['status']}")
+                        row.update(failure(err))
+                    append_row(out, rows, row, log)
     return rows
+
