@@ -259,8 +259,7 @@ class KVQBackend(QuantBackend):
         return format_label("fp8") if spec.nbits == 8 else format_label(f"int{spec.nbits}", spec.q_group_size)
 
     def label(self, spec: QuantSpec) -> str:
-        offset = "" if spec.key_offset == "none" else f" (keys - {spec.key_offset})"
-        return f"kvq {self.format_label(spec)}{offset}"
+        return kvq_label(self.format_label(spec), spec.key_offset)
 
     def params(self, spec: QuantSpec) -> dict[str, Any]:
         """The storage's record params; ``key_offset`` only when one is subtracted, so the runs of the
@@ -294,6 +293,11 @@ class KVQBackend(QuantBackend):
         """The same format (the key offset goes beside it, :meth:`QuantSpec.storage`): both engines
         hold the same codes."""
         return self.format_label(spec)
+
+
+def kvq_label(fmt: str, key_offset: str) -> str:
+    """A kvq store's label: ``kvq int4-g64``, plus the key offset it subtracts (``(keys - prompt-mean)``)."""
+    return f"kvq {fmt}" if key_offset == "none" else f"kvq {fmt} (keys - {key_offset})"
 
 
 class EvictingKVQLayer(EvictionMixin, KVQLayer):
@@ -418,8 +422,7 @@ class QuantSpec:
         layers do not run there). A storage with no fast store (hqq) keeps its own label: the fast
         engine refuses it before any record names it."""
         try:
-            offset = "" if self.key_offset == "none" else f" (keys - {self.key_offset})"
-            return f"kvq {self.fast_format()}{offset}"
+            return kvq_label(self.fast_format(), self.key_offset)
         except PolicyError:
             return self.label
 
