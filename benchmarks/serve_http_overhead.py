@@ -61,6 +61,7 @@ def main() -> None:
                       log_path=out / "server.log") as url:
         for repeat in range(args.repeats):
             engine = make_serving_engine(loaded, args.method, pool_gb=args.pool_gb)
+            engine.warm_up()  # as kvlab serve warms its engine at startup
             local = run_workload(engine, workload, out / f"inprocess-{repeat}")["metrics"]
             http = run_load(url, items, out / f"http-{repeat}").metrics
             for name, m in (("inprocess", local), ("http", http)):

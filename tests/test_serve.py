@@ -176,6 +176,20 @@ def test_every_request_gets_exactly_its_tokens_and_all_blocks_come_back(tiny, me
     assert stats["blocks_used"] == 0 and stats["blocks_free"] == stats["blocks_total"] == 12
 
 
+@pytest.mark.parametrize("method, params", [("full", {}), ("snapkv", {"keep": 0.25, "window_size": 4})])
+def test_a_warm_up_leaves_no_trace_and_changes_no_token(tiny, method, params):
+    def tokens(warm: bool):
+        engine = make_serving_engine(tiny, method, num_blocks=12, max_num_batched_tokens=24, **params)
+        if warm:
+            engine.warm_up()
+            assert engine.stats()["blocks_used"] == 0 and engine.timeline == [] and engine.finished == {}
+            assert engine.seqs == {} and not engine.has_work()
+        engine.add(Request("q", list(range(30, 60)), 5, 0.0))
+        return [e.token_id for e in drain(engine)["q"]], len(engine.timeline)
+
+    assert tokens(True) == tokens(False)
+
+
 def test_eviction_compacts_survivors_into_fewer_blocks(tiny):
     engine = make_serving_engine(tiny, "snapkv", num_blocks=20, block_size=4, keep=0.25, window_size=4)
     engine.add(Request("a", list(range(40)), 5, 0.0))

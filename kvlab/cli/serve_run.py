@@ -52,6 +52,7 @@ def serve(args) -> int:
     logging.basicConfig(level=logging.INFO, format="kvlab serve: %(message)s")
     loaded = models.load_model(config.model, weights=config.weights, device=config.device)
     engine = make_serving_engine(loaded, config.method, **config.engine_options(), **config.policy)
+    engine.warm_up()
     counter = nvml_reader(config.device) if config.device.startswith("cuda") else None
     app = make_app(engine, method=config.method, energy_j=counter.read if counter else (lambda: None),
                    max_in_flight=config.max_in_flight)

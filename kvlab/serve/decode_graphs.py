@@ -75,6 +75,16 @@ class DecodeGraphs:
         graph.replay()
         return logits[:n]
 
+    def capture_upto(self, max_batch: int) -> None:
+        """Capture every bucket a step of up to ``max_batch`` rows replays (CUDA only), so that no
+        measured step pays for a capture."""
+        if self.device.type != "cuda":
+            return
+        top = bucket_for(max_batch, self.buckets) or max(self.buckets)
+        for bucket in sorted(self.buckets):
+            if bucket <= top and bucket not in self.graphs:
+                self.graphs[bucket] = self.capture(bucket)
+
     def capture(self, bucket: int) -> tuple:
         static = self.inputs(bucket, [], [], [], [], [])  # every row padding: the spare block
         side = torch.cuda.Stream(self.device)

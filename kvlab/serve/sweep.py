@@ -2,7 +2,8 @@
 
 Checks everything before a model loads (``kvlab.sweep.checks.check_params(serving=True)``: models,
 methods and their parameters, the traffic block). Repeats are the outer loop and methods the inner
-one, so the methods alternate (ABAB) at every rate. Each run writes its own folder
+one, so the methods alternate (ABAB) at every rate. Each run's engine is warmed up first (compiles and
+CUDA graph captures, :meth:`ServingEngine.warm_up`), outside its clock. Each run writes its own folder
 (``run.json``, ``requests.jsonl``, ``timeline.jsonl``) and one row to ``serve_runs.jsonl``; a run
 that fails is recorded with its error and the sweep goes on.
 """
@@ -60,6 +61,7 @@ def run_serving_sweep(params: SweepParams, out_dir, *, loader=None, log=print) -
                             device=params.device, max_num_seqs=server.max_num_seqs,
                             max_num_batched_tokens=server.max_num_batched_tokens,
                             **({"num_blocks": server.num_blocks} if server.num_blocks else {}), **v.kwargs)
+                        engine.warm_up()  # compiles and graph captures stay out of the measured run
                         res = run_workload(engine, workload, out / label, meta=row,
                                            slo=traffic.slo.as_dict() if traffic.slo else None)
                         row.update(status=res["status"], blocks_total=engine.allocator.total,
