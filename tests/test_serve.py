@@ -306,6 +306,27 @@ def test_the_serving_sweep_runs_every_method_and_rate_and_records_them(tmp_path,
     assert bool(figures.energy_vs_rate(df).data) == bool(windowed.any())
 
 
+def test_a_rerun_of_the_serving_sweep_measures_only_what_is_not_complete(tmp_path, tiny):
+    from kvlab.serve.sweep import run_serving_sweep
+    from kvlab.sweep.params import parse_params
+
+    params = parse_params({"models": "tiny-llama", "weights": "synthetic", "methods": ["full"], "ctx": [32],
+                           "traffic": {"arrival": "burst", "requests": 2,
+                                       "lengths": {"kind": "fixed", "input": 8, "output": 2},
+                                       "server": {"num_blocks": 8, "block_size": 4}}, "repeats": 2})
+    sweep = lambda: run_serving_sweep(params, tmp_path, loader=lambda *a, **k: tiny, log=lambda s: None)  # noqa: E731
+    first = sweep()
+    assert [r["status"] for r in first] == ["complete", "complete"]
+    log = tmp_path / "serve_runs.jsonl"
+    assert sweep() == first and len(log.read_text().splitlines()) == 2  # nothing measured again
+    # the second run cut short: its row says incomplete (a torn line after it); a rerun measures it again
+    cut = {**first[1], "status": "incomplete"}
+    log.write_text(json.dumps(first[0]) + "\n" + json.dumps(cut) + "\n{torn")
+    again = sweep()
+    assert [(r["run"], r["status"]) for r in again] == [(first[0]["run"], "complete"), (first[1]["run"], "complete")]
+    assert (tmp_path / f"{first[1]['run']}.unfinished-1" / "run.json").exists()  # the cut run's files kept
+
+
 def test_crossover_is_the_lowest_rate_from_which_a_method_stays_at_or_below_full():
     import pandas as pd
 

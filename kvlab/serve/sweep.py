@@ -5,7 +5,8 @@ methods and their parameters, the traffic block). Repeats are the outer loop and
 one, so the methods alternate (ABAB) at every rate. Each run's engine is warmed up first (compiles and
 CUDA graph captures, :meth:`ServingEngine.warm_up`), outside its clock. Each run writes its own folder
 (``run.json``, ``requests.jsonl``, ``timeline.jsonl``) and one row to ``serve_runs.jsonl``; a run
-that fails is recorded with its error and the sweep goes on.
+that fails is recorded with its error and the sweep goes on. Rerun into the same folder, it measures
+only the runs not yet complete there (an unfinished run's folder is set aside, not overwritten).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from kvlab.card import device_card
 from kvlab.records import canonical_json
 from kvlab.serve.engine import make_serving_engine
 from kvlab.serve.run import run_workload
-from kvlab.serve.sweep_rows import append_row, failure
+from kvlab.serve.sweep_rows import append_row, failure, finished_rows, set_aside
 from kvlab.serve.workload import build_workload
 from kvlab.sweep.checks import check_params
 from kvlab.sweep.params import SweepParams
@@ -42,7 +43,8 @@ def run_serving_sweep(params: SweepParams, out_dir, *, loader=None, log=print) -
     out.mkdir(parents=True, exist_ok=True)
     if params.threads is not None:
         torch.set_num_threads(params.threads)
-    rows = []
+    rows = finished_rows(out)  # a rerun continues: runs already complete are kept, not measured again
+    done = {row["run"] for row in rows}
     for model_name in params.models:
         loaded = (loader or load_model)(model_name, weights=params.weights, device=params.device,
                                         dtype=params.dtype, seed=params.seed)
@@ -52,6 +54,9 @@ def run_serving_sweep(params: SweepParams, out_dir, *, loader=None, log=print) -
                 workload = build_workload(spec, rate, loaded.tokenizer, loaded.spec.vocab_size)
                 for _, v in variants:
                     label = run_label(model_name, v.method, v.kwargs, rate, repeat)
+                    if label in done:
+                        continue
+                    set_aside(out / label)
                     row = {"run": label, "model": model_name, "method": v.method,
                            "params": canonical_json(v.kwargs), "rate": rate, "repeat": repeat,
                            "device": params.device, "weights": loaded.weights, **device_card(loaded.device)}
