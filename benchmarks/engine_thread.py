@@ -5,15 +5,20 @@ On a CPU shared with other processes this decides ms/step more than HTTP does, s
 against HTTP comparison steps both engines the same way (benchmarks/serve_http_overhead.py).
 
 Prints ms/step per variant and repeat, then each variant's mean over the main thread's (default
-threads) with a 95% interval from >= 3 repeats; rows (naming the card) go to --out as JSON.
+threads) with a 95% interval from >= 3 repeats; rows (naming the card and OpenMP's wait policy) go
+to --out as JSON. torch is imported here before kvlab, so libgomp's wait policy is the environment's
+(kvlab sets OMP_WAIT_POLICY=PASSIVE only when it is imported first): run it with and without
+OMP_WAIT_POLICY=PASSIVE to see both.
 
-    python benchmarks/engine_thread.py --repeats 3
+    python benchmarks/engine_thread.py --repeats 3 --out outputs/engine-thread-default.json
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/engine_thread.py --repeats 3 --out outputs/engine-thread-passive.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -67,6 +72,7 @@ def main() -> None:
             for where in ("main", "worker"):
                 ms = ms_per_step(*shape) if where == "main" else in_thread(ms_per_step, *shape)
                 rows.append({"repeat": repeat, "thread": where, "torch_threads": threads, "ms_per_step": ms,
+                             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
                              **device_card(loaded.device)})
                 print(json.dumps(rows[-1]), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
