@@ -1,9 +1,11 @@
 """NVFP4-format K/V (method ``nvfp4``): E2M1 codes, an E4M3 scale per 16 values and a float32 second
 level per token and KV head (:mod:`kvlab.kernels.nvfp4` states the choices), for both engines.
 
-Both engines run the torch reference (dequantize, then attend). On Hopper a decode kernel would read
-NVFP4's bytes and decode them in registers, doing the math in bf16; Blackwell's tensor cores do the
-E2M1 x E4M3-scale math natively. Neither kernel is here.
+``hf`` runs the torch reference (dequantize, then attend). The fast store reads the codes with the
+fused Triton kernel (:mod:`kvlab.kernels.nvfp4_triton`: NVFP4's bytes read, decoded in registers,
+float32 math, as Hopper must) where the other Triton kernels run (CUDA; ``backend='triton'`` on CPU:
+the interpreter), else the reference. Blackwell's tensor cores would do the E2M1 x E4M3-scale math
+natively; no kernel here uses them.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from kvlab.errors import PolicyError
 from kvlab.kernels import nvfp4
 from kvlab.storage.base import ModelShape
 from kvlab.storage.codec import CodecStorage
+from kvlab.storage.slots import uses_kernel
 
 
 @dataclass(frozen=True)
@@ -37,7 +40,7 @@ class Nvfp4Storage(CodecStorage):
     """K and V in NVFP4 (4.5 bits per value plus 4 bytes per vector)."""
 
     name = "nvfp4"
-    summary = "NVFP4 K/V: E2M1 codes, E4M3 scale per 16 values, float32 scale per token (torch reference)"
+    summary = "NVFP4 K/V: E2M1 codes, E4M3 scale per 16 values, float32 scale per token"
     bits = 4
 
     four_over_six: bool = field(default=False, metadata={
@@ -58,6 +61,13 @@ class Nvfp4Storage(CodecStorage):
     def codecs(self):
         codes = Nvfp4Codes(self.four_over_six)
         return codes, codes
+
+    def fused_decode(self, backend: str, device):
+        if not uses_kernel(backend, device):
+            return None
+        from kvlab.kernels.nvfp4_triton import fused_nvfp4_decode
+
+        return fused_nvfp4_decode
 
     def check(self, shape: ModelShape, cuda: bool) -> None:
         super().check(shape, cuda)
