@@ -7,22 +7,28 @@ input. A group's outlier channel is spread over every coordinate, so the per-tok
 shrinks. It does not remove a per-channel offset (a bias-driven key channel spreads into a constant
 on every coordinate).
 
-Both engines run the torch reference of the format (dequantize, then attend). The fused kvq kernels
-would read the same codes with the query rotated once per step; that wiring is not here.
+``hf`` runs the torch reference of the format (dequantize, then attend). The fast store reads the codes
+with kvq's own decode kernel (:func:`kvlab.kernels.decode_attention`) where the Triton kernels run
+(CUDA; ``backend='triton'`` on CPU: the interpreter): the query is rotated once per step and the output
+rotated back once (:func:`rotated_kvq_decode`); elsewhere, and for shapes the kernel does not read, the
+reference.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
 
 from kvlab.errors import PolicyError
-from kvlab.kernels import KVStore, parse_format
+from kvlab.kernels import KVStore, decode_attention, parse_format
 from kvlab.kernels import turboquant as tq
+from kvlab.kernels.decode import kernel_supports
 from kvlab.kernels.formats import FormatError
 from kvlab.storage.base import ModelShape, check_int
 from kvlab.storage.codec import CodecStorage
+from kvlab.storage.slots import uses_kernel
 
 FORMATS = ("int4-g32", "int4-g64", "int4-g128", "int2-g32", "int2-g64", "int2-g128", "fp8")
 
@@ -37,11 +43,13 @@ class KVQCodes:
         store = parse_format(self.format).quantize(x.float().contiguous())
         return store.tensors()
 
-    def decode(self, *parts: torch.Tensor) -> torch.Tensor:
+    def store(self, *parts: torch.Tensor) -> KVStore:
         fmt = parse_format(self.format)
         codes, scale, zero = (*parts, None, None)[:3]
-        head_dim = codes.shape[-1] * fmt.pack
-        return KVStore(fmt, codes, scale, zero, head_dim).dequantize()
+        return KVStore(fmt, codes, scale, zero, codes.shape[-1] * fmt.pack)
+
+    def decode(self, *parts: torch.Tensor) -> torch.Tensor:
+        return self.store(*parts).dequantize()
 
     def token_bytes(self, head_dim: int) -> int:
         return parse_format(self.format).bytes_per_token(1, head_dim)
@@ -52,7 +60,7 @@ class RotatedKVQStorage(CodecStorage):
     """K/V rotated per KV head, then in kvq format ``format``."""
 
     name = "kvq-rot"
-    summary = "kvq formats after a randomized Hadamard rotation per KV head (torch reference)"
+    summary = "kvq formats after a randomized Hadamard rotation per KV head"
 
     format: str = field(default="int4-g64", metadata={"help": " | ".join(FORMATS)})
     seed: int = field(default=0, metadata={"help": "seed of the rotations' random signs"})
@@ -81,6 +89,11 @@ class RotatedKVQStorage(CodecStorage):
     def rotation(self, kv_heads: int, head_dim: int, device) -> torch.Tensor:
         return tq.rotations(kv_heads, head_dim, self.seed).to(device)
 
+    def fused_decode(self, backend: str, device):
+        if not uses_kernel(backend, device):
+            return None
+        return functools.partial(rotated_kvq_decode, codes=KVQCodes(self.format))
+
     def check(self, shape: ModelShape, cuda: bool) -> None:
         super().check(shape, cuda)
         d = shape.head_dim
@@ -93,3 +106,21 @@ class RotatedKVQStorage(CodecStorage):
             fits = [f for f in FORMATS if f == "fp8" or d % int(f.split("-g")[1]) == 0]
             raise PolicyError(f"kvq-rot format={self.format!r} groups do not divide {shape.name}'s head_dim {d}: "
                               f"use one of {', '.join(fits)}") from None
+
+
+def rotated_kvq_decode(q: torch.Tensor, key_parts, value_parts, used: torch.Tensor, rot: torch.Tensor,
+                       scale: float, codes: KVQCodes) -> torch.Tensor:
+    """kvq's decode kernel over rotated codes: ``q [B, Hq, 1, D]`` rotated once per KV head group, the
+    kernel's attention over the first ``used`` slots, the output rotated back; float32 ``[B, Hq, D]``.
+    A store the kernel cannot read (:func:`kvlab.kernels.decode.kernel_supports`) goes through the
+    reference of the same call."""
+    bsz, n_heads, _, d = q.shape
+    k_store, v_store = codes.store(*key_parts), codes.store(*value_parts)
+    n_kv = k_store.kv_heads
+    groups = n_heads // n_kv
+    qr = torch.matmul(q.float().reshape(bsz, n_kv, groups, d), rot).reshape(bsz, n_heads, d).to(q.dtype)
+    lengths = used.to(torch.int32).expand(bsz).contiguous()
+    backend = "reference" if kernel_supports(k_store) else "triton"
+    out = decode_attention(qr.contiguous(), k_store, v_store, lengths, scale, backend=backend)
+    back = torch.matmul(out.float().view(bsz, n_kv, groups, d), rot.transpose(-1, -2))
+    return back.reshape(bsz, n_heads, d)
