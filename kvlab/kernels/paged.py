@@ -4,22 +4,27 @@ pool (:mod:`kvlab.storage.paged`) through the request's block table, ``lengths[b
     out = paged_decode(q, k_pool, v_pool, tables, lengths, block_size, scale)          # model-dtype pool
     out = paged_kvq_decode(q, k_store, v_store, tables, lengths, block_size, scale)    # kvq pool
     ref = paged_kvq_reference(q, k_store, v_store, tables, lengths, block_size, scale)
+    out = paged_kivi_decode(q, codes, tables, quantized, exact, scale)                  # KIVI-style pool
 
 Token ``t`` of row ``b`` lives in slot ``tables[b, t // block_size] * block_size + t % block_size``.
-The launchers run Triton (:mod:`~kvlab.kernels.paged_triton`, :mod:`~kvlab.kernels.paged_kvq_triton`;
-on CPU tensors only under ``TRITON_INTERPRET=1``); triton is imported only when one runs. The
-reference dequantizes each row's slots and attends in float32: what the kvq kernel is checked against,
-and the same numbers as the pool's own read (``KVQPool.attend``) up to the model dtype's rounding.
+The launchers run Triton (:mod:`~kvlab.kernels.paged_triton`, :mod:`~kvlab.kernels.paged_kvq_triton`,
+:mod:`~kvlab.kernels.paged_kivi_triton`; on CPU tensors only under ``TRITON_INTERPRET=1``); triton is
+imported only when one runs. The kvq reference dequantizes each row's slots and attends in float32:
+what the kvq kernel is checked against, and the same numbers as the pool's own read (``KVQPool.attend``)
+up to the model dtype's rounding; the KIVI-style kernel is checked against its pool's own read.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from kvlab.kernels.decode import kernel_supports
 from kvlab.kernels.formats import FormatError, KVStore
+from kvlab.kernels.kivi import KiviSpec
+from kvlab.kernels.kivi_decode import kernel_problem
 
 BLOCK_N = 64  # tokens per inner iteration of the kvq kernel (a tile may span several blocks)
 
@@ -105,4 +110,48 @@ def paged_kvq_decode(q: torch.Tensor, k_store: KVStore, v_store: KVStore, tables
         float(scale) * math.log2(math.e), tables.stride(0), k_store.capacity, q_heads, group,
         D=dim, BS=block_size, BLOCK_N=block_n, BLOCK_H=block_h, FMT=fmt.kernel, BITS=fmt.bits, PACK=fmt.pack,
         QGROUP=fmt.group_size(dim), num_warps=4)
+    return out
+
+
+@dataclass(frozen=True)
+class PagedKiviCodes:
+    """One layer of a KIVI-style pool: ``k_codes``/``v_codes [slots, Hkv, D * bits / 8]``, the keys'
+    ``k_scale``/``k_zero [blocks, Hkv, D]`` (one group per block, ``block_size`` = ``spec.group``), the
+    values' ``v_scale``/``v_zero [slots, Hkv, D / value_group]``."""
+
+    spec: KiviSpec
+    k_codes: torch.Tensor
+    k_scale: torch.Tensor
+    k_zero: torch.Tensor
+    v_codes: torch.Tensor
+    v_scale: torch.Tensor
+    v_zero: torch.Tensor
+
+
+def paged_kivi_decode(q: torch.Tensor, codes: PagedKiviCodes, tables: torch.Tensor, quantized: torch.Tensor,
+                      exact: tuple[torch.Tensor, torch.Tensor, torch.Tensor], scale: float) -> torch.Tensor:
+    """Row ``b`` reads its first ``quantized[b]`` tokens (whole groups) as codes through its table and
+    then ``exact``'s: ``(k, v, count)``, bf16 ``[B, Hkv, TW, D]`` K/V of its remaining tokens and their
+    count ``[B]`` int32 -> ``[B, Hq, D]`` in ``q.dtype``."""
+    from kvlab.kernels import paged_kivi_triton
+
+    spec = codes.spec
+    tail_k, tail_v, count = exact
+    check_paged_inputs(q, tables, count)
+    batch, q_heads, dim = q.shape
+    kv_heads = codes.k_scale.shape[1]
+    why = kernel_problem(spec, dim)
+    if why:
+        raise FormatError(why + "; read the pool through its torch reference")
+    if q_heads % kv_heads or tail_k.shape != (batch, kv_heads, tail_k.shape[2], dim):
+        raise FormatError(f"q {list(q.shape)} and exact K {list(tail_k.shape)} do not fit a pool of Hkv={kv_heads}")
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    group = q_heads // kv_heads
+    paged_kivi_triton.paged_kivi_kernel[(batch, kv_heads)](
+        q, codes.k_codes, codes.k_scale, codes.k_zero, codes.v_codes, codes.v_scale, codes.v_zero,
+        tail_k.contiguous(), tail_v.contiguous(), tables, quantized, count, out,
+        float(scale) * math.log2(math.e), tables.stride(0), q_heads, group, tail_k.shape[2],
+        HKV=kv_heads, D=dim, G=spec.group, VG=spec.value_group, BLOCK_H=max(16, 1 << (group - 1).bit_length()),
+        BLOCK_R=16, KBITS=spec.k_bits, VBITS=spec.v_bits, num_warps=4)
     return out

@@ -51,7 +51,7 @@ class ServingEngine:
             attention = "triton" if str(loaded.device).startswith("cuda") and self.pool.paged_kernel else "reference"
         if attention not in ATTENTION or (attention == "triton" and not self.pool.paged_kernel):
             raise ServeError(f"attention={attention!r}: use 'reference' (any store) or 'triton' (the paged kernels: "
-                             f"full, snapkv and the kvq formats at a head dim their kernels read)")
+                             f"the pools that have one, at a head dim their kernels read: {type(self.pool).__name__} has none here)")
         self.attention = attention
         self.max_model_len = min(loaded.spec.max_context, num_blocks * layout.block_size)
         self.runner = PagedForward(model, self.pool, layout.block_size, attention,

@@ -68,7 +68,8 @@ class PagedForward:
         bounds = torch.tensor([0] + [len(c.tokens) for c in chunks]).cumsum(0).tolist()
         slots = [(slots_of(c.blocks, c.stored, c.stored + len(c.tokens), self.block_size),
                   slots_of(c.blocks, 0, c.stored + len(c.tokens), self.block_size)) for c in chunks]
-        batched = [j for j, c in enumerate(chunks) if len(c.tokens) == 1 and c.observe_from is None]
+        # decode rows (a prompt's last token alone in its chunk reads as a prompt row: through attend)
+        batched = [j for j, c in enumerate(chunks) if len(c.tokens) == 1 and c.observe_from is None and c.decode_from == 0]
         batched = batched if self.batch_decode else []
         if batched:
             width = max(len(chunks[j].blocks) for j in batched)

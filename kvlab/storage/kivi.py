@@ -43,6 +43,7 @@ from kvlab.budget import BudgetError, check_positive
 from kvlab.errors import PolicyError
 from kvlab.kernels import kivi
 from kvlab.kernels.kivi_decode import kernel_problem, kivi_append, kivi_decode_attention, make_kivi_workspace
+from kvlab.kernels.paged import PagedKiviCodes, paged_kivi_decode
 from kvlab.models import ModelSpec
 from kvlab.storage import attention
 from kvlab.storage.base import ModelShape, StoredLengthMixin, StoreOptions, check_int
@@ -243,11 +244,14 @@ class Tail:
 
 
 class KiviPool(PagedPool):
-    """Key groups of one block each, per-token value codes, a bf16 tail per request (the module docstring)."""
+    """Key groups of one block each, per-token value codes, a bf16 tail per request (the module docstring).
+    ``paged_kernel``: the contiguous KIVI kernel reads this head dim (so does the paged one,
+    :func:`kvlab.kernels.paged.paged_kivi_decode`)."""
 
     def __init__(self, spec: kivi.KiviSpec, shape: PoolShape, dtype: torch.dtype, device):
         spec.check_head_dim(shape.head_dim)
         self.spec, self.block_size, self.dtype, self.device = spec, shape.block_size, dtype, device
+        self.paged_kernel = kernel_problem(spec, shape.head_dim) is None
         slots, heads, dim = shape.slots, shape.kv_heads, shape.head_dim
 
         def zeros(*size, dtype=kivi.SCALE_DTYPE):
@@ -309,6 +313,28 @@ class KiviPool(PagedPool):
         keys, values = self.dequantized(layer, slots[:tail.quantized])
         return (torch.cat([keys, tail.k.transpose(0, 1).float()], 1).to(self.dtype),
                 torch.cat([values, tail.v.transpose(0, 1).float()], 1).to(self.dtype))
+
+    def decode(self, layer: int, q: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """Decode rows through the paged kernel: each request's code blocks through its table, then its
+        exact tail (gathered here, padded), as :meth:`attend` reads a decode row."""
+        owners = tables[:, 0].tolist()  # a request's first block names it
+        tails = [self.tails[layer][owner] for owner in owners]
+        for owner in owners:
+            self.chunks[layer].pop(owner, None)  # what attend would have read
+        batch, heads, dim = len(tails), self.k_scale.shape[2], self.k_scale.shape[3]
+        width = max(1, max(len(t.k) for t in tails))
+        tail_k = torch.zeros(batch, heads, width, dim, dtype=kivi.RESIDUAL_DTYPE, device=self.device)
+        tail_v = torch.zeros_like(tail_k)
+        for b, tail in enumerate(tails):
+            tail_k[b, :, :len(tail.k)] = tail.k.transpose(0, 1)
+            tail_v[b, :, :len(tail.v)] = tail.v.transpose(0, 1)
+        as_int = {"dtype": torch.int32, "device": self.device}
+        quantized = torch.tensor([t.quantized for t in tails], **as_int)
+        count = torch.tensor([len(t.k) for t in tails], **as_int)
+        codes = PagedKiviCodes(self.spec, self.k_codes[layer], self.k_scale[layer], self.k_zero[layer],
+                               self.v_codes[layer], self.v_scale[layer], self.v_zero[layer])
+        return paged_kivi_decode(q, codes, tables, quantized, (tail_k, tail_v, count), scale)
 
     def attend(self, layer: int, q: torch.Tensor, held: torch.Tensor, scale: float, decode_from: int) -> torch.Tensor:
         held = held.to(self.device)
