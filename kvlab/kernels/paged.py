@@ -37,9 +37,8 @@ def table_slots(row: list[int], length: int, block_size: int, device) -> torch.T
 
 def picked(store: KVStore, slots: torch.Tensor) -> KVStore:
     """The slots ``slots`` of a batch-1 pool store, in that order, as a store of their own."""
-    return KVStore(store.format, *(t[:, :, slots] if t is not None else None for t in (store.codes, store.scale,
-                                                                                         store.zero)),
-                   store.head_dim)
+    parts = (t[:, :, slots] if t is not None else None for t in (store.codes, store.scale, store.zero))
+    return KVStore(store.format, *parts, store.head_dim)
 
 
 def paged_kvq_reference(q: torch.Tensor, k_store: KVStore, v_store: KVStore, tables: torch.Tensor,
