@@ -146,7 +146,7 @@ def cache_bytes(
 
     Eviction (``keep``) applies to the prompt only; generated tokens are appended uncompressed. A
     quantized cache (bits below the model's) keeps up to ``residual`` most recent tokens at full
-    precision (KIVI-style upper bound; transformers' QuantizedCache holds none right after prefill
+    precision (an upper bound; transformers' QuantizedCache holds none right after prefill
     and up to residual-1 during decode) and stores the rest at ``bits`` plus group overhead.
     """
     check_positive("batch", batch)
@@ -162,29 +162,6 @@ def cache_bytes(
     recent = min(residual, tokens)
     packed = kv_bytes_per_token(spec, bits, group_size)
     return batch * ((tokens - recent) * packed + recent * full)
-
-
-def kivi_cache_bytes(spec: ModelSpec, ctx: int, batch: int = 1, bits: int = 2, key_bits: int | None = None,
-                     group: int = 32, residual: int = 128, value_group: int = 32, new_tokens: int = 0) -> float:
-    """A KIVI-style cache (:mod:`kvlab.kernels.kivi`) holding ``ctx + new_tokens`` tokens per sequence:
-    the first ``group * ((n - residual) // group)`` as codes (keys ``key_bits`` per element plus a
-    float16 scale and zero per channel per ``group`` tokens; values ``bits`` plus a float16 scale and
-    zero per ``value_group`` elements of each token), the ring of ``residual + group`` tokens in bf16
-    (allocated whole, so counted whole)."""
-    check_positive("batch", batch)
-    key_bits = key_bits or bits
-    for name, b in (("bits", bits), ("key_bits", key_bits)):
-        if b not in (2, 4):
-            raise BudgetError(f"KIVI {name}: {b} is not stored; use 2 or 4")
-    if residual < 0 or group < 1 or value_group < 1 or spec.head_dim % value_group:
-        raise BudgetError(f"KIVI group {group}, residual {residual}, value_group {value_group}: need group >= 1, "
-                          f"residual >= 0 and a value_group dividing head_dim {spec.head_dim}")
-    n = ctx + new_tokens
-    quantized = group * max(0, (n - residual) // group)
-    d, heads = spec.head_dim, spec.num_layers * spec.num_kv_heads
-    per_token = d * (key_bits + bits) / 8 + 2 * 2 * d / group + 2 * 2 * d / value_group
-    ring = 2 * (residual + group) * d * 2
-    return batch * heads * (quantized * per_token + ring)
 
 
 def compression_ratio(spec: ModelSpec, ctx: int, **kwargs) -> float:

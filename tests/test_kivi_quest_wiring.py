@@ -90,7 +90,8 @@ def test_a_budget_covering_the_context_is_the_full_cache(tiny32):
 
 
 def test_kivi_bytes_match_the_budget_arithmetic(tiny32):
-    from kvlab.budget import kivi_cache_bytes, kv_bytes_per_token
+    from kvlab.budget import kv_bytes_per_token
+    from kvlab.storage.kivi import kivi_cache_bytes
 
     spec = tiny32.spec
     policy = make_policy("kivi", residual_length=16, q_group_size=16, value_group=16)

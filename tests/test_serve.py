@@ -227,7 +227,7 @@ def test_abort_frees_blocks_and_stops_events(tiny):
     ("full", {"num_blocks": 0}, "pool holds 0 blocks"),
     ("full", {}, "pass pool_gb"),
     ("full", {"num_blocks": 4, "attention": "flash"}, "attention='flash'"),
-    ("kvq-fp8", {"num_blocks": 4, "attention": "triton"}, "dense pools"),
+    ("quest", {"num_blocks": 4, "attention": "triton"}, "the paged kernels"),  # its sparse read has none here
 ])
 def test_engine_refuses_with_one_clear_error(tiny, method, params, words):
     with pytest.raises(ServeError, match=words):
@@ -368,12 +368,13 @@ def test_closed_loop_keeps_at_most_users_requests_in_flight(tiny, tmp_path):
     assert load_run(tmp_path)["status"] == "complete" and len(load_run(tmp_path)["records"]) == 5
 
 
-def test_a_format_pool_subtracts_each_requests_key_offset_fitted_on_its_first_chunk():
+def test_a_kvq_pool_subtracts_each_requests_key_offset_fitted_on_its_first_chunk():
     """Keys with a large constant channel (Qwen's k_proj bias): the pool stores k - m per request, m fitted on
     the request's first chunk and kept; attention over the stored keys equals attention over the exact keys
     far more closely than without the offset."""
     from kvlab.kernels.formats import parse_format
-    from kvlab.serve.pool import FormatPool
+    from kvlab.storage.kvq import KVQPool
+    from kvlab.storage.paged import PoolShape
 
     gen = torch.Generator().manual_seed(0)
     k = torch.randn(24, 2, 64, generator=gen)
@@ -382,7 +383,7 @@ def test_a_format_pool_subtracts_each_requests_key_offset_fitted_on_its_first_ch
     q = torch.randn(2, 1, 64, generator=gen)
     errors = {}
     for rule in ("none", "prompt-mean"):
-        pool = FormatPool(parse_format("int4-g64"), 1, 4, 8, 2, 64, torch.float32, "cpu", key_offset=rule)
+        pool = KVQPool(parse_format("int4-g64"), PoolShape(1, 4, 8, 2, 64), torch.float32, "cpu", key_offset=rule)
         pool.write(0, torch.arange(16), k[:16], v[:16], owner=0, first=True)  # the prompt's chunk
         pool.write(0, torch.arange(16, 24), k[16:], v[16:], owner=0)  # later tokens: the same offset
         keys, values = pool.read(0, torch.arange(24))

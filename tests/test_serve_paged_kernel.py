@@ -10,7 +10,7 @@ from kvlab.serve.forward import paged_decode_reference
 
 @pytest.mark.parametrize("hq, hkv, dim, block_size", [(9, 3, 64, 16), (4, 4, 32, 16), (8, 2, 16, 32)])
 def test_paged_decode_kernel_matches_the_reference(hq, hkv, dim, block_size):
-    from kvlab.serve.paged_triton import paged_decode
+    from kvlab.kernels.paged import paged_decode
 
     gen = torch.Generator().manual_seed(0)
     num_blocks, lengths = 12, torch.tensor([1, 17, 40, 5], dtype=torch.int32)

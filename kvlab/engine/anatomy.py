@@ -43,7 +43,7 @@ KERNEL_RULES: tuple[tuple[re.Pattern, str], ...] = (
     # the greedy token and the step's bookkeeping (kvlab.engine.llama.record_token): one compiled kernel
     # whose name may also name its index_copy into the output row
     (re.compile(r"argmax", re.I), "other ops"),
-    # a graph replay has no scopes: a Quest step's page selection is known by its kernels' names (torch's
+    # a graph replay has no scopes: a sparse read's page selection is known by its kernels' names (torch's
     # path: only topk's; its bound products are batched GEMMs, counted as weight GEMMs there)
     (re.compile(r"quest_select|gatherTopK|radixSort|bitonicSort", re.I), "page selection"),
     (re.compile(r"quantize_write|_kivi_append|quest_bounds_append|index_copy|scatter|_put_slots", re.I),

@@ -155,7 +155,7 @@ class FastDecoder:
     def checkpoint(self) -> int | None:
         """A mark of what the store holds now (:meth:`restore` goes back to it): the tokens fed.
         Slots past the mark are overwritten by what is fed or decoded next and never attended before.
-        None for a store that cannot go back (KIVI's ring, Quest's page bounds): the caller rebuilds."""
+        None for a store that cannot go back (a ring of exact tokens, page bounds): the caller rebuilds."""
         return self.fed if self.store.rewinds else None
 
     def restore(self, mark: int) -> None:
@@ -265,7 +265,7 @@ class FastEngine:
     """
 
     name = "fast"
-    kernel_backend = "auto"  # the KIVI and Quest kernels' (``triton`` on CPU: the interpreter)
+    kernel_backend = "auto"  # the storage kernels' ``StoreOptions.backend`` (``triton`` on CPU: the interpreter)
 
     def __init__(self, model, attention: str = "auto", capture: bool | None = None, max_decoders: int = 4,
                  quant_attention: str = "auto", keep_fraction: float = 0.25, compile: str | None = None,

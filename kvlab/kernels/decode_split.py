@@ -43,7 +43,7 @@ from kvlab.kernels.jit_constants import FMT_FP8, FMT_INT
 
 
 @triton.jit
-def _int_plane(raw, scale, zero, P: tl.constexpr, BITS: tl.constexpr):
+def int_plane(raw, scale, zero, P: tl.constexpr, BITS: tl.constexpr):
     codes = (raw >> (P * BITS)) & ((1 << BITS) - 1)
     return (codes.to(tl.float32) * scale + zero).to(tl.float16)
 
@@ -80,11 +80,11 @@ def split_partial(
             k_raw = tl.load(kc_ptr + tile, mask=mask_n[:, None], other=0).to(tl.int32)
             k_sc = tl.load(ks_ptr + groups, mask=mask_n[:, None], other=0.0).to(tl.float32)
             k_zr = tl.load(kz_ptr + groups, mask=mask_n[:, None], other=0.0).to(tl.float32)
-            s = tl.dot(q0, tl.trans(_int_plane(k_raw, k_sc, k_zr, 0, BITS)))
-            s += tl.dot(q1, tl.trans(_int_plane(k_raw, k_sc, k_zr, 1, BITS)))
+            s = tl.dot(q0, tl.trans(int_plane(k_raw, k_sc, k_zr, 0, BITS)))
+            s += tl.dot(q1, tl.trans(int_plane(k_raw, k_sc, k_zr, 1, BITS)))
             if PACK == 4:
-                s += tl.dot(q2, tl.trans(_int_plane(k_raw, k_sc, k_zr, 2, BITS)))
-                s += tl.dot(q3, tl.trans(_int_plane(k_raw, k_sc, k_zr, 3, BITS)))
+                s += tl.dot(q2, tl.trans(int_plane(k_raw, k_sc, k_zr, 2, BITS)))
+                s += tl.dot(q3, tl.trans(int_plane(k_raw, k_sc, k_zr, 3, BITS)))
             s = s * qk_scale
         else:
             s = dense_key_scores(kc_ptr + tile, ks_ptr, slots, mask_n, q0, qk_scale, FMT)
@@ -101,11 +101,11 @@ def split_partial(
             v_raw = tl.load(vc_ptr + tile, mask=mask_n[:, None], other=0).to(tl.int32)
             v_sc = tl.load(vs_ptr + groups, mask=mask_n[:, None], other=0.0).to(tl.float32)
             v_zr = tl.load(vz_ptr + groups, mask=mask_n[:, None], other=0.0).to(tl.float32)
-            acc0 = acc0 * alpha[:, None] + tl.dot(p, _int_plane(v_raw, v_sc, v_zr, 0, BITS))
-            acc1 = acc1 * alpha[:, None] + tl.dot(p, _int_plane(v_raw, v_sc, v_zr, 1, BITS))
+            acc0 = acc0 * alpha[:, None] + tl.dot(p, int_plane(v_raw, v_sc, v_zr, 0, BITS))
+            acc1 = acc1 * alpha[:, None] + tl.dot(p, int_plane(v_raw, v_sc, v_zr, 1, BITS))
             if PACK == 4:
-                acc2 = acc2 * alpha[:, None] + tl.dot(p, _int_plane(v_raw, v_sc, v_zr, 2, BITS))
-                acc3 = acc3 * alpha[:, None] + tl.dot(p, _int_plane(v_raw, v_sc, v_zr, 3, BITS))
+                acc2 = acc2 * alpha[:, None] + tl.dot(p, int_plane(v_raw, v_sc, v_zr, 2, BITS))
+                acc3 = acc3 * alpha[:, None] + tl.dot(p, int_plane(v_raw, v_sc, v_zr, 3, BITS))
         elif FMT == FMT_FP8:
             v_raw = tl.load(vc_ptr + tile, mask=mask_n[:, None], other=0)
             v_sc = tl.load(vs_ptr + slots, mask=mask_n, other=0.0)

@@ -44,7 +44,7 @@ def _plane(raw, P: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _key_scores(q_p, raw, ks_ptr, kz_ptr, goff, offs_j, P: tl.constexpr, PACK: tl.constexpr, BITS: tl.constexpr):
+def key_scores(q_p, raw, ks_ptr, kz_ptr, goff, offs_j, P: tl.constexpr, PACK: tl.constexpr, BITS: tl.constexpr):
     """Plane ``P``'s part of ``q k^T`` for one per-channel group: ``(q * s) c^T + q . z``."""
     sc = tl.load(ks_ptr + goff + offs_j * PACK + P).to(tl.float32)
     zr = tl.load(kz_ptr + goff + offs_j * PACK + P).to(tl.float32)
@@ -53,7 +53,7 @@ def _key_scores(q_p, raw, ks_ptr, kz_ptr, goff, offs_j, P: tl.constexpr, PACK: t
 
 
 @triton.jit
-def _value_plane(raw, vs_ptr, vz_ptr, vgroups, P: tl.constexpr, BITS: tl.constexpr):
+def value_plane(raw, vs_ptr, vz_ptr, vgroups, P: tl.constexpr, BITS: tl.constexpr):
     vs = tl.load(vs_ptr + vgroups).to(tl.float32)
     vz = tl.load(vz_ptr + vgroups).to(tl.float32)
     return (_plane(raw, P, BITS) * vs + vz).to(tl.float16)
@@ -97,19 +97,19 @@ def split_partial(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, rk_ptr,
         toks = row_t + gi * G + offs_g
         goff = (row_g + gi) * D
         k_raw = tl.load(kc_ptr + toks[:, None] * KDP + offs_k[None, :]).to(tl.int32)
-        s = _key_scores(q0, k_raw, ks_ptr, kz_ptr, goff, offs_k, 0, KPACK, KBITS)
-        s += _key_scores(q1, k_raw, ks_ptr, kz_ptr, goff, offs_k, 1, KPACK, KBITS)
+        s = key_scores(q0, k_raw, ks_ptr, kz_ptr, goff, offs_k, 0, KPACK, KBITS)
+        s += key_scores(q1, k_raw, ks_ptr, kz_ptr, goff, offs_k, 1, KPACK, KBITS)
         if KPACK == 4:
-            s += _key_scores(q2, k_raw, ks_ptr, kz_ptr, goff, offs_k, 2, KPACK, KBITS)
-            s += _key_scores(q3, k_raw, ks_ptr, kz_ptr, goff, offs_k, 3, KPACK, KBITS)
+            s += key_scores(q2, k_raw, ks_ptr, kz_ptr, goff, offs_k, 2, KPACK, KBITS)
+            s += key_scores(q3, k_raw, ks_ptr, kz_ptr, goff, offs_k, 3, KPACK, KBITS)
         m_i, l_i, alpha, p = online_step(m_i, l_i, s * qk_scale)
         v_raw = tl.load(vc_ptr + toks[:, None] * VDP + offs_v[None, :]).to(tl.int32)
         vgroups = toks[:, None] * NVG + (offs_v[None, :] * VPACK) // VG
-        acc0 = acc0 * alpha[:, None] + tl.dot(p, _value_plane(v_raw, vs_ptr, vz_ptr, vgroups, 0, VBITS))
-        acc1 = acc1 * alpha[:, None] + tl.dot(p, _value_plane(v_raw, vs_ptr, vz_ptr, vgroups, 1, VBITS))
+        acc0 = acc0 * alpha[:, None] + tl.dot(p, value_plane(v_raw, vs_ptr, vz_ptr, vgroups, 0, VBITS))
+        acc1 = acc1 * alpha[:, None] + tl.dot(p, value_plane(v_raw, vs_ptr, vz_ptr, vgroups, 1, VBITS))
         if VPACK == 4:
-            acc2 = acc2 * alpha[:, None] + tl.dot(p, _value_plane(v_raw, vs_ptr, vz_ptr, vgroups, 2, VBITS))
-            acc3 = acc3 * alpha[:, None] + tl.dot(p, _value_plane(v_raw, vs_ptr, vz_ptr, vgroups, 3, VBITS))
+            acc2 = acc2 * alpha[:, None] + tl.dot(p, value_plane(v_raw, vs_ptr, vz_ptr, vgroups, 2, VBITS))
+            acc3 = acc3 * alpha[:, None] + tl.dot(p, value_plane(v_raw, vs_ptr, vz_ptr, vgroups, 3, VBITS))
 
     first = nq % W  # ring slot of the oldest exact token
     count = length - nq

@@ -62,6 +62,7 @@ POLICIES: dict[str, type[Policy]] = {
                 DecodingPolicy, ExpectedAttentionPolicy, KVzipPolicy, KVzapPolicy, AdaKVPolicy)
 }
 POLICIES.update(storage_policies(KiviStorage, QuestStorage, Nvfp4Storage, TurboQuantStorage, RotatedKVQStorage))  # methods that are a storage alone
+SERVED = ("full", "snapkv", "kvq-fp8", "kvq-int4", "kvq-int2", "quest", "kivi")  # the methods kvlab.serve runs
 
 
 def make_policy(method: str, **params: Any) -> Policy:
@@ -72,6 +73,6 @@ def make_policy(method: str, **params: Any) -> Policy:
 
 
 __all__ = [
-    "POLICIES", "make_policy", "Policy", "PolicyError", "EvictionError", "EvictionPolicy", "QuantizedPolicy",
+    "POLICIES", "SERVED", "make_policy", "Policy", "PolicyError", "EvictionError", "EvictionPolicy", "QuantizedPolicy",
     "QuantSpec", "cache_stats", "kept_positions",
 ]

@@ -1,4 +1,4 @@
-"""A method that is a storage and nothing else (a KIVI-style cache, a Quest-style read, a new format):
+"""A method that is a storage and nothing else (a quantized layout, a sparse read, a new format):
 its policy is made from the storage class, so a storage family needs no policy module of its own.
 
     POLICIES.update(storage_policies(SomeStorage, OtherStorage))   # kvlab.policies

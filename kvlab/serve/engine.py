@@ -47,11 +47,11 @@ class ServingEngine:
         self.pool = make_pool(policy, loaded.spec, num_blocks + 1, layout.block_size, dtype, loaded.device)
         self.allocator = BlockAllocator(num_blocks)
         self.scheduler = Scheduler(layout, self.allocator, max_num_seqs, max_num_batched_tokens)
-        if attention is None:  # the paged kernel where it runs compiled: CUDA, a dense pool
+        if attention is None:  # the paged kernel where it runs compiled: CUDA, a pool that has one
             attention = "triton" if str(loaded.device).startswith("cuda") and self.pool.paged_kernel else "reference"
         if attention not in ATTENTION or (attention == "triton" and not self.pool.paged_kernel):
-            raise ServeError(f"attention={attention!r}: use 'reference' (any store) or 'triton' (the paged kernel, "
-                             f"dense pools: full and snapkv)")
+            raise ServeError(f"attention={attention!r}: use 'reference' (any store) or 'triton' (the paged kernels: "
+                             f"the pools that have one, at a head dim their kernels read: {type(self.pool).__name__} has none here)")
         self.attention = attention
         self.max_model_len = min(loaded.spec.max_context, num_blocks * layout.block_size)
         self.runner = PagedForward(model, self.pool, layout.block_size, attention,
@@ -200,7 +200,7 @@ def make_serving_engine(model, method: str, *, pool_gb=None, block_size=16, devi
 
     The pool holds ``pool_gb`` GB of blocks (``num_blocks=`` sets the count instead); on CUDA without
     either, the GPU's free memory after the weights minus ``reserve_gb`` (default 2) for activations and
-    minus what ``max_num_seqs`` requests hold outside their blocks (KIVI's bf16 tails; with ``pool_gb``
+    minus what ``max_num_seqs`` requests hold outside their blocks (a storage's bf16 tails; with ``pool_gb``
     those are outside the pool).
     ``max_num_seqs`` and ``max_num_batched_tokens`` go to the scheduler; other keywords are the
     method's policy parameters (``keep=0.25`` for snapkv).

@@ -15,8 +15,10 @@ from dataclasses import dataclass, field
 import torch
 
 from kvlab.engine.llama import LlamaFamilyStep, attention_inputs, layer_output, rms_norm, step_inputs
+from kvlab.kernels.paged import paged_decode
 from kvlab.serve.decode_graphs import DecodeGraphs
-from kvlab.serve.pool import attend, slots_of
+from kvlab.serve.pool import slots_of
+from kvlab.storage.paged import attend
 
 
 @dataclass
@@ -25,7 +27,7 @@ class Chunk:
 
     ``observe_from``: rows from which the post-RoPE queries are kept (an evicting method scores the
     prompt with its last window of queries); None keeps none. ``decode_from``: the first row past the
-    prompt (a decode token, or a generated token re-fed after a preemption): Quest reads those sparsely.
+    prompt (a decode token, or a generated token re-fed after a preemption): a sparse read selects pages for those.
     """
 
     blocks: list[int]
@@ -46,13 +48,11 @@ class PagedForward:
         self.pool = pool
         self.block_size = block_size
         self.device = next(model.parameters()).device
-        self.decode_kernel = self.graphs = None
-        if attention == "triton":  # decode tokens batched through the paged kernel (dense pools)
-            from kvlab.serve.paged_triton import paged_decode
-
-            self.decode_kernel = paged_decode
-            if spare_block is not None:  # a step of decode tokens only: a CUDA graph per batch bucket
-                self.graphs = DecodeGraphs(self.step, pool, block_size, max_blocks, spare_block, paged_decode)
+        self.batch_decode = attention == "triton"  # decode tokens batched through the pool's paged kernel
+        self.graphs = None
+        if self.batch_decode and spare_block is not None and pool.captures_decode:
+            # a step of decode tokens only: a CUDA graph per batch bucket
+            self.graphs = DecodeGraphs(self.step, pool, block_size, max_blocks, spare_block, paged_decode)
 
     @torch.no_grad()
     def forward(self, chunks: list[Chunk]) -> torch.Tensor:
@@ -68,8 +68,9 @@ class PagedForward:
         bounds = torch.tensor([0] + [len(c.tokens) for c in chunks]).cumsum(0).tolist()
         slots = [(slots_of(c.blocks, c.stored, c.stored + len(c.tokens), self.block_size),
                   slots_of(c.blocks, 0, c.stored + len(c.tokens), self.block_size)) for c in chunks]
-        batched = [j for j, c in enumerate(chunks) if len(c.tokens) == 1 and c.observe_from is None]
-        batched = batched if self.decode_kernel is not None else []
+        # decode rows (a prompt's last token alone in its chunk reads as a prompt row: through attend)
+        batched = [j for j, c in enumerate(chunks) if len(c.tokens) == 1 and c.observe_from is None and c.decode_from == 0]
+        batched = batched if self.batch_decode else []
         if batched:
             width = max(len(chunks[j].blocks) for j in batched)
             tables = torch.tensor([chunks[j].blocks + [0] * (width - len(chunks[j].blocks)) for j in batched],
@@ -83,8 +84,7 @@ class PagedForward:
                 self.pool.write(i, new, k[lo:hi, :, 0], v[lo:hi, :, 0], owner=c.blocks[0], first=c.stored == 0)
             out = [None] * len(chunks)
             if batched:
-                got = self.decode_kernel(q[rows, :, 0], self.pool.k[i], self.pool.v[i], tables, lengths,
-                                         self.block_size, s.scaling)
+                got = self.pool.decode(i, q[rows, :, 0], tables, lengths, s.scaling)
                 for r, j in enumerate(batched):
                     out[j] = got[r:r + 1]
             for j, (c, (_, held), lo, hi) in enumerate(zip(chunks, slots, bounds, bounds[1:], strict=False)):

@@ -4,7 +4,7 @@ A block holds ``block_size`` token slots of every layer's K and V for every KV h
 one block id indexes the same slots in each layer's pool). A method changes two things only:
 the bytes of a block (a quantized store's blocks are smaller, so the same pool holds more) and
 the tokens a request keeps after its prefill (an evicting method keeps ``budget`` per KV head,
-compacted into the first blocks, and frees the rest). Quest-style sparse reads keep every block.
+compacted into the first blocks, and frees the rest). A sparse read keeps every block.
 
 Head-adaptive budgets (AdaKV) keep a different count per head; in this layout a block holds every
 head, so a request needs the blocks of its *largest* head and the nominal saving frees nothing
@@ -33,7 +33,7 @@ class BlockLayout:
     store: str
     keep: float = 1.0  # prompt fraction kept per KV head after the prefill (1.0: no eviction)
     window: int = 0  # last prompt queries whose attention scores the prompt (evicting methods)
-    sequence_bytes: int = 0  # what a running request holds outside its blocks (KIVI's bf16 tail, at most)
+    sequence_bytes: int = 0  # what a running request holds outside its blocks, at most (a bf16 tail)
 
     @property
     def evicts(self) -> bool:
@@ -73,8 +73,9 @@ def predicted_concurrency(layout: BlockLayout, pool_blocks: int, lengths: list[t
 def block_layout(storage, method: str, spec: ModelSpec, element_size: int, block_size: int) -> BlockLayout:
     """The serving block of ``storage`` (a policy's ``storage()``): its paged layout's block of one
     layer, over every layer; an evicting prefill policy (``storage.prefill``) gives the prompt
-    fraction kept and the query window that scores it."""
+    fraction kept and the query window that scores it; ``sequence_bytes`` is the layout's, over every layer."""
     paged = storage.paged(spec.num_kv_heads, spec.head_dim, block_size, element_size)
     evicting = storage.prefill
     return BlockLayout(method, paged.block_tokens, spec.num_layers * paged.block_bytes, storage.kv_format,
-                       keep=getattr(evicting, "keep", 1.0), window=getattr(evicting, "window_size", 0))
+                       keep=getattr(evicting, "keep", 1.0), window=getattr(evicting, "window_size", 0),
+                       sequence_bytes=spec.num_layers * paged.sequence_bytes)

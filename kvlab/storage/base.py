@@ -2,9 +2,10 @@
 shape as a storage sees it, the cache layers' length and stats contract, and the paged layout math.
 
 A storage family (dense, kvq, kivi, quest, ragged, or a new one) is one module of
-:mod:`kvlab.storage` holding both halves of one way of keeping K/V: a transformers cache layer for
-the ``hf`` engine and a store of static buffers (:class:`kvlab.storage.slots.SlotStore`) for the
-``fast`` engine, with its parameter check, its bytes per token, its stats and its paged layout.
+:mod:`kvlab.storage` holding every half of one way of keeping K/V: a transformers cache layer for
+the ``hf`` engine, a store of static buffers (:class:`kvlab.storage.slots.SlotStore`) for the
+``fast`` engine and, if it is served, a pool of blocks (:mod:`kvlab.storage.paged`) for the serving
+engine, with its parameter check, its bytes per token, its stats and its paged layout.
 A policy hands its storage to the engines (``Policy.storage()``); the engines call the protocol
 below and never test a store's type.
 """
@@ -124,10 +125,12 @@ class StoreOptions:
 class PagedLayout:
     """A storage's layout in fixed blocks of ``block_tokens`` tokens (a paged allocator's unit): one
     block holds that many tokens of one sequence in one layer, K and V of every KV head, in
-    ``block_bytes`` bytes (scales and bounds included)."""
+    ``block_bytes`` bytes (scales and bounds included). ``sequence_bytes``: what one sequence holds in
+    one layer outside its blocks, at most (a tail of exact tokens kept per request; 0 for most)."""
 
     block_tokens: int
     block_bytes: int
+    sequence_bytes: int = 0
 
     def blocks(self, tokens: int) -> int:
         """Blocks one layer of one sequence needs to hold ``tokens`` tokens."""
@@ -189,6 +192,14 @@ class Storage(Protocol):
 
     def paged(self, kv_heads: int, head_dim: int, block_tokens: int = 16, element_size: int = 2) -> PagedLayout:
         """The layout in blocks of ``block_tokens`` tokens."""
+
+    def paged_pool(self, shape, dtype: torch.dtype, device):
+        """The serving half: a :class:`kvlab.storage.paged.PagedPool` of ``shape``
+        (:class:`~kvlab.storage.paged.PoolShape`) blocks at the model ``dtype``; a family that is not
+        served raises :class:`PolicyError` (:class:`~kvlab.storage.paged.PoolDefaults`)."""
+
+    def block_size_problem(self, block_size: int) -> str | None:
+        """Why this storage cannot be held in pool blocks of ``block_size`` tokens (None: it can)."""
 
     def store(self, layout, options: StoreOptions):
         """The ``fast`` half: static buffers for ``layout`` (a :class:`kvlab.storage.slots.SlotStore`)."""

@@ -8,6 +8,8 @@ group's query heads; ``seqused_k`` per segment), so the kernel's GQA transposes 
 batch; else SDPA with a length mask (any device, the CPU reference) or, opt-in, cuDNN's attention.
 With ``attention="triton"`` the fast engine keeps the dense cache in kvlab's bf16 format instead
 (:class:`kvlab.storage.kvq.QuantizedStore`), read by the same split-K kernel as the quantized formats.
+Serving: :class:`DensePool`, K/V at the model dtype in ``[slots, Hkv, D]`` per layer, which the
+Triton paged decode reads in place (:func:`kvlab.kernels.paged.paged_decode`).
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from typing import Any
 import torch
 
 from kvlab.errors import EngineError
+from kvlab.kernels.paged import paged_decode
 from kvlab.storage.base import ModelShape, StoreOptions
 from kvlab.storage.kvq import QuantizedStore
 from kvlab.storage.loading import PromptStorage
+from kvlab.storage.paged import PagedPool, PoolShape
 from kvlab.storage.slots import (
     DENSE_ATTENTION,
     Layout,
@@ -100,6 +104,32 @@ class DenseStore(ModelDtypeStore):
         return sdpa_decode(q, self.keys[layer], self.values[layer], slot + 1, self.scale)
 
 
+class DensePool(PagedPool):
+    """K and V per layer as ``[slots, Hkv, D]`` in the model dtype."""
+
+    paged_kernel = True
+    captures_decode = True
+
+    def __init__(self, shape: PoolShape, dtype: torch.dtype, device):
+        size = (shape.num_layers, shape.slots, shape.kv_heads, shape.head_dim)
+        self.k = torch.zeros(size, dtype=dtype, device=device)
+        self.v = torch.zeros(size, dtype=dtype, device=device)
+        self.dtype, self.block_size = dtype, shape.block_size
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, owner: int = 0,
+              first: bool = False) -> None:
+        """``k``/``v`` ``[n, Hkv, D]`` into ``slots [n]`` (a dense pool keeps no per-request state)."""
+        self.k[layer, slots] = k.to(self.dtype)
+        self.v[layer, slots] = v.to(self.dtype)
+
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[layer, slots].transpose(0, 1), self.v[layer, slots].transpose(0, 1)
+
+    def decode(self, layer: int, q: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        return paged_decode(q, self.k[layer], self.v[layer], tables, lengths, self.block_size, scale)
+
+
 @dataclass(frozen=True)
 class DenseStorage(PromptStorage):
     """The model dtype, every kept token. ``prefill``: the evicting policy whose cache the prefill
@@ -130,5 +160,8 @@ class DenseStorage(PromptStorage):
 
     def prefill_cache(self, store, rows: slice | None, model):
         return StoreCache(store, rows) if self.prefill is None else self.prefill.make_cache(model)
+
+    def paged_pool(self, shape: PoolShape, dtype: torch.dtype, device) -> DensePool:
+        return DensePool(shape, dtype, device)
 
 

@@ -20,25 +20,61 @@ tokens among them, in groups whose ranges include tokens after it).
 ``fast``: :class:`KiviSlotStore`: the new token goes into the bf16 ring and a group is quantized when
 it fills (``kivi_append``); attention is the fused split-K kernel on CUDA and the torch reference
 elsewhere (``kivi_decode_attention``).
+
+Serving: :class:`KiviPool`, a block is one key group (``block_size`` = ``q_group_size``): its keys'
+per-channel scale and zero one per block, codes and value scales per slot, each request's tokens not yet
+quantized (``R <= . < R + G``) in bf16 beside the pool (a fixed extra per sequence: the paged layout's
+``sequence_bytes``). The boundary is :class:`~kvlab.kernels.kivi.KiviSpec`'s pure function of the
+length, as in the static engines; reads follow :class:`KiviLayer`: a prompt row sees the tokens quantized
+before its chunk dequantized and the rest exact (a prompt in one chunk: all exact, as the static
+prefill), a decode row at position ``p`` the first ``quantized_tokens(p + 1)`` dequantized and the rest
+exact; a re-fed run after a preemption is read row by row that way.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from kvlab.budget import BudgetError, check_positive
 from kvlab.errors import PolicyError
 from kvlab.kernels import kivi
 from kvlab.kernels.kivi_decode import kernel_problem, kivi_append, kivi_decode_attention, make_kivi_workspace
+from kvlab.kernels.paged import PagedKiviCodes, paged_kivi_decode
+from kvlab.models import ModelSpec
 from kvlab.storage import attention
 from kvlab.storage.base import ModelShape, StoredLengthMixin, StoreOptions, check_int
 from kvlab.storage.loading import PromptStorage
+from kvlab.storage.paged import PagedPool, PoolShape
 from kvlab.storage.slots import Layout, SlotStore, StepSlots, uses_kernel
 
 GROUPS = (16, 32, 64, 128)
+
+
+def kivi_cache_bytes(spec: ModelSpec, ctx: int, batch: int = 1, bits: int = 2, key_bits: int | None = None,
+                     group: int = 32, residual: int = 128, value_group: int = 32, new_tokens: int = 0) -> float:
+    """A KIVI-style cache holding ``ctx + new_tokens`` tokens per sequence:
+    the first ``group * ((n - residual) // group)`` as codes (keys ``key_bits`` per element plus a
+    float16 scale and zero per channel per ``group`` tokens; values ``bits`` plus a float16 scale and
+    zero per ``value_group`` elements of each token), the ring of ``residual + group`` tokens in bf16
+    (allocated whole, so counted whole)."""
+    check_positive("batch", batch)
+    key_bits = key_bits or bits
+    for name, b in (("bits", bits), ("key_bits", key_bits)):
+        if b not in (2, 4):
+            raise BudgetError(f"KIVI {name}: {b} is not stored; use 2 or 4")
+    if residual < 0 or group < 1 or value_group < 1 or spec.head_dim % value_group:
+        raise BudgetError(f"KIVI group {group}, residual {residual}, value_group {value_group}: need group >= 1, "
+                          f"residual >= 0 and a value_group dividing head_dim {spec.head_dim}")
+    n = ctx + new_tokens
+    quantized = group * max(0, (n - residual) // group)
+    d, heads = spec.head_dim, spec.num_layers * spec.num_kv_heads
+    per_token = d * (key_bits + bits) / 8 + 2 * 2 * d / group + 2 * 2 * d / value_group
+    ring = 2 * (residual + group) * d * 2
+    return batch * heads * (quantized * per_token + ring)
 
 
 class KiviLayer(StoredLengthMixin, DynamicLayer):
@@ -196,6 +232,133 @@ class KiviSlotStore(SlotStore):
         return out.to(q.dtype)
 
 
+@dataclass
+class Tail:
+    """A request's tokens not yet quantized in a :class:`KiviPool`: their slots and exact (bf16) K/V
+    ``[n, Hkv, D]``, after the first ``quantized`` tokens."""
+
+    quantized: int
+    slots: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+class KiviPool(PagedPool):
+    """Key groups of one block each, per-token value codes, a bf16 tail per request (the module docstring).
+    ``paged_kernel``: the contiguous KIVI kernel reads this head dim (so does the paged one,
+    :func:`kvlab.kernels.paged.paged_kivi_decode`)."""
+
+    def __init__(self, spec: kivi.KiviSpec, shape: PoolShape, dtype: torch.dtype, device):
+        spec.check_head_dim(shape.head_dim)
+        self.spec, self.block_size, self.dtype, self.device = spec, shape.block_size, dtype, device
+        self.paged_kernel = kernel_problem(spec, shape.head_dim) is None
+        slots, heads, dim = shape.slots, shape.kv_heads, shape.head_dim
+
+        def zeros(*size, dtype=kivi.SCALE_DTYPE):
+            return torch.zeros(shape.num_layers, *size, dtype=dtype, device=device)
+
+        self.k_codes = zeros(slots, heads, dim * spec.k_bits // 8, dtype=torch.uint8)
+        self.k_scale, self.k_zero = zeros(shape.num_blocks, heads, dim), zeros(shape.num_blocks, heads, dim)
+        self.v_codes = zeros(slots, heads, dim * spec.v_bits // 8, dtype=torch.uint8)
+        groups = dim // spec.value_group
+        self.v_scale, self.v_zero = zeros(slots, heads, groups), zeros(slots, heads, groups)
+        self.tails: list[dict[int, Tail]] = [{} for _ in range(shape.num_layers)]  # per layer: owner -> its tail
+        self.chunks: list[dict[int, tuple]] = [{} for _ in range(shape.num_layers)]  # owner -> its last write's rows
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, owner: int = 0,
+              first: bool = False) -> None:
+        slots = slots.to(self.device)
+        if first or owner not in self.tails[layer]:
+            empty = k.new_zeros((0, *k.shape[1:]), dtype=kivi.RESIDUAL_DTYPE)
+            self.tails[layer][owner] = Tail(0, slots[:0], empty, empty)
+        tail = self.tails[layer][owner]
+        ks, vs = torch.cat([tail.k, k.to(kivi.RESIDUAL_DTYPE)]), torch.cat([tail.v, v.to(kivi.RESIDUAL_DTYPE)])
+        held = torch.cat([tail.slots, slots])
+        nq = self.spec.quantized_tokens(tail.quantized + len(ks))
+        flush = nq - tail.quantized
+        if flush:
+            self.quantize(layer, held[:flush], ks[:flush], vs[:flush])
+        self.tails[layer][owner] = Tail(nq, held[flush:], ks[flush:], vs[flush:])
+        # what the chunk's rows read exact: a first write (the prefill) in its own precision, as the
+        # static prefill attends; later tokens as the bf16 tail holds them
+        exact_k = k.float() if first else ks.float()
+        exact_v = v.float() if first else vs.float()
+        self.chunks[layer][owner] = (tail.quantized, exact_k, exact_v)
+
+    def quantize(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Whole key groups (``slots`` start at a block's first slot) into codes and scales."""
+        kc, ks, kz = kivi.quantize_keys(self.spec, k.transpose(0, 1)[None])
+        vc, vs, vz = kivi.quantize_values(self.spec, v.transpose(0, 1)[None])
+        blocks = slots[::self.spec.group] // self.block_size
+        self.k_codes[layer, slots] = kc[0].transpose(0, 1)
+        self.k_scale[layer, blocks], self.k_zero[layer, blocks] = ks[0].transpose(0, 1), kz[0].transpose(0, 1)
+        self.v_codes[layer, slots] = vc[0].transpose(0, 1)
+        self.v_scale[layer, slots], self.v_zero[layer, slots] = vs[0].transpose(0, 1), vz[0].transpose(0, 1)
+
+    def dequantized(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of quantized tokens at ``slots`` (whole groups, token order), float32 ``[Hkv, n, D]``."""
+        blocks = slots[::self.spec.group] // self.block_size
+        keys = kivi.dequantize_keys(self.spec, self.k_codes[layer, slots].transpose(0, 1)[None],
+                                    self.k_scale[layer, blocks].transpose(0, 1)[None],
+                                    self.k_zero[layer, blocks].transpose(0, 1)[None])
+        values = kivi.dequantize_values(self.spec, self.v_codes[layer, slots].transpose(0, 1)[None],
+                                        self.v_scale[layer, slots].transpose(0, 1)[None],
+                                        self.v_zero[layer, slots].transpose(0, 1)[None])
+        return keys[0], values[0]
+
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A request's K/V as stored (``slots``: its held slots from token 0): codes dequantized, tail exact."""
+        slots = slots.to(self.device)
+        tail = self.tails[layer][int(slots[0]) // self.block_size]
+        keys, values = self.dequantized(layer, slots[:tail.quantized])
+        return (torch.cat([keys, tail.k.transpose(0, 1).float()], 1).to(self.dtype),
+                torch.cat([values, tail.v.transpose(0, 1).float()], 1).to(self.dtype))
+
+    def decode(self, layer: int, q: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """Decode rows through the paged kernel: each request's code blocks through its table, then its
+        exact tail (gathered here, padded), as :meth:`attend` reads a decode row."""
+        owners = tables[:, 0].tolist()  # a request's first block names it
+        tails = [self.tails[layer][owner] for owner in owners]
+        for owner in owners:
+            self.chunks[layer].pop(owner, None)  # what attend would have read
+        batch, heads, dim = len(tails), self.k_scale.shape[2], self.k_scale.shape[3]
+        width = max(1, max(len(t.k) for t in tails))
+        tail_k = torch.zeros(batch, heads, width, dim, dtype=kivi.RESIDUAL_DTYPE, device=self.device)
+        tail_v = torch.zeros_like(tail_k)
+        for b, tail in enumerate(tails):
+            tail_k[b, :, :len(tail.k)] = tail.k.transpose(0, 1)
+            tail_v[b, :, :len(tail.v)] = tail.v.transpose(0, 1)
+        as_int = {"dtype": torch.int32, "device": self.device}
+        quantized = torch.tensor([t.quantized for t in tails], **as_int)
+        count = torch.tensor([len(t.k) for t in tails], **as_int)
+        codes = PagedKiviCodes(self.spec, self.k_codes[layer], self.k_scale[layer], self.k_zero[layer],
+                               self.v_codes[layer], self.v_scale[layer], self.v_zero[layer])
+        return paged_kivi_decode(q, codes, tables, quantized, (tail_k, tail_v, count), scale)
+
+    def attend(self, layer: int, q: torch.Tensor, held: torch.Tensor, scale: float, decode_from: int) -> torch.Tensor:
+        held = held.to(self.device)
+        owner = int(held[0]) // self.block_size
+        start, exact_k, exact_v = self.chunks[layer].pop(owner)  # the chunk this step wrote (then attends)
+        q_heads, n, d = q.shape
+        m = len(held)
+        nq = self.tails[layer][owner].quantized
+        keys, values = self.dequantized(layer, held[:nq])  # [Hkv, nq, D]
+        kv_heads = keys.shape[0]
+        pos = torch.arange(m - n, m, device=q.device).view(n, 1)  # each row's position
+        seen = torch.tensor([start if i < decode_from else self.spec.quantized_tokens(m - n + i + 1)
+                             for i in range(n)], device=q.device).view(n, 1)  # tokens it reads dequantized
+        t_exact = torch.arange(start, m, device=q.device).view(1, m - start)
+        visible = torch.cat([torch.arange(nq, device=q.device).view(1, nq) < seen,
+                             (t_exact >= seen) & (t_exact <= pos)], dim=1)  # [n, nq + m - start]
+        k = torch.cat([keys, exact_k.transpose(0, 1)], 1)
+        v = torch.cat([values, exact_v.transpose(0, 1)], 1)
+        qf = q.float().view(kv_heads, q_heads // kv_heads, n, d)
+        logits = torch.einsum("hgnd,htd->hgnt", qf, k) * scale
+        probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
+        return torch.einsum("hgnt,htd->hgnd", probs, v).reshape(q_heads, n, d).to(q.dtype)
+
+
 @dataclass(frozen=True)
 class KiviStorage(PromptStorage):
     """KIVI's knobs; its label, bits, checks, and both engines' halves."""
@@ -261,3 +424,19 @@ class KiviStorage(PromptStorage):
 
     def store(self, layout: Layout, options: StoreOptions):
         return KiviSlotStore(layout, self.spec, options.num_heads, options.device, options.scale, options.backend)
+
+    def paged(self, kv_heads: int, head_dim: int, block_tokens: int = 16, element_size: int = 2):
+        """Blocks of quantized tokens; a sequence's bf16 tail (``R + G - 1`` tokens of K and V at most)
+        is held beside them."""
+        tail = 2 * kv_heads * head_dim * kivi.RESIDUAL_DTYPE.itemsize * (self.spec.window - 1)
+        return replace(super().paged(kv_heads, head_dim, block_tokens, element_size), sequence_bytes=tail)
+
+    def paged_pool(self, shape: PoolShape, dtype: torch.dtype, device) -> KiviPool:
+        return KiviPool(self.spec, shape, dtype, device)
+
+    def block_size_problem(self, block_size: int) -> str | None:
+        """A key group is one pool block (its per-channel scales, one per block)."""
+        if self.q_group_size == block_size:
+            return None
+        return (f"kivi key groups of {self.q_group_size} tokens are stored in pool blocks of {block_size}: serve "
+                f"it with block_size={self.q_group_size} (one block each), or q_group_size={block_size}")

@@ -31,6 +31,11 @@ compare the engines' quality over many items (``benchmarks/quality_engines.py``)
 
 An evicting policy puts its eviction in front of :class:`KVQLayer` (:mod:`kvlab.policies.quantized.storage`)
 and stores the kept K/V in the format.
+
+Serving: :class:`KVQPool`, the format's codes and scales per pool slot, a key offset per request; a
+step's decode tokens read through their block tables by the fused paged kernel
+(:func:`kvlab.kernels.paged.paged_kvq_decode`: codes dequantized in registers) with the engine's
+``attention="triton"`` (the default on CUDA), else the torch reference (:meth:`KVQPool.attend`).
 """
 
 from __future__ import annotations
@@ -45,8 +50,10 @@ from kvlab.errors import PolicyError
 from kvlab.kernels import KVStore, decode_attention, make_workspace, parse_format, quantize_write
 from kvlab.kernels.formats import FormatError
 from kvlab.kernels.key_offset import KEY_OFFSETS, shifted
+from kvlab.kernels.paged import paged_kvq_decode, paged_kvq_problem, picked
 from kvlab.storage.base import ModelShape, StoredLengthMixin, StoreOptions, tensor_bytes
 from kvlab.storage.loading import PromptStorage
+from kvlab.storage.paged import PagedPool, PoolShape
 from kvlab.storage.slots import Layout, SlotStore, StepSlots, sdpa_decode
 from kvlab.storage.store_cache import StoreCache
 
@@ -253,6 +260,45 @@ class QuantizedStore(SlotStore):
         return sdpa_decode(q, keys, values, slot + 1, self.scale)
 
 
+class KVQPool(PagedPool):
+    """K and V per layer in a ``kvlab.kernels`` format: one ``KVStore`` of batch 1 whose token axis
+    is the pool's slots; each token is quantized on its own (its scales are per token), so a request
+    attends over exactly the bits its blocks store, dequantized on read.
+
+    With a key offset (:mod:`kvlab.kernels.key_offset`) the pool fits each request's per-channel
+    offset ``[Hkv, D]`` on its first chunk's keys and stores every later key of the request minus
+    it; reads return the shifted keys, which attention does not see (``q . m`` is the same for every
+    key of a request). ``paged_kernel``: the format's decode kernels read this head dim (the paged
+    kernel takes what the contiguous ones take)."""
+
+    def __init__(self, fmt, shape: PoolShape, dtype: torch.dtype, device, key_offset: str = "none"):
+        self.fmt, self.dtype, self.head_dim, self.block_size = fmt, dtype, shape.head_dim, shape.block_size
+        self.offset_rule = KEY_OFFSETS[key_offset]
+        self.key_offsets: list[dict[int, torch.Tensor | None]] = [{} for _ in range(shape.num_layers)]  # per owner
+        self.k = [fmt.empty(1, shape.kv_heads, shape.slots, shape.head_dim, device) for _ in range(shape.num_layers)]
+        self.v = [fmt.empty(1, shape.kv_heads, shape.slots, shape.head_dim, device) for _ in range(shape.num_layers)]
+        self.paged_kernel = paged_kvq_problem(self.k[0]) is None
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, owner: int = 0,
+              first: bool = False) -> None:
+        keys = k.transpose(0, 1).unsqueeze(0).float()  # [1, Hkv, n, D]
+        if first:
+            self.key_offsets[layer][owner] = self.offset_rule.fit(keys)
+        keys = shifted(keys, self.key_offsets[layer].get(owner))
+        for store, x in ((self.k[layer], keys), (self.v[layer], v.transpose(0, 1).unsqueeze(0).float())):
+            codes = self.fmt.quantize(x)
+            for dst, src in zip(store.tensors(), codes.tensors(), strict=True):
+                dst[:, :, slots] = src
+
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = (picked(store, slots).dequantize()[0].to(self.dtype) for store in (self.k[layer], self.v[layer]))
+        return keys, values
+
+    def decode(self, layer: int, q: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        return paged_kvq_decode(q, self.k[layer], self.v[layer], tables, lengths, self.block_size, scale)
+
+
 def offset_label(label: str, key_offset: str) -> str:
     """A kvq store's ``kv_format`` column: the format's label, with the key offset it subtracts."""
     return label if key_offset == "none" else f"{label}, keys - {key_offset}"
@@ -289,5 +335,8 @@ class KVQStorage(PromptStorage):
 
     def prefill_cache(self, store, rows: slice | None, model):
         return StoreCache(store, rows) if self.prefill is None else self.prefill.make_cache(model)
+
+    def paged_pool(self, shape: PoolShape, dtype: torch.dtype, device) -> KVQPool:
+        return KVQPool(parse_format(self.format), shape, dtype, device, self.key_offset)
 
 

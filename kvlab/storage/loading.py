@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from kvlab.errors import EngineError
 from kvlab.storage.base import hf_model, layer_tensors, paged_layout
+from kvlab.storage.paged import PoolDefaults
 from kvlab.storage.store_cache import StoreCache
 
 
@@ -36,10 +37,11 @@ def dense_prefill_cache(model):
     return DynamicCache(config=hf_model(model).config)
 
 
-class PromptStorage:
+class PromptStorage(PoolDefaults):
     """Defaults of a storage whose layers each hold one length (every family but ragged): its paged
     layout from its ``token_bytes``; the prefill fills the prefill policy's cache (an evicting
-    policy's) or a plain one, and the store copies the kept K/V from it."""
+    policy's) or a plain one, and the store copies the kept K/V from it; no serving pool unless the
+    family defines ``paged_pool``."""
 
     prefill = None
 

@@ -25,6 +25,15 @@ kvq codes (key offset ``prompt-mean``, as kvq's stores) while the page bounds st
 keys; hf: :class:`QuantizedQuestLayer` (the prefill attends exactly, then kvq's semantics), fast:
 :class:`QuantizedQuestStore`, which gathers and dequantizes only the selected pages' codes. Both are
 torch: the sparse kernel reads model-dtype pages, so the combination is refused on CUDA.
+
+Serving: :class:`QuestPool`, every block kept at the model dtype and each block's key min and max
+beside the pool (``kmin``/``kmax [layers, blocks, Hkv, D]``, folded in as slots are written; a block's
+first slot replaces them). A page is one block (``block_size`` = ``page``), so a request's page bounds
+are its block table's rows of ``kmin``/``kmax`` and the paged layout (K/V plus one min and max per
+page) is exactly what a block weighs. Rows of a chunk past the prompt read as the decode step reads
+them (:mod:`kvlab.kernels.quest`'s torch reference): the first page, the latest, then the top-bound
+pages up to the budget; ``quest_attend`` for one row, ``chunk_attend`` row by row for generated tokens
+re-fed after a preemption. Prompt rows and the first ``dense_layers`` layers attend densely.
 """
 
 from __future__ import annotations
@@ -43,9 +52,10 @@ from kvlab.kernels.key_offset import DEFAULT_KEY_OFFSET
 from kvlab.kernels.quest_decode import kernel_problem, make_quest_workspace, quest_decode_attention
 from kvlab.storage import attention
 from kvlab.storage.base import ModelShape, StorageLayer, StoreOptions, check_int
-from kvlab.storage.dense import DenseStore
+from kvlab.storage.dense import DensePool, DenseStore
 from kvlab.storage.kvq import KVQLayer, QuantizedStore, offset_label
 from kvlab.storage.loading import PromptStorage
+from kvlab.storage.paged import PoolShape, attend
 from kvlab.storage.slots import Layout, uses_kernel
 
 GROUP_REDUCE = ("max", "sum")
@@ -291,6 +301,59 @@ class QuantizedQuestStore(PageBoundsStore, QuantizedStore):
         return out.to(q.dtype)
 
 
+class QuestPool(DensePool):
+    """A dense pool plus per-block key bounds; decode rows of sparse layers read the selected pages."""
+
+    paged_kernel = False  # the Triton paged decode reads every block; the sparse read is the torch reference here
+    captures_decode = False
+
+    def __init__(self, read: quest.QuestRead, shape: PoolShape, dtype: torch.dtype, device):
+        super().__init__(shape, dtype, device)
+        self.quest, self.block_size = read, shape.block_size
+        size = (shape.num_layers, shape.num_blocks, shape.kv_heads, shape.head_dim)
+        self.kmin = torch.full(size, float("inf"), dtype=dtype, device=device)
+        self.kmax = torch.full(size, float("-inf"), dtype=dtype, device=device)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, owner: int = 0,
+              first: bool = False) -> None:
+        super().write(layer, slots, k, v, owner, first)
+        slots = slots.to(self.kmin.device)
+        blocks = slots // self.block_size
+        fresh = blocks[slots % self.block_size == 0]  # a block's first slot: a new owner, or a new page
+        self.kmin[layer, fresh] = float("inf")
+        self.kmax[layer, fresh] = float("-inf")
+        keys = k.to(self.dtype)
+        where = blocks.view(-1, 1, 1).expand_as(keys)
+        self.kmin[layer].scatter_reduce_(0, where, keys, "amin")
+        self.kmax[layer].scatter_reduce_(0, where, keys, "amax")
+
+    def page_bounds(self, layer: int, held: torch.Tensor) -> quest.PageBounds:
+        """The bounds ``[1, Hkv, pages, D]`` of the request whose held slots are ``held`` (token order)."""
+        blocks = (held[::self.block_size] // self.block_size).to(self.kmin.device)
+        kmin, kmax = self.kmin[layer, blocks], self.kmax[layer, blocks]  # [pages, Hkv, D]
+        return quest.PageBounds(self.quest.spec, kmin.transpose(0, 1)[None], kmax.transpose(0, 1)[None])
+
+    def attend(self, layer: int, q: torch.Tensor, held: torch.Tensor, scale: float, decode_from: int) -> torch.Tensor:
+        n = q.shape[1]
+        if layer < self.quest.dense_layers or decode_from >= n:
+            return super().attend(layer, q, held, scale, decode_from)
+        keys, values = self.read(layer, held)  # [Hkv, m, D]
+        m = keys.shape[1]
+        parts = []
+        if decode_from > 0:  # prompt rows of the chunk: dense, causal over the slots up to each
+            upto = m - (n - decode_from)
+            parts.append(attend(q[:, :decode_from], keys[:, :upto], values[:, :upto], scale))
+        bounds = self.page_bounds(layer, held)
+        rows = q[:, decode_from:]
+        if rows.shape[1] == 1:
+            lengths = torch.full((1,), m, device=q.device)
+            out = quest.quest_attend(rows[None, :, 0], keys[None], values[None], bounds, lengths, scale)[0][:, None]
+        else:
+            out = quest.chunk_attend(rows[None], keys[None], values[None], bounds, scale)[0]
+        parts.append(out.to(q.dtype))
+        return torch.cat(parts, 1)
+
+
 @dataclass(frozen=True)
 class QuestStorage(PromptStorage):
     """Quest's knobs; its label, checks, and both engines' halves."""
@@ -393,5 +456,12 @@ class QuestStorage(PromptStorage):
         return QuestStore(layout, self.read, options.num_heads, options.dtype, options.device, options.scale,
                           attention, options.backend)
 
+    def paged_pool(self, shape: PoolShape, dtype: torch.dtype, device) -> QuestPool:
+        return QuestPool(self.read, shape, dtype, device)
 
-
+    def block_size_problem(self, block_size: int) -> str | None:
+        """A page is one pool block (its bounds sit beside the pool, one min and max per block)."""
+        if self.page == block_size:
+            return None
+        return (f"quest pages of {self.page} tokens are stored in pool blocks of {block_size}: serve it with "
+                f"block_size={self.page} (one block each), or page={block_size}")

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from kvlab.errors import EngineError, PolicyError
 from kvlab.storage.base import ModelShape, StoreOptions, layer_tensors, paged_layout
+from kvlab.storage.paged import PoolDefaults
 from kvlab.storage.slots import Layout, ModelDtypeStore, dense_attention, flash_varlen, row_slice
 
 
@@ -214,7 +215,7 @@ def head_tensors(cache) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True)
-class RaggedStorage:
+class RaggedStorage(PoolDefaults):
     """Per-KV-head budgets with a fixed total per layer: each (row, KV head)'s kept rows in a segment of
     its own at the model dtype, no padding. ``prefill``: the policy whose prefill selects per head (its
     cache, padded per head on ``hf``: :mod:`kvlab.policies.headwise`, is what the store loads from)."""

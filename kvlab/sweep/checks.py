@@ -22,7 +22,6 @@ from kvlab.preflight import (
     weights_problem,
 )
 from kvlab.quality import TaskSpec
-from kvlab.serve import SERVED, block_size_problem
 from kvlab.sweep.params import (
     DTYPES,
     MethodVariant,
@@ -164,7 +163,7 @@ def check_params(params: SweepParams, check_device: bool = True,
 
     Raises one :class:`ParamsError` listing every problem.
     """
-    from kvlab.policies import make_policy  # torch: a params file is read and parsed without it
+    from kvlab.policies import SERVED, make_policy  # torch: a params file is read and parsed without it
 
     size_problem = plan_size_problem(params, len(method_variants(params)))
     if size_problem:  # before any check walks the plan
@@ -281,7 +280,7 @@ def check_params(params: SweepParams, check_device: bool = True,
                 policy.check(spec)
             problem = policy.shape_problem(shortest) if shortest else None
             if serving and params.traffic is not None and not problem:
-                problem = block_size_problem(policy.storage(), params.traffic.server.block_size)
+                problem = policy.storage().block_size_problem(params.traffic.server.block_size)
             if problem:
                 raise ValueError(problem)
         except ValueError as err:

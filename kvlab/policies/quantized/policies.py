@@ -80,7 +80,7 @@ class GroupwisePolicy(QuantizedPolicy):
 @dataclass(frozen=True)
 class QuantoPolicy(GroupwisePolicy):
     name = "quanto"
-    summary = "optimum-quanto int4/int2 cache (transformers QuantizedCache, KIVI-style residual)"
+    summary = "optimum-quanto int4/int2 cache (transformers QuantizedCache, recent tokens kept in full precision)"
 
 
 @dataclass(frozen=True)
@@ -132,8 +132,8 @@ class KVQIntPolicy(KVQPolicy):
     ``q_group_size`` elements of each token's head dim, round to nearest. No residual window: every
     token is stored quantized from its first step.
 
-    Per-token groups cannot isolate a key channel that is an outlier in every token (KIVI quantizes
-    keys per channel for that reason): ``key_offset='prompt-mean'`` (the default) subtracts each key
+    Per-token groups cannot isolate a key channel that is an outlier in every token (a store that
+    quantizes keys per channel can): ``key_offset='prompt-mean'`` (the default) subtracts each key
     channel's prompt mean first, which attention does not see (:mod:`kvlab.kernels.key_offset`);
     ``key_offset='none'`` is the layout without it.
     """

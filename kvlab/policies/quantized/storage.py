@@ -93,7 +93,7 @@ class QuantBackend:
 
 
 class GroupwiseBackend(QuantBackend):
-    """Integer codes with a scale and zero point per ``q_group_size`` elements, KIVI-style residual."""
+    """Integer codes with a scale and zero point per ``q_group_size`` elements, recent tokens in full precision."""
 
     package: ClassVar[str]  # distribution that must be installed
     min_version: ClassVar[str]
@@ -152,8 +152,8 @@ class QuantoBackend(GroupwiseBackend):
         super().check_knobs(spec)
         if -1 in (spec.axis_key, spec.axis_value):
             raise PolicyError("quanto's per-channel axis (-1) groups along batch x heads x tokens and fails unless "
-                              "their product is a multiple of q_group_size: use axis 0, or --method kivi for "
-                              "per-channel keys")
+                              "their product is a multiple of q_group_size: use axis 0, or a method that stores keys "
+                              "per channel (kvlab policies lists them)")
 
     def layer_class(self) -> type:
         from transformers import cache_utils
@@ -334,7 +334,7 @@ DEFAULT_BACKEND = "quanto"
 
 @dataclass(frozen=True)
 class QuantSpec:
-    """How K/V are stored: backend, bits and the KIVI-style knobs of transformers' QuantizedLayer.
+    """How K/V are stored: backend, bits and the residual-window knobs of transformers' QuantizedLayer.
 
     ``residual_length`` recent tokens stay at full precision until they are flushed;
     ``q_group_size`` elements share one scale and zero point; axis 0 groups along head_dim

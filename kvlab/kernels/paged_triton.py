@@ -1,5 +1,5 @@
-"""Decode attention over block tables in Triton (imports triton; import lazily): one query token per
-request, K/V read in place from the dense pool's ``[slots, Hkv, D]`` buffers through each request's
+"""Decode attention over block tables in Triton (imports triton; import lazily, through
+:mod:`kvlab.kernels.paged`): one query token per request, K/V read in place from a model-dtype pool's ``[slots, Hkv, D]`` buffers through each request's
 block table. Grid ``(B, Hkv)``: a program holds the ``G`` query heads of one KV head (padded to
 ``BLOCK_H >= 16`` rows for ``tl.dot``) and walks the request's blocks with a float32 online softmax.
 Checked against :func:`kvlab.serve.forward.paged_decode_reference` (the Triton interpreter on CPU).
