@@ -9,6 +9,7 @@ import torch
 
 from kvlab.errors import PolicyError
 from kvlab.models import ModelSpec
+from kvlab.policies import SERVED, make_policy
 from kvlab.serve.layout import BlockLayout, block_layout
 from kvlab.serve.request import ServeError
 from kvlab.storage.base import model_shape
@@ -17,8 +18,6 @@ from kvlab.storage.paged import PoolShape
 
 def make_method(method: str, params: dict):
     """The registry's policy for ``method`` with ``params`` (validated there), if the engine serves it."""
-    from kvlab.policies import SERVED, make_policy
-
     if method not in SERVED:
         raise ServeError(f"method {method!r} is not served yet: the serving engine supports "
                          f"{', '.join(SERVED)} (the others run in kvlab sweep's static batches)")
