@@ -63,14 +63,15 @@ def test_the_bias_is_read_from_a_gguf(tmp_path):
 def test_only_per_token_key_stores_without_an_offset_are_warned(biased_folder):
     stores = [make_policy("kvq-int4"), make_policy("kvq-int4", key_offset="none"),
               make_policy("kvq-fp8", key_offset="none"), make_policy("kivi"), make_policy("full"),
-              make_policy("snapkv", quant={"backend": "quanto", "nbits": 4})]
+              make_policy("snapkv", quant={"backend": "quanto", "nbits": 4}), make_policy("kivi-rot"),
+              make_policy("turboquant"), make_policy("nvfp4"), make_policy("kvq-rot")]
     lines = outlier_keys_warnings(str(biased_folder), None, stores)
-    assert len(lines) == 3
+    assert len(lines) == 6
     assert all(line.startswith("this model has outlier key channels (|k_proj.bias| up to 300, layers 0) and ")
                and line.endswith("use kvq-int4/kvq-fp8 with key_offset=prompt-mean (their default) or kivi "
                                  "(per-channel keys)") for line in lines)
     assert [line.split(" and ")[1].split(" quantizes")[0] for line in lines] == [
-        "kvq int4-g64", "kvq fp8", "snapkv 50% + quanto int4"]
+        "kvq int4-g64", "kvq fp8", "snapkv 50% + quanto int4", "turboquant k3v4", "nvfp4", "kvq-rot int4-g64"]
     assert outlier_keys_warnings(str(biased_folder), "synthetic", stores) == []
     assert outlier_keys_warnings(str(biased_folder), None, stores[:1]) == []
 

@@ -20,6 +20,7 @@ SETTINGS = [
     ("kivi", {"nbits": 4, "residual_length": 0, "q_group_size": 16}),
     ("quest", {"page": 4, "budget": 32, "dense_layers": 0}),
     ("quest", {"page": 16, "budget": 32, "group_reduce": "sum", "dense_layers": 1}),
+    ("kivi-rot", {"residual_length": 16, "q_group_size": 16, "value_group": 16}),  # KIVI behind the rotation
 ]
 
 
@@ -51,7 +52,7 @@ def test_fast_equals_hf_token_for_token(tiny32, method, params):
     policy = make_policy(method, **params)
     ref, fast, decoder, cache = run_both(tiny32, policy, ids(), 40)
     assert torch.equal(ref, fast), f"first difference at step {(ref != fast).nonzero()[0].tolist()}"
-    assert isinstance(decoder.store, KiviSlotStore if method == "kivi" else QuestStore)
+    assert isinstance(decoder.store, KiviSlotStore if method.startswith("kivi") else QuestStore)
     stats = cache_stats(cache)
     assert stats["logical_tokens"] == 100 + 39 and stats["bytes"] > 0
     assert decoder.stats(40)["bytes"] == stats["bytes"]  # both engines count the same bytes
@@ -195,7 +196,8 @@ def test_generate_runs_kivi_and_quest_on_both_engines(capsys):
 @pytest.mark.parametrize("method,params", [
     ("kivi", {"nbits": 4, "residual_length": 16, "q_group_size": 16, "value_group": 16}),
     ("quest", {"page": 16, "budget": 32, "dense_layers": 1}),
-], ids=["kivi", "quest"])
+    ("kivi-rot", {"nbits": 4, "residual_length": 16, "q_group_size": 16, "value_group": 16}),
+], ids=["kivi", "quest", "kivi-rot"])
 def test_the_stores_give_the_reference_tokens_through_the_triton_kernels(tiny32, method, params, monkeypatch):
     """The CUDA path's plumbing (workspaces, lengths, layouts) on CPU: the kernels interpreted
     (tests/conftest.py sets TRITON_INTERPRET=1) give the reference's tokens."""

@@ -19,7 +19,7 @@ needs_fp8 = pytest.mark.skipif(not HAS_FP8, reason="transformers < 5.21 has no f
 
 def test_registry_lists_every_method():
     assert set(POLICIES) == {"full", *EVICTION, *QUANTIZED, "decoding", "kivi", "quest", "nvfp4", "turboquant",
-                             "kvq-rot"}
+                             "kvq-rot", "kivi-rot"}
     for name, cls in POLICIES.items():
         assert issubclass(cls, Policy) and cls.name == name and cls.summary
 

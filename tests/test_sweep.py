@@ -373,6 +373,12 @@ def test_perf_false_runs_the_quality_pass_alone(tmp_path, capsys):
     assert {r["kind"] for r in records} == {"quality"}
     assert {r["label"] for r in records} == {"full", "streamingllm 50%"}
     assert not read_jsonl(tmp_path / "o" / "warmup.jsonl")
+    # a method added to the plan runs its quality items on the rerun; the recorded ones are not rerun
+    s = run_sweep(parse_params({**params, "methods": ["full", "streamingllm", "tova"]}), tmp_path / "o",
+                  progress=False, loader=toy_loader, log=lambda line: None)
+    again = read_jsonl(tmp_path / "o" / "records.jsonl")
+    assert s.complete and again[:len(records)] == records
+    assert {r["label"] for r in again[len(records):]} == {"tova 50%"}
 
 
 def test_quality_items_the_tokenizer_cannot_build_are_refused_before_any_run(tmp_path, monkeypatch):

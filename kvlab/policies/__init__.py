@@ -52,6 +52,7 @@ from kvlab.policies.tova import TOVAPolicy
 from kvlab.storage.kivi import KiviStorage
 from kvlab.storage.nvfp4 import Nvfp4Storage
 from kvlab.storage.quest import QuestStorage
+from kvlab.storage.rotated_kivi import RotatedKiviStorage
 from kvlab.storage.rotated_kvq import RotatedKVQStorage
 from kvlab.storage.turboquant import TurboQuantStorage
 
@@ -61,7 +62,8 @@ POLICIES: dict[str, type[Policy]] = {
                 RandomPolicy, QuantoPolicy, HQQPolicy, FP8Policy, KVQFp8Policy, KVQInt4Policy, KVQInt2Policy,
                 DecodingPolicy, ExpectedAttentionPolicy, KVzipPolicy, KVzapPolicy, AdaKVPolicy)
 }
-POLICIES.update(storage_policies(KiviStorage, QuestStorage, Nvfp4Storage, TurboQuantStorage, RotatedKVQStorage))  # methods that are a storage alone
+POLICIES.update(storage_policies(KiviStorage, QuestStorage, Nvfp4Storage, TurboQuantStorage, RotatedKVQStorage,
+                                 RotatedKiviStorage))  # methods that are a storage alone
 SERVED = ("full", "snapkv", "kvq-fp8", "kvq-int4", "kvq-int2", "quest", "kivi")  # the methods kvlab.serve runs
 
 

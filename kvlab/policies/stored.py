@@ -51,6 +51,9 @@ class StoredPolicy(Policy):
     def check(self, model) -> None:
         self._storage.check(model_shape(model), on_cuda(model))
 
+    def stores_keys_per_token(self) -> bool:
+        return self._storage.keys_per_token
+
     def prepare(self, model) -> None:
         if self._storage.attends_own_queries:  # its layers read a step's queries themselves
             attention.install(hf_model(model))

@@ -164,6 +164,7 @@ class CodecStorage(PromptStorage):
     ``kv_format`` and its own ``check`` (paged layout, prefill cache, load and kept: PromptStorage's)."""
 
     attends_own_queries = False
+    keys_per_token = True  # each key vector coded alone (rotated or not): a bias-driven channel sets its range
 
     def codecs(self):
         raise NotImplementedError

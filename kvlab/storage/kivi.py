@@ -47,6 +47,7 @@ from kvlab.kernels.paged import PagedKiviCodes, paged_kivi_decode
 from kvlab.models import ModelSpec
 from kvlab.storage import attention
 from kvlab.storage.base import ModelShape, StoredLengthMixin, StoreOptions, check_int
+from kvlab.storage.basis import ModelBasis
 from kvlab.storage.loading import PromptStorage
 from kvlab.storage.paged import PagedPool, PoolShape
 from kvlab.storage.slots import Layout, SlotStore, StepSlots, uses_kernel
@@ -77,16 +78,23 @@ def kivi_cache_bytes(spec: ModelSpec, ctx: int, batch: int = 1, bits: int = 2, k
     return batch * heads * (quantized * per_token + ring)
 
 
+def model_basis(kv_heads: int, head_dim: int, device) -> ModelBasis:
+    """KIVI's K/V stored as the model computes them."""
+    return ModelBasis()
+
+
 class KiviLayer(StoredLengthMixin, DynamicLayer):
     """One layer's K/V in a :class:`kvlab.kernels.kivi.KiviSpec` layout (codes grow by whole groups)."""
 
     is_croppable = False
     attends_own_queries = True  # kvlab's attention wrapper hands a chunk's queries to :meth:`attend`
 
-    def __init__(self, spec: kivi.KiviSpec | None = None, layer_idx: int = 0):
+    def __init__(self, spec: kivi.KiviSpec | None = None, layer_idx: int = 0, basis=model_basis):
         super().__init__()
         self.spec = spec or kivi.KiviSpec()
         self.layer_idx = layer_idx
+        self.make_basis = basis  # (kv_heads, head_dim, device) -> the basis K/V are stored in
+        self.basis = ModelBasis()
         self._returned: tuple[torch.Tensor, torch.Tensor] | None = None  # K/V a chunk's update returned, for the hook
         self._chunk: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (first exact position, exact K, V)
         self.codes: list[tuple[torch.Tensor, ...]] = []  # per flushed chunk: k codes/scale/zero, v codes/scale/zero
@@ -98,12 +106,14 @@ class KiviLayer(StoredLengthMixin, DynamicLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         self.dtype = key_states.dtype
+        self.basis = self.make_basis(key_states.shape[1], key_states.shape[-1], key_states.device)
 
     def _add(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
         """Append; flush the groups that filled. Returns the first position not quantized before this
-        update and the exact (bf16) K/V from there on."""
+        update and the exact (bf16) K/V from there on, in the stored basis."""
         start = self.quantized
-        keys, values = keys.to(kivi.RESIDUAL_DTYPE), values.to(kivi.RESIDUAL_DTYPE)
+        keys = self.basis.stored(keys).to(kivi.RESIDUAL_DTYPE)
+        values = self.basis.stored(values).to(kivi.RESIDUAL_DTYPE)
         if self.exact_k is not None:
             keys, values = torch.cat([self.exact_k, keys], 2), torch.cat([self.exact_v, values], 2)
         flush = self.spec.quantized_tokens(self.quantized + keys.shape[2]) - self.quantized
@@ -117,7 +127,8 @@ class KiviLayer(StoredLengthMixin, DynamicLayer):
     def _dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         keys = [kivi.dequantize_keys(self.spec, *c[:3]) for c in self.codes] + [self.exact_k.float()]
         values = [kivi.dequantize_values(self.spec, *c[3:]) for c in self.codes] + [self.exact_v.float()]
-        return torch.cat(keys, 2).to(self.dtype), torch.cat(values, 2).to(self.dtype)
+        keys, values = self.basis.read_back(torch.cat(keys, 2)), self.basis.read_back(torch.cat(values, 2))
+        return keys.to(self.dtype), values.to(self.dtype)
 
     @property
     def stored_tokens(self) -> int:
@@ -158,6 +169,7 @@ class KiviLayer(StoredLengthMixin, DynamicLayer):
         t_all = torch.arange(total, device=query.device).view(1, total)
         t_exact = torch.arange(start, total, device=query.device).view(1, total - start)
         visible = torch.cat([t_all < seen_q, (t_exact >= seen_q) & (t_exact <= pos)], dim=1)  # [n, T + T - start]
+        exact_k, exact_v = self.basis.read_back(exact_k.float()), self.basis.read_back(exact_v.float())
         k = torch.cat([keys, exact_k.to(keys.dtype)], 2).float()
         v = torch.cat([values, exact_v.to(values.dtype)], 2).float()
         qf = query.float().view(batch, kv_heads, q_heads // kv_heads, n, d)
@@ -179,9 +191,9 @@ class KiviLayer(StoredLengthMixin, DynamicLayer):
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def kivi_cache(num_layers: int, spec: kivi.KiviSpec | None = None) -> Cache:
-    """A transformers cache of ``num_layers`` :class:`KiviLayer` s."""
-    return Cache(layers=[KiviLayer(spec, i) for i in range(num_layers)])
+def kivi_cache(num_layers: int, spec: kivi.KiviSpec | None = None, basis=model_basis) -> Cache:
+    """A transformers cache of ``num_layers`` :class:`KiviLayer` s (``basis``: as :class:`KiviLayer`'s)."""
+    return Cache(layers=[KiviLayer(spec, i, basis) for i in range(num_layers)])
 
 
 class KiviSlotStore(SlotStore):
@@ -191,11 +203,13 @@ class KiviSlotStore(SlotStore):
 
     attention = "kivi"
 
-    def __init__(self, layout: Layout, spec: kivi.KiviSpec, num_heads: int, device, scale: float,
+    def __init__(self, layout: Layout, storage: KiviStorage, num_heads: int, device, scale: float,
                  backend: str = "auto"):
+        spec = storage.spec
         self.layout, self.spec, self.scale, self.backend = layout, spec, scale, backend
-        self.kv_format = spec.label
+        self.kv_format = storage.kv_format
         b, h, d = layout.batch, layout.kv_heads, layout.head_dim
+        self.basis = storage.basis(h, d, device)  # the ring and the codes hold K/V in this basis
         self.stores = [kivi.alloc(spec, b, h, c, d, device) for c in layout.capacity]
         kernel = uses_kernel(backend, device)
         self.workspaces = [make_kivi_workspace(num_heads, s) if kernel else None for s in self.stores]
@@ -221,15 +235,16 @@ class KiviSlotStore(SlotStore):
                        + (n - self.spec.quantized_tokens(n)) * exact for n in held)
 
     def _load_layer(self, layer: int, rows: slice, k: torch.Tensor, v: torch.Tensor) -> None:
-        kivi.load(self.stores[layer].rows(rows), k, v)
+        kivi.load(self.stores[layer].rows(rows), self.basis.stored(k), self.basis.stored(v))
 
     def _attend(self, layer: int, q, k, v) -> torch.Tensor:
         store = self.stores[layer]
-        kivi_append(store, k, v, self.slots.slot(layer), backend=self.backend)
+        kivi_append(store, self.basis.stored(k), self.basis.stored(v), self.slots.slot(layer), backend=self.backend)
         bsz, n_heads, _, dim = q.shape
-        out = kivi_decode_attention(q.reshape(bsz, n_heads, dim).contiguous(), store, self.slots.used(layer),
-                                    self.scale, workspace=self.workspaces[layer], backend=self.backend)
-        return out.to(q.dtype)
+        query = self.basis.queries(q.reshape(bsz, n_heads, dim)).contiguous()
+        out = kivi_decode_attention(query, store, self.slots.used(layer), self.scale,
+                                    workspace=self.workspaces[layer], backend=self.backend)
+        return self.basis.output(out).to(q.dtype)
 
 
 @dataclass
@@ -415,15 +430,19 @@ class KiviStorage(PromptStorage):
         if why and cuda:
             raise PolicyError(f"kivi's CUDA kernel cannot read {shape.name}: {why}")
 
+    def basis(self, kv_heads: int, head_dim: int, device):
+        """The basis K/V are stored in (:mod:`kvlab.storage.basis`)."""
+        return ModelBasis()
+
     def make_cache(self, num_layers: int) -> Cache:
-        return kivi_cache(num_layers, self.spec)
+        return kivi_cache(num_layers, self.spec, self.basis)
 
     def token_bytes(self, kv_heads: int, head_dim: int, element_size: int = 2) -> float:
         """A quantized token's bytes (codes and scales; the bf16 ring is a fixed extra per sequence)."""
         return kv_heads * self.spec.token_bytes(head_dim)
 
     def store(self, layout: Layout, options: StoreOptions):
-        return KiviSlotStore(layout, self.spec, options.num_heads, options.device, options.scale, options.backend)
+        return KiviSlotStore(layout, self, options.num_heads, options.device, options.scale, options.backend)
 
     def paged(self, kv_heads: int, head_dim: int, block_tokens: int = 16, element_size: int = 2):
         """Blocks of quantized tokens; a sequence's bf16 tail (``R + G - 1`` tokens of K and V at most)

@@ -44,6 +44,7 @@ class PromptStorage(PoolDefaults):
     family defines ``paged_pool``."""
 
     prefill = None
+    keys_per_token = False  # each token's keys coded over one range with no key offset (the outlier-key preflight warns)
 
     def paged(self, kv_heads: int, head_dim: int, block_tokens: int = 16, element_size: int = 2):
         return paged_layout(self.token_bytes(kv_heads, head_dim, element_size), block_tokens)

@@ -171,8 +171,11 @@ def run_sweep(
             log(f"kvlab sweep: {out} held a different plan; its records stay, and load_records reads both "
                 f"(use another -o to keep sweeps apart)")
         if not part:
-            if set(manifest.get("run_ids") or plan_ids) != set(plan_ids):  # new methods: their quality items are
-                manifest.pop("quality_done", None)  # pending too (items already recorded ok are skipped per item)
+            # new methods (perf: false plans no run ids, so the params say it): their quality items are
+            # pending too (items already recorded ok are skipped per item)
+            if (set(manifest.get("run_ids") or plan_ids) != set(plan_ids)
+                    or manifest.get("params", plan_params(params)) != plan_params(params)):
+                manifest.pop("quality_done", None)
             manifest.update(params=plan_params(params), n_runs=len(runs), run_ids=plan_ids)
         manifest.update(sweep=sweep_name, schema=1, status="incomplete")  # until this invocation ends
         invocation: dict[str, Any] = {"started_at": utc_now(), "pid": os.getpid(), "executor": params.executor,
