@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import load_tiny_d32
+from kernel_paths import serving_logits_by_attention
 
 from kvlab.kernels.kivi import KiviSpec
 from kvlab.kernels.paged import table_slots
-from kvlab.serve.engine import Request, make_serving_engine
 from kvlab.storage.kivi import KiviPool
 from kvlab.storage.paged import PoolShape
 
@@ -57,29 +56,10 @@ def test_paged_kivi_kernel_matches_the_pools_read(spec, hq, hkv, dim):
 def test_the_engine_decodes_kivi_through_the_paged_kernel():
     """Prompts in one chunk and over several, groups flushed while decoding: each step's logits as the
     pool's torch read gives them."""
-    tiny32 = load_tiny_d32()
     params = {"nbits": 4, "q_group_size": 16, "residual_length": 16, "value_group": 16}
-    logits, kernel_rows = {}, []
-    for attention in ("reference", "triton"):
-        engine = make_serving_engine(tiny32, "kivi", num_blocks=24, block_size=16, max_num_batched_tokens=32,
-                                     attention=attention, **params)
-        got = []
-        engine.runner.forward = recording(engine.runner.forward, got)
-        engine.pool.decode = recording(engine.pool.decode, kernel_rows)
-        for i in range(3):
-            engine.add(Request(f"q{i}", list(range(5 + 9 * i, 30 + 11 * i)), 20, 0.0))
-        while engine.has_work():
-            engine.step()
-        logits[attention] = got
+    logits, kernel_rows = serving_logits_by_attention("kivi", params, 20)
     assert len(logits["triton"]) == len(logits["reference"]) > 20
     assert sum(len(rows) for rows in kernel_rows) >= 2 * 19 * 3  # layers x decode steps x requests
     for ref, got in zip(logits["reference"], logits["triton"], strict=True):
         torch.testing.assert_close(got, ref, atol=2e-3, rtol=1e-2)
 
-
-def recording(fn, out: list):
-    def run(*args):
-        result = fn(*args)
-        out.append(result.clone())
-        return result
-    return run

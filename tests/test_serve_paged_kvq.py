@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import load_tiny_d32
+from kernel_paths import serving_logits_by_attention
 
 from kvlab.kernels.formats import parse_format
 from kvlab.kernels.paged import paged_kvq_decode, paged_kvq_reference, table_slots
-from kvlab.serve.engine import Request, make_serving_engine
 from kvlab.storage.kvq import KVQPool
 from kvlab.storage.paged import PoolShape
 
@@ -87,29 +86,10 @@ def test_a_head_dim_the_kernels_cannot_read_keeps_the_reference():
 def test_the_engine_decodes_kvq_through_the_paged_kernel(method):
     """Prompts of several chunks, decode steps batched through the kernel: each request's logits as the
     torch reference reads the same codes."""
-    tiny32 = load_tiny_d32()
     params = {"q_group_size": 32} if method == "kvq-int4" else {}
-    logits, kernel_rows = {}, []
-    for attention in ("reference", "triton"):
-        engine = make_serving_engine(tiny32, method, num_blocks=24, block_size=16, max_num_batched_tokens=32,
-                                     attention=attention, **params)
-        got = []
-        engine.runner.forward = recording(engine.runner.forward, got)
-        engine.pool.decode = recording(engine.pool.decode, kernel_rows)
-        for i in range(3):
-            engine.add(Request(f"q{i}", list(range(5 + 9 * i, 30 + 11 * i)), 5, 0.0))
-        while engine.has_work():
-            engine.step()
-        logits[attention] = got
+    logits, kernel_rows = serving_logits_by_attention(method, params, 5)
     assert len(logits["triton"]) == len(logits["reference"]) > 5
     assert sum(len(rows) for rows in kernel_rows) >= 2 * 4 * 3  # layers x decode steps x requests, at least
     for ref, got in zip(logits["reference"], logits["triton"], strict=True):
         torch.testing.assert_close(got, ref, atol=2e-3, rtol=1e-2)
 
-
-def recording(fn, out: list):
-    def run(*args):
-        result = fn(*args)
-        out.append(result.clone())
-        return result
-    return run

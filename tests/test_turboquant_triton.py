@@ -25,24 +25,10 @@ def test_fused_decode_matches_the_reference(variant):
 
 def test_the_fast_store_reads_through_the_kernel_as_the_reference_does():
     """The same prompt through the fast engine with the kernel (interpreter) and with the reference."""
-    from tiny_models import load_tiny_d32
+    from kernel_paths import fast_decode_by_backend
 
-    from kvlab.engine.fast import FastEngine
-    from kvlab.engine.generation import prefill
     from kvlab.policies import make_policy
 
-    loaded = load_tiny_d32()
-    policy = make_policy("turboquant", variant="k3v4")
-    prompt = torch.randint(3, 500, (2, 40), generator=torch.Generator().manual_seed(0))
-    out = {}
-    for backend in ("triton", "auto"):
-        engine = FastEngine(loaded)
-        engine.kernel_backend = backend
-        with policy.attach(loaded, warm=False):
-            decoder = engine.decoder(policy, 2, 40, 6)
-            prefilled = decoder.prefill_cache()
-            first = prefill(loaded.model, prompt, prefilled)[:, -1].argmax(-1)
-            decoder.load(prefilled)
-            out[backend] = (decoder.decode(first, 6, 40), decoder.store.attention)
+    out = fast_decode_by_backend(make_policy("turboquant", variant="k3v4"))
     assert out["triton"][1] == "fused" and out["auto"][1] == "reference"
     assert torch.equal(out["triton"][0], out["auto"][0])
