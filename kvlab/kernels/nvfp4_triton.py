@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from kvlab.kernels import nvfp4
+from kvlab.kernels.online_softmax import online_softmax_block
 
 
 @triton.jit
@@ -67,13 +68,8 @@ def nvfp4_decode_kernel(q_ptr, kc_ptr, ks_ptr, k2_ptr, vc_ptr, vs_ptr, v2_ptr, g
         k = nvfp4_vectors(kc_ptr, ks_ptr, k2_ptr, grid_ptr, rows, cols, D)
         s = tl.sum(k * q[None, :], axis=1) * scale
         s = tl.where(slots < used, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=0))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new)
         v = nvfp4_vectors(vc_ptr, vs_ptr, v2_ptr, grid_ptr, rows, cols, D)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-        denom = denom * alpha + tl.sum(p, axis=0)
-        m = m_new
+        m, denom, acc = online_softmax_block(m, denom, acc, s, v)
     tl.store(out_ptr + pid * D + cols, acc / denom)
 
 

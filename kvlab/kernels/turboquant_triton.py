@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvlab.kernels.online_softmax import online_softmax_block
+
 
 @triton.jit
 def _codes(ptr, rows, cols, row_bytes, n_bytes, BITS: tl.constexpr):
@@ -59,13 +61,8 @@ def _decode_kernel(q_ptr, kc_ptr, kn_ptr, vc_ptr, vn_ptr, ktab_ptr, vtab_ptr, ou
         k = _vectors(kc_ptr, kn_ptr, ktab_ptr, rows, cols, k_row_bytes, K_NC, K_BITS)
         s = tl.sum(k * q[None, :], axis=1) * scale
         s = tl.where(slots < used, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=0))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new)
         v = _vectors(vc_ptr, vn_ptr, vtab_ptr, rows, cols, v_row_bytes, V_NC, V_BITS)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-        denom = denom * alpha + tl.sum(p, axis=0)
-        m = m_new
+        m, denom, acc = online_softmax_block(m, denom, acc, s, v)
     tl.store(out_ptr + pid * D + cols, acc / denom)
 
 
