@@ -19,11 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import threading
 import time
 from pathlib import Path
 
 import torch
+from serve_http_overhead import in_worker_thread  # benchmarks/ is the script's folder
 
 from kvlab.card import device_card
 from kvlab.intervals import mean_interval
@@ -44,14 +44,6 @@ def ms_per_step(loaded, method: str, requests: int, input_tokens: int, output_to
     return (time.perf_counter() - start) / steps * 1e3
 
 
-def in_thread(fn, *args) -> float:
-    box = {}
-    worker = threading.Thread(target=lambda: box.setdefault("v", fn(*args)), name="engine")
-    worker.start()
-    worker.join()
-    return box["v"]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -70,7 +62,7 @@ def main() -> None:
         for threads in (default_threads, 1):
             torch.set_num_threads(threads)
             for where in ("main", "worker"):
-                ms = ms_per_step(*shape) if where == "main" else in_thread(ms_per_step, *shape)
+                ms = ms_per_step(*shape) if where == "main" else in_worker_thread(ms_per_step, *shape)
                 rows.append({"repeat": repeat, "thread": where, "torch_threads": threads, "ms_per_step": ms,
                              "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
                              **device_card(loaded.device)})

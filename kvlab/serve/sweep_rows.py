@@ -44,7 +44,10 @@ def append_row(out: Path, rows: list, row: dict, log) -> None:
     row["finished_at"] = time.time()
     rows.append(row)
     path = out / "serve_runs.jsonl"
-    torn = path.exists() and path.stat().st_size and not path.read_bytes().endswith(b"\n")
-    with open(path, "a") as f:
-        f.write(("\n" if torn else "") + json.dumps(row) + "\n")  # a torn last line stays on its own
+    with open(path, "a+b") as f:
+        torn = False
+        if f.seek(0, 2) > 0:  # read the last byte only
+            f.seek(-1, 2)
+            torn = f.read(1) != b"\n"
+        f.write((b"\n" if torn else b"") + json.dumps(row).encode() + b"\n")  # a torn last line stays on its own
     log(f"{row['run']}: {row['status']}")
