@@ -26,7 +26,7 @@ def vllm(tmp_path_factory):
     folder = converted_gguf(smollm2_gguf_path())
     log = tmp_path_factory.mktemp("vllm") / "vllm.log"
     # float32, as kvlab serve runs on CPU: a CPU without AVX512-BF16 (this AMD EPYC) emulates bfloat16,
-    # about 2.5 s a step for SmolLM2, and then every request of the trace overlaps (no steady state)
+    # so slowly that every request of the trace overlapped and no steady state existed
     server = vllm_server(folder, dtype="float32", log_path=log)
     with server as url:
         # a warm-up, never measured: a fresh server's first batches of each size build their kernels

@@ -6,7 +6,7 @@
 #   small     the same with a 4 GB pool (memory binds)
 #   mooncake  params/h100-serve-mooncake.yaml (long context, 5 rates x 3)
 #   http-pair full and kvq-int4, three rates, in-process beside HTTP (`kvlab serve`), 3 repeats
-#             (benchmarks/serve_http_overhead.py; about 9 min)
+#             (benchmarks/serve_http_overhead.py; arrivals alone span 4.2 min: 2 methods x 2 sides x 3 repeats x 64/rate s; server starts, warm-ups and drains not counted)
 #   . scripts/device/setup.sh && bash scripts/device/campaign.sh serve smoke sharegpt
 DEFAULT_PARTS="smoke sharegpt"
 part smoke 120 python3 benchmarks/serve_rates.py params/serve-cpu.yaml -o "$out/smoke" \
